@@ -1,0 +1,86 @@
+"""Helpers shared by the tests and the benchmarks: GRPO-shaped batches and eager reference masses."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from PIL import Image, ImageDraw
+
+
+def shape_image(size: int = 56, seed: int = 0) -> Image.Image:
+    """A small RGB image with one filled shape, varying with ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    colours = [(220, 30, 30), (30, 180, 30), (30, 60, 220), (230, 200, 20)]
+    img = Image.new("RGB", (size, size), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    c = colours[int(torch.randint(0, len(colours), (1,), generator=g))]
+    m = size // 6
+    draw.ellipse([m, m, size - m, size - m], fill=c)
+    return img
+
+
+def chat_prompt(processor, text: str, with_image: bool) -> str:
+    content = ([{"type": "image"}] if with_image else []) + [{"type": "text", "text": text}]
+    messages = [{"role": "user", "content": content}]
+    return processor.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def grpo_batch(
+    processor,
+    prompts: Sequence[str],
+    images: Sequence[Image.Image | None],
+    completion_lengths: Sequence[int],
+    *,
+    forbidden_ids: Sequence[int] = (),
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Build a batch laid out as GRPOTrainer lays it out: left-padded prompts, right-padded completions.
+
+    Completion tokens are random ids (not image placeholders): the probe needs no generator, only ids.
+    Returns input_ids, attention_mask, completion_mask (over the full length) and the processor's
+    multimodal tensors (mm_token_type_ids extended with zeros over the completion, as TRL does).
+    """
+    texts = [chat_prompt(processor, p, img is not None) for p, img in zip(prompts, images)]
+    imgs = [img for img in images if img is not None]
+    tok = processor.tokenizer
+    tok.padding_side = "left"
+    enc = processor(text=texts, images=imgs or None, return_tensors="pt", padding=True)
+    prompt_ids, prompt_mask = enc.pop("input_ids"), enc.pop("attention_mask")
+    g = torch.Generator().manual_seed(seed)
+    c_len = max(completion_lengths)
+    # Ordinary tokens only: special ids (image placeholders included) never come out of a sampler.
+    banned = set(tok.all_special_ids) | set(forbidden_ids)
+    allowed = torch.tensor([i for i in range(len(tok)) if i not in banned])
+    completion = allowed[torch.randint(0, len(allowed), (len(texts), c_len), generator=g)]
+    c_mask = torch.zeros(len(texts), c_len, dtype=torch.long)
+    for i, n in enumerate(completion_lengths):
+        c_mask[i, :n] = 1
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    completion = torch.where(c_mask.bool(), completion, torch.full_like(completion, pad))
+    out = {
+        "input_ids": torch.cat([prompt_ids, completion], dim=1),
+        "attention_mask": torch.cat([prompt_mask, c_mask], dim=1),
+        "completion_mask": torch.cat([torch.zeros_like(prompt_mask), c_mask], dim=1),
+    }
+    if "mm_token_type_ids" in enc:
+        mm = enc.pop("mm_token_type_ids")
+        out["mm_token_type_ids"] = torch.cat([mm, torch.zeros_like(completion)], dim=1)
+    out.update({k: v for k, v in enc.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+@torch.no_grad()
+def eager_group_masses(attentions: Sequence[torch.Tensor], groups: torch.Tensor, query_mask: torch.Tensor) -> torch.Tensor:
+    """Reference masses from materialised attention weights.
+
+    ``attentions``: per layer (B, H, L, L) weights (``output_attentions=True`` with eager attention);
+    ``groups``: (B, L, G) 0/1 key-group indicators; ``query_mask``: (B, L) measured queries.
+    Returns (B, num_layers, G): ``mean_q mean_h sum_{k in g} A[b, h, q, k]``.
+    """
+    out = []
+    q = query_mask.double()
+    for a in attentions:
+        per_q = torch.einsum("bhqk,bkg->bqg", a.double(), groups.double()) / a.shape[1]
+        out.append(torch.einsum("bqg,bq->bg", per_q, q) / q.sum(dim=1, keepdim=True).clamp(min=1))
+    return torch.stack(out, dim=1)
