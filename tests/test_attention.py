@@ -88,8 +88,8 @@ def test_probe_matches_eager_attention(arch_setup):
     rows = res.rows()
     assert rows[1]["mdi"] is None and rows[1]["mdi_balance"] is None  # text-only row: no made-up 1.0
     assert rows[0]["mdi"] is not None and rows[0]["mdi"] > 0
-    segments = layer_segments(res.num_layers)
-    assert set(rows[0]) >= {f"{k}_{s}" for k in ("mdi", "aei_text", "aei_image") for s in segments}
+    assert set(layer_segments(res.num_layers)) == {"early", "middle", "late", "all"}
+    assert set(rows[0]) >= {f"{k}_{s}" for k in ("mdi", "aei_text", "aei_image") for s in ("early", "middle", "late", "all")}
 
 
 def test_probe_leaves_outputs_and_implementation_unchanged(arch_setup):

@@ -129,7 +129,7 @@ class TinyVLMSize:
     The defaults give about 0.2M parameters and 4 image tokens per 56x56 or 64x64 image.
     """
 
-    num_layers: int = dataclasses.field(default=2, metadata={"help": "Text decoder layers."})
+    num_layers: int = dataclasses.field(default=3, metadata={"help": "Text decoder layers (3 = one per early/middle/late segment)."})
     hidden_size: int = dataclasses.field(default=64, metadata={"help": "Text hidden size."})
     num_heads: int = dataclasses.field(
         default=4, metadata={"help": "Text attention heads; must divide hidden_size."}
