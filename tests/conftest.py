@@ -36,3 +36,26 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path
         return built[key]
 
     return factory
+
+
+@pytest.fixture(scope="session")
+def prepared_aokvqa_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Synthetic A-OKVQA-format data run through the prep pipeline: train/validation parquet for training."""
+    from trl_mdi.aokvqa import prepare_aokvqa
+    from trl_mdi.synthetic import write_synthetic_aokvqa
+
+    root = tmp_path_factory.mktemp("aokvqa")
+    write_synthetic_aokvqa(root / "src", n_train=64, n_validation=16, n_test=8, seed=0, num_shards=1)
+    prepare_aokvqa(root / "src", root / "prepared", log=lambda *a, **k: None)
+    return root / "prepared"
+
+
+@pytest.fixture(scope="session")
+def grpo_train_dataset(prepared_aokvqa_dir: Path):
+    """The prepared training split in TRL's conversational form (prompt messages + image column)."""
+    from datasets import load_dataset
+
+    from trl_mdi.data import to_conversational
+
+    ds = load_dataset("parquet", data_files=str(prepared_aokvqa_dir / "train.parquet"), split="train")
+    return ds.map(to_conversational)

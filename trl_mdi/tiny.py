@@ -54,14 +54,15 @@ from transformers import (
     Qwen3VLVideoProcessor,
 )
 
+from .data import DEFAULT_SYSTEM_PROMPT  # noqa: E402
+
 __all__ = ["TINY_ARCHS", "SYSTEM_PROMPT", "TinyVLMSize", "build_tiny_vlm", "save_tiny_vlm", "main"]
 
 TINY_ARCHS: tuple[str, ...] = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "smolvlm")
 """Architectures `build_tiny_vlm` knows; Qwen2.5-VL is the one the project targets first."""
 
-SYSTEM_PROMPT = (
-    "You are a helpful assistant. Think inside <think>...</think>, then give the final line 'Answer: X'."
-)
+# The training script's system prompt: the tokenizer corpus includes it so it encodes to few tokens.
+SYSTEM_PROMPT = DEFAULT_SYSTEM_PROMPT
 
 # Colour and shape names our synthetic data draws from, and the multiple-choice letters.
 COLOURS = tuple("red green blue yellow purple orange black white gray pink brown cyan".split())

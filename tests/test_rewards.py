@@ -1,0 +1,437 @@
+"""Reward functions, answer parsing, the registry and the group helpers (trl_mdi.rewards).
+
+All pure: strings and hand-made tensors, no model, no trainer.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from trl_mdi import metrics
+from trl_mdi import rewards as R
+from trl_mdi.rewards import extract_choice_letter as parse
+
+NAN = float("nan")
+
+
+# A custom reward loaded by import path in the registry tests: f"{__name__}:<attr>" names this module,
+# which is already imported, whatever pytest's import mode called it.
+def length_reward(completions, **kwargs):
+    return [float(len(R.completion_text(c))) for c in completions]
+
+
+class MinLengthReward:
+    """Parameterised reward as a picklable callable class (the project's pattern)."""
+
+    __name__ = "min_length_reward"
+
+    def __init__(self, min_chars: int):
+        self.min_chars = min_chars
+
+    def __call__(self, completions, **kwargs):
+        return [1.0 if len(R.completion_text(c)) >= self.min_chars else 0.0 for c in completions]
+
+
+min_length_reward = MinLengthReward(5)
+NOT_CALLABLE = 42
+
+
+def msg(text: str) -> list[dict[str, str]]:
+    return [{"role": "assistant", "content": text}]
+
+
+# ---------------------------------------------------------------------------------------------------
+# extract_choice_letter
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("Answer: B", "B"),
+        ("Final answer: D", "D"),
+        ("So the answer is c", "C"),
+        ("the answer is (b).", "B"),
+        ("**Answer:** (C)", "C"),
+        ("Answer: **A**", "A"),
+        ("The answer is option d", "D"),
+        (r"Therefore \boxed{C}", "C"),
+        ("(B)", "B"),
+        ("B. a red circle", "B"),
+        ("Looking at the image...\nC. blue", "C"),
+        ("the correct option is b", "B"),
+        ("It could be A or B, I pick C", "C"),
+        ("No letter here.", None),
+        ("", None),
+    ],
+)
+def test_english_forms(text, expected):
+    assert parse(text, num_choices=4) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("答案：B", "B"),
+        ("答案: C", "C"),
+        ("答案是D。", "D"),
+        ("选项 A 正确", "A"),
+        ("选项C", "C"),
+        ("所以故选B", "B"),
+        ("图中是一只猫，答案：C，因为选项A不对", "C"),  # an answer statement beats a later option mention
+    ],
+)
+def test_chinese_forms(text, expected):
+    assert parse(text, num_choices=4) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("Answer: Ｃ", "C"), ("答案：Ｂ", "B"), ("（Ｄ）", "D"), ("Ａｎｓｗｅｒ：ａ", "A"), ("答案：Ｅ", None)],
+)
+def test_full_width_is_normalised(text, expected):
+    assert parse(text, num_choices=4) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("A cat is sitting on the mat.", None),  # article
+        ("A dog runs. The answer is B", "B"),
+        ("A red bus is parked near a tree, so C.", "C"),  # article first, letter last
+        ("I think it is D", "D"),  # pronoun I, with num_choices=10 (I is a valid letter)
+        ("I'm fairly sure it's B", "B"),
+        ("The answer is a dog", None),  # lowercase article after an answer keyword
+        ("Answer: A cat", None),  # documented: read as the article, not as option A
+        ("A is correct", "A"),  # A followed by a verb is the letter
+        ("A or B? Both look plausible. B", "B"),
+        ("A and C match; I choose A.", "A"),
+        ("(A) cat", "A"),
+        ("A. cat", "A"),
+        ("Answer: A\nthe cat is left", "A"),  # the next word is on another line
+        ("B cat", "B"),  # only A and I double as English words
+        ("An A-frame house, so H", "H"),  # hyphenated letters are words
+        ("The answer is I", "I"),
+    ],
+)
+def test_article_and_pronoun_rule(text, expected):
+    assert parse(text, num_choices=10) == expected
+
+
+def test_last_explicit_statement_wins_and_beats_stray_letters():
+    assert parse("Answer: A. Wait, that is wrong. Final answer: C", 4) == "C"
+    assert parse("The answer is B, not C or D.", 4) == "B"
+    assert parse("Answer: D\n\nOption B was tempting, A too.", 4) == "D"
+    # Without any statement, the last standalone capital wins.
+    assert parse("Between B and D I go with D, not B", 4) == "B"
+
+
+def test_num_choices_limits_letters():
+    assert parse("Answer: E", 4) is None
+    assert parse("Answer: E", 5) == "E"
+    assert parse("Answer: B. See figure E.", 4) == "B"
+    assert parse("Picture E shows it, C", 4) == "C"
+    with pytest.raises(ValueError, match="num_choices"):
+        parse("A", 0)
+    with pytest.raises(ValueError, match="num_choices"):
+        parse("A", 27)
+
+
+def test_think_block_is_ignored_when_an_answer_follows():
+    text = "<think>Answer: A looks right. The answer is B? Option D no.</think>\nAnswer: C"
+    assert parse(text, 4) == "C"
+    # A stray letter after the block still beats explicit statements inside it.
+    assert parse("<think>the answer is A</think>\n(D)", 4) == "D"
+    # No letter after the block: the reasoning is read.
+    assert parse("<think>so the answer is B</think>\nI am not sure.", 4) == "B"
+    # Cut off inside the block: the reasoning is read.
+    assert parse("<think>A is wrong, B fits", 4) == "B"
+
+
+# ---------------------------------------------------------------------------------------------------
+# mc_idx_reward
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_mc_idx_reward_strings_and_messages():
+    completions = ["Answer: B", msg("Answer: B"), msg("<think>A?</think>Answer: C"), "no idea"]
+    assert R.mc_idx_reward(completions, [1, 1, 1, 1]) == [1.0, 1.0, 0.0, 0.0]
+    # Parts-style content (multimodal message format) reads the same.
+    parts = [[{"role": "assistant", "content": [{"type": "text", "text": "Answer: D"}]}]]
+    assert R.mc_idx_reward(parts, [3]) == [1.0]
+
+
+def test_mc_idx_reward_missing_labels_give_none():
+    out = R.mc_idx_reward(["Answer: A"] * 5, [None, NAN, np.float64("nan"), np.int64(0), 0.0])
+    assert out == [None, None, None, 1.0, 1.0]
+
+
+def test_mc_idx_reward_bad_labels_raise():
+    with pytest.raises(ValueError, match="outside 0..3"):
+        R.mc_idx_reward(["Answer: A"], [4], choices=[["a", "b", "c", "d"]])
+    with pytest.raises(ValueError, match="int index"):
+        R.mc_idx_reward(["Answer: A"], [1.5])
+    with pytest.raises(ValueError, match="int index"):
+        R.mc_idx_reward(["Answer: A"], ["B"])
+    with pytest.raises(ValueError, match="2 completions but 1"):
+        R.mc_idx_reward(["Answer: A", "B"], [0])
+
+
+def test_mc_idx_reward_uses_choices_column_and_logs_parsed_letters():
+    logged = {}
+    choices = [["cat", "dog", "cow", "pig"]] * 2
+    out = R.mc_idx_reward(
+        ["The answer is C. Figure E.", "Answer: F"],
+        [2, 1],
+        choices=choices,
+        log_extra=lambda name, values: logged.update({name: values}),
+    )
+    assert out == [1.0, 0.0]
+    assert logged == {"parsed_choice": ["C", ""]}
+
+
+# ---------------------------------------------------------------------------------------------------
+# think_format_reward
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("<think>The circle is red.</think>\nAnswer: A", 1.0),
+        ("\n<think>\nreasoning\n</think>\n\nAnswer: A", 1.0),  # leading whitespace is fine
+        ("<think></think>Answer: A", 0.0),  # empty reasoning
+        ("<think>  \n </think>Answer: A", 0.0),
+        ("<think>reasoning</think>", 0.0),  # no answer
+        ("<think>reasoning</think>  \n", 0.0),
+        ("<think>reasoning without a close. Answer: A", 0.0),
+        ("Answer: A <think>reasoning</think> done", 0.0),  # answer before the block
+        ("<think>a</think><think>b</think>Answer: A", 0.0),  # two blocks
+        ("<think>a</think>b</think>Answer: A", 0.0),  # stray close
+        ("<think>a <think> b</think>Answer: A", 0.0),  # nested open
+        ("Answer: A", 0.0),
+    ],
+)
+def test_think_format_cases(text, expected):
+    assert R.think_format_reward([text]) == [expected]
+    assert R.think_format_reward([msg(text)]) == [expected]
+
+
+def test_trl_think_format_pays_for_the_shortcuts_ours_rejects():
+    # Why we wrote our own (see the docstring): TRL's accepts an empty block and a missing answer.
+    from trl.rewards import think_format_reward as trl_think
+
+    shortcuts = ["<think></think>Answer: A", "<think>reasoning</think>", "<think>a</think>b</think>c"]
+    assert trl_think([msg(t) for t in shortcuts]) == [1.0, 1.0, 1.0]
+    assert R.think_format_reward(shortcuts) == [0.0, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# MDI rewards
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_mdi_balance_reward_follows_the_brief_formula():
+    mdi = torch.tensor([1.0, 2**0.5, 2.0, 1 / 2**0.5, 10.0, NAN])
+    balance = metrics.mdi_balance(mdi, ratio=2.0).tolist()
+    balance = [None if math.isnan(b) else b for b in balance]
+    out = R.mdi_balance_reward(["x"] * 6, balance)
+    assert out[:5] == pytest.approx([1.0, 0.0, -1.0, 0.0, -1.0], abs=1e-6)
+    assert out[5] is None
+    assert R.mdi_balance_reward(["x", "y"], [None, NAN]) == [None, None]
+    with pytest.raises(ValueError, match="1 completions but 2"):
+        R.mdi_balance_reward(["x"], [0.5, 0.5])
+
+
+def test_mdi_group_reward_passes_scores_through():
+    assert R.mdi_group_reward(["a", "b", "c", "d"], [0.5, -0.5, None, NAN]) == [0.5, -0.5, None, None]
+    with pytest.raises(ValueError, match="2 completions but 1"):
+        R.mdi_group_reward(["a", "b"], [0.0])
+
+
+def _log_abs(x: torch.Tensor) -> torch.Tensor:
+    return x.double().log().abs()
+
+
+def test_group_score_is_bounded_zero_mean_and_ordered():
+    g = torch.Generator().manual_seed(0)
+    mdi = torch.exp(torch.randn(64 * 8, generator=g) * 2)
+    mdi[::7] = NAN
+    score = R.group_relative_mdi_score(mdi, 8)
+    assert score.shape == mdi.shape and score.dtype == mdi.dtype
+    assert torch.equal(score.isnan(), mdi.isnan())
+    valid = ~score.isnan()
+    assert score[valid].min() >= -1 and score[valid].max() <= 1
+    for s, m in zip(score.view(-1, 8), mdi.view(-1, 8)):
+        keep = ~s.isnan()
+        assert s[keep].sum().item() == pytest.approx(0.0, abs=1e-5)
+        if keep.sum() > 1:  # the most balanced gets 1, the least -1
+            dist = _log_abs(m[keep])
+            assert s[keep][dist.argmin()] == pytest.approx(1.0) and s[keep][dist.argmax()] == pytest.approx(
+                -1.0
+            )
+            # strictly more balanced -> strictly higher score
+            order = dist.argsort()
+            assert (s[keep][order].diff() < 0).all()
+
+
+def test_group_score_ties_nan_and_single_valid():
+    score = R.group_relative_mdi_score(
+        torch.tensor([2.0, 0.5, 8.0, 1.0, NAN, NAN, 3.0, NAN, NAN, NAN, NAN, NAN]), 4
+    )
+    # MDI 2 and 1/2 are equally unbalanced: tied, average rank 1.5 of 0..3.
+    torch.testing.assert_close(score[:4], torch.tensor([0.0, 0.0, -1.0, 1.0]))
+    assert score[4:6].isnan().all() and score[7].isnan()
+    assert score[6].item() == 0.0  # the only valid rollout of its group
+    assert score[8:].isnan().all()  # a group without images
+    # All equal: every rollout gets 0 (no signal, nothing invented).
+    assert torch.equal(R.group_relative_mdi_score(torch.full((4,), 7.0), 4), torch.zeros(4))
+    # Zero attention on the image (MDI inf) is the least balanced, tied with MDI 0.
+    s = R.group_relative_mdi_score(torch.tensor([math.inf, 0.0, 3.0, 1.0]), 4)
+    torch.testing.assert_close(s, torch.tensor([-2 / 3, -2 / 3, 1 / 3, 1.0]))
+
+
+def test_group_score_separates_a_group_the_brief_reward_cannot():
+    # Typical MDI, all outside (1/R, R) = (0.5, 2): the brief's reward is -1 for every rollout.
+    mdi = torch.tensor([5.0, 17.0, 8.0, 12.0])
+    brief = R.mdi_balance_reward(["x"] * 4, metrics.mdi_balance(mdi, 2.0).tolist())
+    assert brief == [-1.0] * 4
+    score = R.group_relative_mdi_score(mdi, 4)
+    torch.testing.assert_close(score, torch.tensor([1.0, -1.0, 1 / 3, -1 / 3]))
+    rewards = torch.tensor([brief, R.mdi_group_reward(["x"] * 4, score.tolist())]).T
+    torch.testing.assert_close(R.zero_spread_fraction(rewards, 4), torch.tensor([1.0, 0.0]))
+
+
+def test_group_score_input_checks():
+    with pytest.raises(ValueError, match="groups of num_generations=4"):
+        R.group_relative_mdi_score(torch.ones(6), 4)
+    with pytest.raises(ValueError, match="1-D"):
+        R.group_relative_mdi_score(torch.ones(2, 4), 4)
+    assert R.group_relative_mdi_score(torch.tensor([1, 2]), 2).dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------------
+# zero_spread_fraction
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_zero_spread_fraction_hand_made():
+    rewards = torch.tensor(
+        [
+            # group 0: f0 varies, f1 constant, f2 constant apart from NaN, f3 all NaN
+            [1.0, -1.0, 0.5, NAN],
+            [0.0, -1.0, NAN, NAN],
+            [1.0, -1.0, 0.5, NAN],
+            # group 1: f0 constant, f1 varies, f2 a single valid value, f3 varies apart from NaN
+            [1.0, 0.2, NAN, 0.0],
+            [1.0, 0.3, 0.1, NAN],
+            [1.0, 0.2, NAN, 1.0],
+        ]
+    )
+    torch.testing.assert_close(R.zero_spread_fraction(rewards, 3), torch.tensor([0.5, 0.5, 1.0, 0.5]))
+    torch.testing.assert_close(R.zero_spread_fraction(rewards, 1), torch.ones(4))  # one rollout per group
+    with pytest.raises(ValueError, match="groups of num_generations=4"):
+        R.zero_spread_fraction(rewards, 4)
+    with pytest.raises(ValueError, match="2-D"):
+        R.zero_spread_fraction(rewards[:, 0], 3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_registry_contents_and_defaults():
+    assert set(R.REWARD_REGISTRY) == {"mc_idx", "think_format", "mdi_balance", "mdi_group", "accuracy"}
+    assert R.REWARD_REGISTRY["accuracy"].__module__ == "trl.rewards.accuracy_rewards"
+    assert set(R.DEFAULT_REWARDS) <= set(R.REWARD_REGISTRY)
+    assert len(R.DEFAULT_REWARD_WEIGHTS) == len(R.DEFAULT_REWARDS)
+    funcs, weights = R.resolve_rewards(list(R.DEFAULT_REWARDS), list(R.DEFAULT_REWARD_WEIGHTS))
+    assert funcs == [R.mc_idx_reward, R.think_format_reward, R.mdi_balance_reward]
+    assert weights == [4.0, 1.0, 1.0]
+    # Registry rewards survive pickling (TRL's async rollout worker sends them to a child process).
+    for fn in R.REWARD_REGISTRY.values():
+        assert pickle.loads(pickle.dumps(fn)) is fn
+
+
+def test_required_inputs_agree_with_signatures():
+    for name, fn in R.REWARD_REGISTRY.items():
+        needs = R.required_reward_inputs(fn)
+        columns = [n for n in needs if n not in R.TRAINER_FIELDS]
+        assert columns == ([R.REQUIRED_COLUMNS[name]] if name in R.REQUIRED_COLUMNS else []), name
+    assert R.required_reward_inputs(R.mdi_balance_reward) == ("mdi_balance",)
+    assert R.required_reward_inputs(R.mdi_group_reward) == ("mdi_group_score",)
+    assert set(R.TRAINER_FIELDS) == {"mdi_balance", "mdi_group_score"}
+    assert R.required_reward_inputs(min_length_reward) == ()
+
+
+def test_check_reward_columns():
+    R.check_reward_columns(list(R.REWARD_REGISTRY.values())[:4], ["prompt", "image", "label_idx"])
+    with pytest.raises(ValueError, match=r"'mc_idx_reward' needs column\(s\) \['label_idx'\].*'prompt'"):
+        R.check_reward_columns([R.mc_idx_reward, R.mdi_balance_reward], ["prompt", "image"])
+    with pytest.raises(ValueError, match="'accuracy_reward' needs column.*solution"):
+        R.check_reward_columns([R.REWARD_REGISTRY["accuracy"]], ["prompt", "label_idx"])
+
+
+def test_resolve_rewards_default_weights_and_errors():
+    assert R.resolve_rewards(["mc_idx", "think_format"])[1] == [1.0, 1.0]
+    with pytest.raises(ValueError) as err:
+        R.resolve_rewards(["mc_idx", "mdi_balanse"])
+    text = str(err.value)
+    assert "'mdi_balanse'" in text and "pkg.module:function" in text
+    assert all(name in text for name in R.REWARD_REGISTRY)
+    with pytest.raises(ValueError, match="got 2 reward weights for 3 reward functions"):
+        R.resolve_rewards(list(R.DEFAULT_REWARDS), [4.0, 1.0])
+    with pytest.raises(ValueError, match="share the name 'mc_idx_reward'"):
+        R.resolve_rewards(["mc_idx", "trl_mdi.rewards:mc_idx_reward"])
+    with pytest.raises(ValueError, match="no reward functions"):
+        R.resolve_rewards([])
+
+
+def test_resolve_rewards_by_import_path():
+    funcs, weights = R.resolve_rewards(
+        ["mc_idx", f"{__name__}:length_reward", f" {__name__}:min_length_reward "], [2.0, 0.5, 1]
+    )
+    assert funcs[1] is length_reward and funcs[2] is min_length_reward
+    assert weights == [2.0, 0.5, 1.0]
+    assert funcs[1](["abc", msg("hello")]) == [3.0, 5.0]
+    assert funcs[2](["abc", msg("hello")]) == [0.0, 1.0]
+    clone = pickle.loads(pickle.dumps(min_length_reward))
+    assert clone.__name__ == "min_length_reward" and clone(["hello"]) == [1.0]
+
+
+def test_resolve_rewards_import_path_errors(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="No module named 'no_such_pkg_xyz'"):
+        R.resolve_rewards(["no_such_pkg_xyz.rewards:fn"])
+    with pytest.raises(ValueError, match="has no attribute 'nope'"):
+        R.resolve_rewards([f"{__name__}:nope"])
+    (tmp_path / "broken_reward_mod.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="RuntimeError: boom at import") as err:
+        R.resolve_rewards(["broken_reward_mod:fn"])
+    assert isinstance(err.value.__cause__, RuntimeError)
+    with pytest.raises(TypeError, match="not a callable"):
+        R.resolve_rewards([f"{__name__}:NOT_CALLABLE"])
+    with pytest.raises(TypeError, match="is a class"):
+        R.resolve_rewards([f"{__name__}:MinLengthReward"])
+    with pytest.raises(ValueError, match="expected 'pkg.module:function'"):
+        R.resolve_rewards([":fn"])
+
+
+def test_reward_help_lists_every_registry_entry():
+    help_text = R.reward_help()
+    lines = help_text.splitlines()
+    for name, fn in R.REWARD_REGISTRY.items():
+        line = next(line for line in lines if line.split()[:1] == [name])
+        first_doc_line = fn.__doc__.strip().splitlines()[0].strip()
+        assert first_doc_line in line
+    assert (
+        "[dataset column: label_idx]" in help_text and "computed by the trainer: mdi_group_score" in help_text
+    )
+    assert "pkg.module:function" in help_text
+    assert " ".join(R.DEFAULT_REWARDS) in lines[0]

@@ -1,0 +1,235 @@
+"""MDIGRPOTrainer on tiny offline VLMs, single process on CPU."""
+
+import pytest
+import torch
+from trl import GRPOTrainer
+
+from trl_mdi.config import MDIGRPOConfig
+from trl_mdi.trainer import MDIGRPOTrainer
+
+
+def spread_reward(completions, **kwargs):
+    """A reward with spread inside every group, so the policy gradient is not exactly zero."""
+    return [float(len(c[0]["content"] if isinstance(c, list) else c) % 7) for c in completions]
+
+
+class RecordingReward:
+    """Records the attention fields it receives; returns the balance reward unchanged."""
+
+    __name__ = "recording_reward"
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, completions, mdi, mdi_balance, mdi_group_score, mdi_early, mdi_late, aei_text, **kwargs):
+        self.calls.append(
+            {"mdi": list(mdi), "balance": list(mdi_balance), "group": list(mdi_group_score),
+             "early": list(mdi_early), "late": list(mdi_late), "aei_text": list(aei_text), "n": len(completions)}
+        )
+        return [0.0 if b is None else b for b in mdi_balance]
+
+
+def make_args(tmp_path, **overrides):
+    kw = dict(
+        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4,
+        num_generations=4, max_completion_length=8, max_steps=2, logging_steps=1, save_strategy="no", seed=0,
+        learning_rate=1e-3, disable_tqdm=True,
+    )
+    kw.update(overrides)
+    return MDIGRPOConfig(**kw)
+
+
+class ForwardCounter:
+    """Counts no-grad log-prob forwards of the policy per generation batch (TRL's and ours share one method)."""
+
+    def __init__(self, monkeypatch):
+        self.per_generation: list[int] = []
+        original_gen = GRPOTrainer._generate_and_score_completions
+        original_fwd = GRPOTrainer._get_per_token_logps_and_entropies
+        counter = self
+
+        def gen(trainer, inputs):
+            counter.per_generation.append(0)
+            return original_gen(trainer, inputs)
+
+        def fwd(trainer, model, *args, **kwargs):
+            if not torch.is_grad_enabled() and model is trainer.model and counter.per_generation:
+                counter.per_generation[-1] += 1
+            return original_fwd(trainer, model, *args, **kwargs)
+
+        monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", gen)
+        monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", fwd)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_vlm_dir):
+    return tiny_vlm_dir("qwen2_5_vl")
+
+
+def _metrics(trainer):
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs, "no training step was logged"
+    return logs
+
+
+def test_trains_logs_attention_and_hands_fields_to_rewards(model_dir, grpo_train_dataset, tmp_path):
+    rec = RecordingReward()
+    trainer = MDIGRPOTrainer(
+        str(model_dir), reward_funcs=["mc_idx", "think_format", "mdi_balance", "mdi_group", spread_reward, rec],
+        args=make_args(tmp_path), train_dataset=grpo_train_dataset,
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p)]
+    assert changed, "no parameter changed"
+    logs = _metrics(trainer)
+    for key in ("attention/mdi", "attention/mdi_early", "attention/mdi_middle", "attention/mdi_late",
+                "attention/aei_text", "attention/aei_image", "attention/image_mass", "attention/prompt_text_mass",
+                "attention/rows_without_image", "rewards/mdi_balance_reward/mean",
+                "rewards/mc_idx_reward/zero_spread_frac", "rewards/mdi_group_reward/zero_spread_frac"):
+        assert key in logs[0], key
+    assert logs[0]["attention/rows_without_image"] == 0.0
+    # Every rollout got its fields; they agree with each other (balance is the brief's formula of mdi).
+    assert len(rec.calls) == 2 and rec.calls[0]["n"] == 4
+    import math
+
+    for call in rec.calls:
+        for mdi, bal in zip(call["mdi"], call["balance"]):
+            assert mdi is not None and mdi > 0
+            assert bal == pytest.approx(max(0.0, min(1.0, 1 - abs(math.log(mdi)) / math.log(2.0))), abs=1e-5)
+        # The group score is zero-mean within the (single, local) group.
+        assert sum(call["group"]) == pytest.approx(0.0, abs=1e-5)
+        assert all(v is not None for v in call["early"] + call["late"] + call["aei_text"])
+    # The brief's balance reward equals 2 * balance - 1 of what the recording reward saw.
+    assert logs[0]["rewards/mdi_balance_reward/mean"] == pytest.approx(
+        sum(2 * b - 1 for b in rec.calls[0]["balance"]) / 4, abs=1e-4
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, expected_extra",
+    [
+        ({}, 1),  # aligned steps: TRL runs no policy forward; the trainer runs exactly one
+        ({"num_iterations": 2}, 0),  # TRL computes old log-probs: the probe rides on that forward
+        ({"steps_per_generation": 2, "gradient_accumulation_steps": 2}, 1),
+    ],
+    ids=["aligned", "num_iterations2", "steps_per_generation2"],
+)
+def test_at_most_one_extra_forward_per_generation(model_dir, grpo_train_dataset, tmp_path, monkeypatch,
+                                                  overrides, expected_extra):
+    counts = {}
+    for attention in (False, True):
+        counter = ForwardCounter(monkeypatch)
+        args = make_args(tmp_path / str(attention), compute_attention_metrics=attention, max_steps=2, **overrides)
+        trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=args,
+                                 train_dataset=grpo_train_dataset)
+        trainer.train()
+        assert counter.per_generation, "no generation happened"
+        counts[attention] = counter.per_generation
+        monkeypatch.undo()
+    stock, ours = counts[False], counts[True]
+    assert len(stock) == len(ours)
+    assert [o - s for s, o in zip(stock, ours)] == [expected_extra] * len(ours), (stock, ours)
+    assert max(ours) == 1  # one no-grad policy forward per generation batch, whoever runs it
+
+
+def test_lora_and_reference_model(model_dir, grpo_train_dataset, tmp_path):
+    from peft import LoraConfig
+
+    rec = RecordingReward()
+    trainer = MDIGRPOTrainer(
+        str(model_dir), reward_funcs=[spread_reward, rec], args=make_args(tmp_path, beta=0.1),
+        train_dataset=grpo_train_dataset,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    trainer.train()
+    logs = _metrics(trainer)
+    assert "kl" in logs[0] and "attention/mdi" in logs[0]
+    assert all(m is not None for call in rec.calls for m in call["mdi"])
+
+
+def test_beta_with_separate_reference_model(model_dir, grpo_train_dataset, tmp_path):
+    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=make_args(tmp_path, beta=0.05),
+                             train_dataset=grpo_train_dataset)
+    trainer.train()
+    logs = _metrics(trainer)
+    assert "kl" in logs[0] and "attention/mdi_late" in logs[0]
+
+
+def test_rows_without_image_get_none_and_are_counted(model_dir, grpo_train_dataset, tmp_path):
+    # Every other prompt loses its image: with 4 generations per prompt and 4 rows per device, each step's batch
+    # is one group; over the steps, both kinds of group appear.
+    ds = grpo_train_dataset.map(lambda ex, i: {"image": ex["image"] if i % 2 == 0 else None}, with_indices=True)
+    rec = RecordingReward()
+    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward, rec],
+                             args=make_args(tmp_path, max_steps=4, per_device_train_batch_size=8),
+                             train_dataset=ds)
+    trainer.train()
+    seen = [m for call in rec.calls for m in call["mdi"]]
+    assert None in seen and any(m is not None for m in seen)
+    # The brief's balance is None (not a made-up 1.0) where there is no image.
+    for call in rec.calls:
+        for m, b in zip(call["mdi"], call["balance"]):
+            assert (m is None) == (b is None)
+    fractions = [h["attention/rows_without_image"] for h in _metrics(trainer)]
+    assert any(0 < f < 1 for f in fractions) or (min(fractions) == 0 and max(fractions) > 0)
+
+
+def test_scoring_path_needs_only_token_ids(model_dir, grpo_train_dataset, tmp_path):
+    """vLLM (or any external generator) returns token ids only: the probe measures them all the same."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    fixed = processor.tokenizer.encode("<think> red </think> Answer: B", add_special_tokens=False)
+
+    def rollout_func(prompts, trainer):
+        # As a vLLM server would: the chat template plus the image placeholders expanded by the processor.
+        prompt_ids = [processor.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)
+                      ["input_ids"][0] for p in prompts]
+        return {"prompt_ids": prompt_ids, "completion_ids": [fixed for _ in prompts],
+                "logprobs": [[0.0] * len(fixed) for _ in prompts]}
+
+    rec = RecordingReward()
+    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=["think_format", "mc_idx", rec],
+                             args=make_args(tmp_path, max_steps=1), train_dataset=grpo_train_dataset,
+                             rollout_func=rollout_func)
+    trainer.train()
+    logs = _metrics(trainer)
+    assert logs[0]["rewards/think_format_reward/mean"] == 1.0  # the external completion really was scored
+    assert all(m is not None and m > 0 for m in rec.calls[0]["mdi"])
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="mdi_balance_ratio must be > 1"):
+        MDIGRPOConfig(output_dir="x", mdi_balance_ratio=1.0, use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match="attention_text_keys must be one of"):
+        MDIGRPOConfig(output_dir="x", attention_text_keys="words", use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match="attention_layer_segments"):
+        MDIGRPOConfig(output_dir="x", attention_layer_segments="early=1", use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        MDIGRPOConfig(output_dir="x", reward_funcs=["mc_idx", "nope"], use_cpu=True, bf16=False)
+
+
+def test_trainer_input_errors(model_dir, grpo_train_dataset, tmp_path):
+    with pytest.raises(ValueError, match="unknown reward 'mdi_balanse'.*Registry names"):
+        MDIGRPOTrainer(str(model_dir), reward_funcs=["mdi_balanse"], args=make_args(tmp_path),
+                       train_dataset=grpo_train_dataset)
+    with pytest.raises(ValueError, match="2 reward functions but 3 reward_weights"):
+        MDIGRPOTrainer(str(model_dir), reward_funcs=["mc_idx", "think_format"],
+                       args=make_args(tmp_path, reward_weights=[1.0, 2.0, 3.0]), train_dataset=grpo_train_dataset)
+    with pytest.raises(ValueError, match="cannot load reward 'no_such_pkg.mod:fn'.*No module named"):
+        MDIGRPOTrainer(str(model_dir), reward_funcs=["no_such_pkg.mod:fn"], args=make_args(tmp_path),
+                       train_dataset=grpo_train_dataset)
+    with pytest.raises(ValueError, match="label_idx"):
+        MDIGRPOTrainer(str(model_dir), args=make_args(tmp_path),
+                       train_dataset=grpo_train_dataset.remove_columns(["label_idx"]))
+    with pytest.raises(ValueError, match="compute_attention_metrics=True"):
+        MDIGRPOTrainer(str(model_dir), reward_funcs=["mdi_balance"],
+                       args=make_args(tmp_path, compute_attention_metrics=False), train_dataset=grpo_train_dataset)
+
+
+def test_default_stack_is_4_1_1(model_dir, grpo_train_dataset, tmp_path):
+    trainer = MDIGRPOTrainer(str(model_dir), args=make_args(tmp_path), train_dataset=grpo_train_dataset)
+    assert trainer.reward_func_names == ["mc_idx_reward", "think_format_reward", "mdi_balance_reward"]
+    assert trainer.reward_weights.tolist() == [4.0, 1.0, 1.0]
