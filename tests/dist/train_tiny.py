@@ -1,0 +1,84 @@
+"""A few MDIGRPOTrainer steps under `accelerate launch` with 2 CPU processes (DDP or ZeRO-3).
+
+argv: model_dir data_parquet out_jsonl config_json. Each rank appends one JSON record: its view of the world,
+how many no-grad policy forwards it ran per generation batch, how many rollouts it measured, and (rank 0) the
+logged metrics.
+"""
+
+import json
+import sys
+
+import torch
+from datasets import load_dataset
+from trl import GRPOTrainer
+
+from trl_mdi.config import MDIGRPOConfig
+from trl_mdi.data import to_conversational
+from trl_mdi.trainer import MDIGRPOTrainer
+
+
+def spread_reward(completions, **kwargs):
+    return [float(len(c[0]["content"]) % 7) for c in completions]
+
+
+def main():
+    model_dir, data_path, out_path, overrides = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    forwards: list[int] = []
+    measured: list[int] = []
+    original_gen = GRPOTrainer._generate_and_score_completions
+    original_fwd = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def gen(trainer, inputs):
+        forwards.append(0)
+        out = original_gen(trainer, inputs)
+        return out
+
+    def fwd(trainer, model, *args, **kwargs):
+        if not torch.is_grad_enabled() and model is trainer.model and forwards:
+            forwards[-1] += 1
+        return original_fwd(trainer, model, *args, **kwargs)
+
+    GRPOTrainer._generate_and_score_completions = gen
+    GRPOTrainer._get_per_token_logps_and_entropies = fwd
+
+    group_scores: list[list] = []
+
+    def recording_reward(completions, mdi, mdi_group_score, **kwargs):
+        measured.append(sum(m is not None for m in mdi))
+        group_scores.append(list(mdi_group_score))
+        return [0.0] * len(completions)
+
+    ds = load_dataset("parquet", data_files=data_path, split="train").map(to_conversational)
+    drop_every = overrides.pop("drop_image_every", 0)
+    if drop_every:
+        # Some prompts lose their image, so ranks see different mixes.
+        ds = ds.map(lambda ex, i: {"image": None if i % drop_every == drop_every - 1 else ex["image"]}, with_indices=True)
+    kwargs = dict(
+        output_dir=overrides.pop("output_dir"), bf16=False, report_to="none", per_device_train_batch_size=4,
+        num_generations=4, max_completion_length=6, max_steps=2, logging_steps=1, save_strategy="no", seed=0,
+        learning_rate=1e-3, disable_tqdm=True, ddp_backend="gloo",
+    )
+    kwargs.update(overrides)
+    args = MDIGRPOConfig(**kwargs)
+    trainer = MDIGRPOTrainer(model_dir, reward_funcs=["mdi_balance", "mdi_group", spread_reward, recording_reward],
+                             args=args, train_dataset=ds)
+    trainer.train()
+    acc = trainer.accelerator
+    record = {
+        "rank": acc.process_index,
+        "world_size": acc.num_processes,
+        "distributed_type": str(acc.distributed_type),
+        "forwards_per_generation": forwards,
+        "measured_rows": measured,
+        "group_scores": group_scores,
+        "logs": [h for h in trainer.state.log_history if "loss" in h] if acc.is_main_process else [],
+    }
+    ds_params = [p for p in trainer.model.parameters() if hasattr(p, "ds_numel")]
+    if ds_params:
+        record["local_param_fraction"] = sum(p.ds_tensor.numel() for p in ds_params) / sum(p.ds_numel for p in ds_params)
+    with open(out_path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Contract with TRL internals that MDIGRPOTrainer relies on. If TRL changes one of these, this file fails
+first and names what moved, instead of the trainer silently measuring the wrong thing."""
+
+import inspect
+
+import pytest
+import torch
+from trl import GRPOTrainer
+
+from trl_mdi.config import MDIGRPOConfig
+from trl_mdi.trainer import MDIGRPOTrainer
+
+
+def _params(fn):
+    return list(inspect.signature(fn).parameters)
+
+
+def test_overridden_method_signatures():
+    assert _params(GRPOTrainer._generate_and_score_completions) == ["self", "inputs"]
+    assert _params(GRPOTrainer._calculate_rewards) == ["self", "inputs", "prompts", "completions", "completion_ids_list"]
+    assert _params(GRPOTrainer._generate) == ["self", "prompts"]
+    logp = _params(GRPOTrainer._get_per_token_logps_and_entropies)
+    assert logp[:5] == ["self", "model", "input_ids", "attention_mask", "logits_to_keep"]
+    # The multimodal keyword arguments our own forward passes through.
+    for name in ("batch_size", "num_images", "pixel_values", "image_grid_thw", "pixel_attention_mask",
+                 "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids"):
+        assert name in logp, name
+
+
+def test_generate_returns_images_at_index_6():
+    src = inspect.getsource(GRPOTrainer._generate)
+    assert "return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images" in src
+
+
+def test_old_logps_condition_is_the_one_we_mirror():
+    src = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert "generate_every = self.args.steps_per_generation * self.num_iterations" in src
+    assert "self.args.gradient_accumulation_steps % generate_every != 0 or (" in src
+    assert "self.use_vllm and self.vllm_importance_sampling_correction" in src
+    # Rewards are computed after the no-grad block, from the (mutable) input rows.
+    assert src.index("old_per_token_logps, _, _ = self._get_per_token_logps_and_entropies(") < src.index(
+        "rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids_list)"
+    )
+    assert 'keys = [key for key in inputs[0] if key not in ["prompt", "completion", "completion_ids"]]' in (
+        inspect.getsource(GRPOTrainer._calculate_rewards)
+    )
+
+
+def test_forward_inputs_match_what_trl_passes(tiny_vlm_dir, grpo_train_dataset, tmp_path, monkeypatch):
+    """With num_iterations=2 TRL runs its own old-log-prob forward: our rebuilt inputs must equal its inputs."""
+    args = MDIGRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4,
+        num_generations=4, max_completion_length=6, max_steps=1, num_iterations=2, save_strategy="no",
+        mask_truncated_completions=False, disable_tqdm=True,
+    )
+    trainer = MDIGRPOTrainer(str(tiny_vlm_dir("qwen2_5_vl")), reward_funcs=["mdi_balance"], args=args,
+                             train_dataset=grpo_train_dataset)
+    seen = {}
+    original = GRPOTrainer._get_per_token_logps_and_entropies
+    original_rewards = MDIGRPOTrainer._calculate_rewards
+
+    def spy(self, model, input_ids, attention_mask, logits_to_keep, **kwargs):
+        if not torch.is_grad_enabled() and "trl" not in seen:
+            seen["trl"] = {"input_ids": input_ids, "attention_mask": attention_mask, "logits_to_keep": logits_to_keep,
+                           **kwargs}
+        return original(self, model, input_ids, attention_mask, logits_to_keep, **kwargs)
+
+    def rewards_spy(self, inputs, prompts, completions, completion_ids_list):
+        seen.setdefault("ours", self._policy_forward_inputs(inputs, prompts, completion_ids_list))
+        return original_rewards(self, inputs, prompts, completions, completion_ids_list)
+
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", spy)
+    monkeypatch.setattr(MDIGRPOTrainer, "_calculate_rewards", rewards_spy)
+    trainer.train()
+    trl_in, ours = seen["trl"], seen["ours"]
+    for key in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"):
+        assert torch.equal(trl_in[key], ours[key]), key
+    assert trl_in["logits_to_keep"] == ours["logits_to_keep"]
+    assert trl_in["num_images"] == ours["num_images"]
+
+
+@pytest.mark.parametrize("attr", ["_metrics", "reward_func_names", "num_generations", "num_generations_eval",
+                                  "use_vllm", "vllm_importance_sampling_correction", "num_iterations", "_tokenizer",
+                                  "chat_template_kwargs"])
+def test_trainer_attributes_we_read(tiny_vlm_dir, grpo_train_dataset, tmp_path, attr):
+    args = MDIGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
+                         per_device_train_batch_size=4, num_generations=4, max_steps=1)
+    trainer = _trainer_cache.get("t") or MDIGRPOTrainer(str(tiny_vlm_dir("qwen2_5_vl")), args=args,
+                                                       train_dataset=grpo_train_dataset)
+    _trainer_cache["t"] = trainer
+    assert hasattr(trainer, attr), f"GRPOTrainer no longer has {attr!r}"
+
+
+_trainer_cache: dict = {}
