@@ -1,0 +1,527 @@
+"""Live Markdown logs (trl_mdi.logs): safe formatting, the two writers, resume, failures, maps, console.
+
+The files are read back with a small fence-aware reader written here, independently of the library's own
+scanner, so a broken fence or a forged marker shows up as a wrong count of headings.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import math
+import os
+import re
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from trl_mdi.logs import (
+    AttentionLogWriter,
+    LogPathError,
+    RolloutLogWriter,
+    clean,
+    default_log_paths,
+    escape_inline,
+    fence,
+    format_step_summary,
+    md_table,
+    print_step_summary,
+    prompt_text,
+    render_attention_map,
+    render_segment_maps,
+    sparkline,
+    trend_line,
+)
+from trl_mdi.logs.maps import display_size
+
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+# --------------------------------------------------------------------------------------------------
+# An independent reader: which lines lie outside fenced code blocks, and does every fence close?
+# --------------------------------------------------------------------------------------------------
+def outside_fences(text: str) -> list[str]:
+    """Lines outside fenced code blocks (CommonMark rules, backtick and tilde fences). Fails on an open fence."""
+    out, open_fence = [], None
+    for line in text.split("\n"):
+        if open_fence is None:
+            m = re.match(r"^ {0,3}(`{3,}|~{3,})([^`]*)$", line) if line.lstrip(" ").startswith(("```", "~~~")) else None
+            if m:
+                open_fence = m.group(1)
+            else:
+                out.append(line)
+        elif re.match(r"^ {0,3}" + re.escape(open_fence[0]) + "{" + str(len(open_fence)) + r",}\s*$", line):
+            open_fence = None
+    assert open_fence is None, "a fenced block never closes: everything after it renders as code"
+    return out
+
+
+def cells(row: str) -> list[str]:
+    """GFM table cells of one row: split on pipes not escaped by an odd number of backslashes."""
+    inner = row.strip()[1:-1]
+    parts, cur, i = [], "", 0
+    while i < len(inner):
+        c = inner[i]
+        if c == "\\" and i + 1 < len(inner):
+            cur += inner[i : i + 2]
+            i += 2
+            continue
+        if c == "|":
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += c
+        i += 1
+    return parts + [cur.strip()]
+
+
+def step_headings(text: str) -> list[int]:
+    return [int(m.group(1)) for line in outside_fences(text) if (m := re.match(r"^## Step (\d+)\b", line))]
+
+
+def read(path) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def make_rollouts(step: int, n: int = 4, completions: list[str] | None = None) -> list[dict]:
+    out = []
+    for i in range(n):
+        mc = float((i + step) % 2)
+        fmt = 1.0 if i % 3 else 0.0
+        bal = None if i == n - 1 else round(-1 + 0.37 * i + 0.01 * step, 6)
+        out.append({
+            "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Q{step}.{i}: color?"}]}],
+            "image_sizes": [(56, 48)],
+            "completion": completions[i] if completions else f"<think>step {step} rollout {i}</think>Answer: A",
+            "rewards": {"mc_idx": mc, "think_format": fmt, "mdi_balance": bal},
+            "reward": 4 * mc + fmt + (bal or 0.0),
+            "advantage": 0.123456 * (i - 1.5),
+            "answer": "A (red)",
+            "group": i // 2,
+        })
+    return out
+
+
+def attention_row(mdi: float | None, n_image: int = 64) -> dict:
+    row = {}
+    for seg, f in (("early", 0.5), ("middle", 1.0), ("late", 2.0), ("all", 1.0)):
+        row[f"mdi_{seg}"] = None if mdi is None else mdi * f
+        row[f"aei_text_{seg}"] = 1.2
+        row[f"aei_image_{seg}"] = None if mdi is None else 1.2 / (mdi * f)
+    row.update(mdi=row["mdi_all"], mdi_balance=0.5 if mdi else None, image_mass=0.2, prompt_text_mass=0.5,
+               completion_mass=0.3, special_mass=0.0, n_image=n_image, n_prompt_text=30, n_special=0,
+               n_completion=20, n_queries=20)
+    row["balance"] = row["mdi_balance"]
+    return row
+
+
+# --------------------------------------------------------------------------------------------------
+# Formatting
+# --------------------------------------------------------------------------------------------------
+def test_fence_is_longer_than_any_backtick_run_and_closes():
+    for text in ["", "plain", "```", "a ```` b", "`" * 17, "```python\nx\n```\n", "~~~\n````\n"]:
+        block = fence(text, "text")
+        first = block.split("\n", 1)[0]
+        ticks = len(first) - len("text")
+        longest = max((len(r) for r in re.findall(r"`+", text)), default=0)
+        assert ticks >= 3 and ticks > longest
+        assert outside_fences(block + "after\n") == ["after", ""]
+
+
+def test_clean_removes_controls_normalises_newlines_and_caps():
+    text = "a\r\nb\rc\x00\x1b[31md\x07\te\u202ef\x85g\ud800"
+    out = clean(text)
+    assert out == "a\nb\ncd\tefg?".replace("cd", "c[31md")
+    assert "\r" not in out and "\x1b" not in out and "\t" in out
+    capped = clean("x" * 1000, 10)
+    assert capped == "x" * 10 + "... (990 more chars)"
+    assert clean("short", 10) == "short"
+
+
+def test_escape_inline_and_md_table_cells():
+    assert escape_inline("<b>&</b>") == "&lt;b&gt;&amp;&lt;/b&gt;"
+    hostile = "a|b\\|c\nd"
+    table = md_table(["h|1", "n"], [[hostile, None], ["x", float("nan")], ["y", float("inf")], ["z", 1 / 3]])
+    rows = table.strip().split("\n")
+    assert all(len(cells(r)) == 2 for r in rows), rows
+    assert [cells(r)[1] for r in rows[2:]] == ["—", "nan", "inf", "0.3333"]
+    assert "\n" not in escape_inline("x\ny")
+    with pytest.raises(ValueError, match="3 cells"):
+        md_table(["a", "b"], [[1, 2, 3]])
+
+
+def test_sparkline_properties():
+    vals = [3.0, 1.0, None, 7.0, float("nan"), 5.0, 7.0]
+    s = sparkline(vals)
+    assert len(s) == len(vals)
+    assert s[2] == " " and s[4] == " "
+    assert s[1] == "▁" and s[3] == "█" and s[6] == "█"
+    assert sparkline([2.5] * 4) == "▄▄▄▄"
+    assert sparkline([None, None]) == "  "
+    ramp = sparkline(list(range(20)))
+    assert list(ramp) == sorted(ramp, key=SPARKS.index) and ramp[0] == "▁" and ramp[-1] == "█"
+    line = trend_line(list(range(100)), width=10, label="MDI")
+    spark = re.search(r"`(.*)`", line).group(1)
+    assert len(spark) == 10 and "min 90" in line and "max 99" in line and "last 99" in line and "100 points" in line
+
+
+def test_prompt_text_image_placeholders():
+    conv = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}, {"type": "image"}]}]
+    assert prompt_text(conv, [(56, 48), (10, 20)]) == "system: Be brief.\nuser: [image 56x48] What? [image 10x20]"
+    qwen = "<|im_start|>user\n<|vision_start|><|image_pad|><|image_pad|><|vision_end|>Color?"
+    assert prompt_text(qwen, [Image.new("RGB", (32, 16))]) == "<|im_start|>user\n[image 32x16]Color?"
+    assert prompt_text("no placeholder", [(8, 8)]) == "[image 8x8]\nno placeholder"
+
+
+def test_default_log_paths(tmp_path):
+    r, a = default_log_paths(tmp_path, "Qwen/VL run #1")
+    assert r == tmp_path / "rollout_results_Qwen_VL_run_1.md"
+    assert a == tmp_path / "attention_diagnostics_Qwen_VL_run_1.md"
+    r2, _ = default_log_paths(tmp_path)
+    assert re.fullmatch(r"rollout_results_\d{8}-\d{6}\.md", r2.name)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rollout log
+# --------------------------------------------------------------------------------------------------
+def test_rollout_log_round_trip_and_growth(tmp_path):
+    path = tmp_path / "logs" / "rollouts.md"
+    w = RolloutLogWriter(path, run_name="rt", config={"lr": 1e-5, "reward_weights": [4, 1, 1]},
+                         full_rollouts_per_step=2)
+    sizes, given = [], {}
+    for step in (1, 2, 3):
+        rollouts = make_rollouts(step)
+        given[step] = rollouts
+        assert w.write_step(step, step / 10, rollouts, {"completions/clipped_ratio": 0.25})
+        text = read(path)  # read by another handle while the writer is open: flushed
+        sizes.append(len(text))
+        assert f"## Step {step} " in text
+    w.close()
+    assert sizes[0] < sizes[1] < sizes[2]
+    text = read(path)
+    assert text.count("<!-- trl_mdi:header kind=rollout") == 1 and "| lr | 1e-05 |" in text
+    assert step_headings(text) == [1, 2, 3]
+    blocks = re.split(r"^## Step \d+ ", text, flags=re.M)[1:]
+    for step, block in zip((1, 2, 3), blocks):
+        rollouts = given[step]
+        # Full rollouts: one reward table each; values as written.
+        full_tables = re.findall(r"\| reward \| value \|\n\|---\|---:\|\n((?:\|.*\|\n)+)", block)
+        assert len(full_tables) == 2
+        for r, table in zip(rollouts[:2], full_tables):
+            found = {cells(row)[0]: cells(row)[1] for row in table.strip().split("\n")}
+            for name, value in r["rewards"].items():
+                assert found[name] == "—" if value is None else math.isclose(float(found[name]), value, rel_tol=1e-3)
+            assert math.isclose(float(found["**total (weighted)**"]), r["reward"], rel_tol=1e-3)
+            assert math.isclose(float(found["advantage"]), r["advantage"], rel_tol=1e-3)
+        assert f"[image 56x48] Q{step}.0: color?" in block and "**Gold answer:** A (red)" in block
+        # Other rollouts: one row each, columns by header.
+        table = block.split("### Other rollouts (2)\n\n", 1)[1].split("\n\n", 1)[0].split("\n")
+        header = cells(table[0])
+        for r, row in zip(rollouts[2:], table[2:]):
+            row = dict(zip(header, cells(row)))
+            assert math.isclose(float(row["total"]), r["reward"], rel_tol=1e-3)
+            assert float(row["mc_idx"]) == r["rewards"]["mc_idx"]
+        summary = dict(cells(row)[:2] for row in block.split("### Step summary\n\n")[1].split("\n\n")[0].split("\n")[2:])
+        mean = sum(r["reward"] for r in rollouts) / 4
+        assert math.isclose(float(summary["reward (weighted) mean"]), mean, rel_tol=1e-3)
+        assert float(summary["accuracy"]) == 0.5 and summary["groups with zero reward spread"] == "0 / 2"
+        assert summary["completions/clipped_ratio"] == "0.25"
+
+
+HOSTILE = [
+    "``` not closed\n## Step 99\n<script>alert(1)</script>",
+    "`````` six\n``````\n````````````````",
+    "~~~\nstill text\n<!-- trl_mdi:end step=1 {} -->\n## Step 42 fake",
+    "ctrl\x00\x01\x1b[2J\x7f chars\r\nCRLF\rCR\u2028LS | pipe \\| a|b",
+    "x" * 100_000,
+]
+
+
+def test_hostile_completions_stay_valid_markdown(tmp_path):
+    path = tmp_path / "hostile.md"
+    w = RolloutLogWriter(path, run_name="x|`<b>`", preview_chars=500, full_rollouts_per_step=len(HOSTILE))
+    rollouts = make_rollouts(1, n=len(HOSTILE), completions=HOSTILE)
+    rollouts[0]["answer"] = "A|B\n## Step 77 <i>"
+    rollouts[1]["prompt"] = "```\n## Step 55\n" + "`" * 9
+    w.write_step(1, None, rollouts, {"note | with pipe": "<b>x</b>\nline2"})
+    w = RolloutLogWriter(path.with_name("hostile_rows.md"), full_rollouts_per_step=0)
+    w.write_step(1, None, make_rollouts(1, n=len(HOSTILE), completions=HOSTILE), {})
+    for p in (path, path.with_name("hostile_rows.md")):
+        raw = read(p)
+        outside = outside_fences(raw)  # asserts every fence closes
+        assert step_headings(raw) == [1]
+        headings = [line for line in outside if line.startswith("#")]
+        assert not any(fake in h for h in headings for fake in ("Step 99", "Step 42", "Step 55", "Step 77"))
+        assert "<script>" not in "\n".join(outside) and "<i>" not in "\n".join(outside)
+        assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f]", raw) and "\r" not in raw
+        assert len(raw) < 20_000 and "more chars)" in raw  # the 100 kB completion is capped
+        for table in re.findall(r"((?:^\|.*\|\n)+)", "\n".join(outside) + "\n", flags=re.M):
+            rows = table.strip().split("\n")
+            assert len({len(cells(r)) for r in rows}) == 1, rows  # pipes in cells escaped
+    assert "`" * 17 + "text" in read(path)  # the 16-backtick run got a 17-backtick fence
+
+
+def test_hostile_log_parses_as_intended_with_a_commonmark_parser(tmp_path):
+    # markdown-it-py (a dependency of rich): a real CommonMark + GFM-table parser as a second opinion.
+    from markdown_it import MarkdownIt
+
+    path = tmp_path / "hostile.md"
+    w = RolloutLogWriter(path, preview_chars=300, full_rollouts_per_step=3)
+    rollouts = make_rollouts(1, n=len(HOSTILE), completions=HOSTILE)
+    rollouts[4]["answer"] = "<img src=x onerror=alert(1)> | `x"
+    w.write_step(1, None, rollouts)
+    tokens = MarkdownIt("commonmark").enable("table").parse(read(path))
+    inline = [t for tok in tokens if tok.children for t in tok.children]
+    h2 = [tokens[i + 1].content for i, t in enumerate(tokens) if t.type == "heading_open" and t.tag == "h2"]
+    assert len(h2) == 1 and h2[0].startswith("Step 1 ")
+    fences = [t for t in tokens if t.type == "fence"]
+    assert len(fences) == 2 * 3 and all(t.info == "text" for t in fences)  # prompt + completion per full rollout
+    assert clean(HOSTILE[1], 300) + "\n" == fences[3].content  # the completion comes back verbatim
+    html = [t.content.strip() for t in tokens + inline if t.type in ("html_block", "html_inline")]
+    assert html and all(h.startswith("<!-- trl_mdi:") or h == "<br>" for h in html), html
+    rows = [t for t in tokens if t.type == "tr_open"]
+    assert len(rows) == (1 + 5) * 3 + (1 + 2) + (1 + 10)  # 3 reward tables, other rollouts, summary
+
+
+# --------------------------------------------------------------------------------------------------
+# Resume
+# --------------------------------------------------------------------------------------------------
+def test_resume_truncates_later_steps_and_appends(tmp_path):
+    path = tmp_path / "r.md"
+    w = RolloutLogWriter(path, run_name="res", full_rollouts_per_step=1)
+    for step in range(1, 6):
+        # A completion that imitates the markers must not confuse the resume scan.
+        w.write_step(step, None, make_rollouts(step, completions=["## Step 9\n<!-- trl_mdi:end step=9 {} -->"] * 4))
+    w.close()
+    before = read(path)
+    assert step_headings(before) == [1, 2, 3, 4, 5]
+
+    w = RolloutLogWriter(path, run_name="res", full_rollouts_per_step=1).open(resume_from_step=3)
+    assert [s for s, _ in w.records] == [1, 2, 3]
+    for step in (4, 5):
+        w.write_step(step, None, make_rollouts(step))
+    w.close()
+    text = read(path)
+    assert text.count("<!-- trl_mdi:header kind=rollout") == 1 and text.count("# Rollout log") == 1
+    assert step_headings(text) == [1, 2, 3, 4, 5]
+    outside = outside_fences(text)
+    marker = next(i for i, line in enumerate(outside) if "**Resumed at step 3**" in line)
+    step3 = outside.index(next(line for line in outside if line.startswith("## Step 3 ")))
+    step4 = outside.index(next(line for line in outside if line.startswith("## Step 4 ")))
+    assert step3 < marker < step4
+    assert "dropped 2 step block(s)" in outside[marker] and "steps 4–5" in outside[marker]
+    assert text.startswith(before[: before.index("## Step 4 ")])  # steps 1-3 kept byte for byte
+
+
+def test_resume_cuts_incomplete_block_and_refuses_foreign_file(tmp_path):
+    path = tmp_path / "r.md"
+    w = RolloutLogWriter(path, full_rollouts_per_step=4)
+    for step in (1, 2, 3):
+        w.write_step(step, None, make_rollouts(step, completions=["````\nunclosed"] * 4))
+    w.close()
+    text = read(path)
+    cut = text.index("````\nunclosed", text.index("## Step 3 ")) + 8  # crash mid-step 3, inside a fence
+    path.write_text(text[:cut], encoding="utf-8")
+    w = RolloutLogWriter(path).open(resume_from_step=3)
+    w.write_step(3, None, make_rollouts(3))
+    w.close()
+    text = read(path)
+    assert step_headings(text) == [1, 2, 3]  # also asserts every fence closes
+    assert "left incomplete (step 3)" in text
+
+    foreign = tmp_path / "notes.md"
+    foreign.write_text("# my notes\n", encoding="utf-8")
+    with pytest.raises(LogPathError, match="not a trl_mdi log"):
+        RolloutLogWriter(foreign).open(resume_from_step=1)
+    assert read(foreign) == "# my notes\n"
+    with pytest.raises(LogPathError, match="'rollout' log"):
+        AttentionLogWriter(path).open(resume_from_step=1)
+
+
+def test_fresh_open_keeps_previous_file_as_backup(tmp_path):
+    path = tmp_path / "r.md"
+    RolloutLogWriter(path).write_step(1, None, make_rollouts(1))
+    old = read(path)
+    w = RolloutLogWriter(path)
+    w.write_step(1, None, make_rollouts(1))
+    w.close()
+    assert read(tmp_path / "r.md.bak") == old
+    assert step_headings(read(path)) == [1] and "was moved to `r.md.bak`" in read(path)
+
+
+def test_older_step_is_refused(tmp_path):
+    w = RolloutLogWriter(tmp_path / "r.md")
+    assert w.write_step(5, None, make_rollouts(5))
+    with pytest.warns(RuntimeWarning, match="step 4 comes after step 5"):
+        assert not w.write_step(4, None, make_rollouts(4))
+    assert w.write_step(5, None, make_rollouts(5))  # a second generation batch of step 5
+    w.close()
+    text = read(tmp_path / "r.md")
+    assert step_headings(text) == [5, 5] and "## Step 5 (continued, batch 2)" in text
+
+
+# --------------------------------------------------------------------------------------------------
+# Failures
+# --------------------------------------------------------------------------------------------------
+def test_bad_path_fails_at_construction(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(LogPathError) as e:
+        RolloutLogWriter(blocker / "logs" / "r.md")
+    assert str(blocker / "logs" / "r.md") in str(e.value) and "is a file, not a directory" in str(e.value)
+    with pytest.raises(LogPathError, match="it is a directory"):
+        AttentionLogWriter(tmp_path)
+    assert not (tmp_path / "ok" / "r.md").exists()
+    RolloutLogWriter(tmp_path / "ok" / "r.md")  # parents created, file not yet
+    assert (tmp_path / "ok").is_dir() and not (tmp_path / "ok" / "r.md").exists()
+
+
+def test_permission_denied_fails_at_construction(tmp_path, monkeypatch):
+    real_open = open
+
+    def deny(file, mode="r", *args, **kwargs):
+        if str(file).endswith("denied.md") and "a" in mode:
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", deny)
+    with pytest.raises(LogPathError, match="denied.md: Permission denied"):
+        RolloutLogWriter(tmp_path / "denied.md")
+
+
+def test_write_failure_warns_once_and_training_continues(tmp_path, monkeypatch):
+    path = tmp_path / "a.md"
+    w = AttentionLogWriter(path)
+    assert w.write_step(1, None, [attention_row(2.0)])
+    size = path.stat().st_size
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("trl_mdi.logs.base.os.fsync", full_disk)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = [w.write_step(s, None, [attention_row(2.0)]) for s in (2, 3, 4)]
+    assert results == [False, False, False] and w.failed and w.dropped_writes == 3
+    assert len(caught) == 1 and "No space left on device" in str(caught[0].message) and str(path) in str(caught[0].message)
+    monkeypatch.undo()
+    w.close()
+    # The failed step reached the page cache before fsync failed; later steps were never written.
+    assert step_headings(read(path)) == [1, 2] and path.stat().st_size > size
+
+
+def test_write_after_close_is_dropped_not_reopened(tmp_path):
+    path = tmp_path / "r.md"
+    w = RolloutLogWriter(path)
+    w.write_step(1, None, make_rollouts(1))
+    w.close()
+    before = read(path)
+    with pytest.warns(RuntimeWarning, match="the log was closed"):
+        assert not w.write_step(2, None, make_rollouts(2))
+    assert read(path) == before and not (tmp_path / "r.md.bak").exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention log
+# --------------------------------------------------------------------------------------------------
+def test_attention_log_rows_summary_trend_maps_and_resume(tmp_path):
+    path = tmp_path / "logs" / "att.md"
+    w = AttentionLogWriter(path, run_name="att")
+    mdis = {1: 1.0, 2: 2.0, 3: 4.0, 4: 100.0, 5: 100.0}
+    for step in range(1, 6):
+        rows = [attention_row(mdis[step]), attention_row(None, n_image=0)]
+        rows[0]["group"] = rows[1]["group"] = 0
+        png, rel = w.map_path(step, 0)
+        render_attention_map(Image.new("RGB", (32, 32)), np.arange(4.0), (2, 2), png)
+        w.write_step(step, None, rows, {"attention/zero_image_rows": 1}, maps=[(0, rel)])
+    w.close()
+    text = read(path)
+    assert step_headings(text) == [1, 2, 3, 4, 5]
+    header = next(line for line in outside_fences(text) if line.startswith("| # |"))
+    assert cells(header)[:6] == ["#", "group", "MDI early", "MDI middle", "MDI late", "MDI all"]
+    assert "| rows without image | 1 |" in text
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert len(links) == 5 and all((path.parent / link).is_file() for link in links)
+
+    w = AttentionLogWriter(path, run_name="att").open(resume_from_step=3)
+    assert [d["mdi"] for _, d in w.records] == [1.0, 2.0, 4.0]  # trend restored from the file
+    w.write_step(4, None, [attention_row(8.0)])
+    w.close()
+    text = read(path)
+    assert step_headings(text) == [1, 2, 3, 4, 5][:4]
+    last_trend = re.findall(r"Mean MDI trend: `(.*)` min 1 · max 8 · last 8 \(4 points\)", text)
+    assert last_trend == ["▁▂▄█"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention maps
+# --------------------------------------------------------------------------------------------------
+def test_attention_map_png_size_and_heat(tmp_path):
+    image = Image.new("RGB", (56, 40), (128, 128, 128))
+    mass = torch.zeros(4 * 6)
+    mass[0] = 1.0  # the top-left token gets all the attention
+    out = render_attention_map(image, mass, (4, 6), tmp_path / "m" / "map.png", legend=False, resample="nearest")
+    png = Image.open(out)
+    assert png.format == "PNG" and png.size == display_size((56, 40)) == (314, 224)
+    arr = np.asarray(png.convert("RGB")).astype(int)
+    hot, cold = arr[5, 5], arr[-5, -5]  # inside the top-left cell / the bottom-right cell
+    assert hot[0] > cold[0] + 60 and hot[1] > cold[1] + 60  # yellow vs purple (viridis ends)
+    assert (arr[-5, -5] == arr[-30, -60]).all()  # equal mass, equal colour
+
+    with_legend = Image.open(render_attention_map(image, mass.numpy(), (4, 6), tmp_path / "l.png", title="step 1"))
+    assert with_legend.size == (314, 224 + 2 * 18)
+    with pytest.raises(ValueError, match="24 values but the token grid 5x5 has 25"):
+        render_attention_map(image, mass, (5, 5), tmp_path / "bad.png")
+    with pytest.raises(ValueError, match="1-D"):
+        render_attention_map(image, mass.reshape(4, 6), (4, 6), tmp_path / "bad.png")
+
+
+def test_segment_maps_side_by_side(tmp_path):
+    image = Image.new("RGB", (32, 32), (255, 255, 255))
+    masses = {"early": torch.tensor([1.0, 0, 0, 0]), "middle": torch.tensor([0, 0, 0, 1.0]), "late": torch.ones(4)}
+    out = Image.open(render_segment_maps(image, masses, (2, 2), tmp_path / "seg.png", legend=False, gap=4))
+    w, h = display_size((32, 32), 160, 320)
+    assert out.size == (3 * w + 2 * 4, h + 18)
+    arr = np.asarray(out.convert("RGB")).astype(int)
+    early_tl, middle_tl = arr[18 + 10, 10], arr[18 + 10, w + 4 + 10]
+    assert abs(early_tl - middle_tl).sum() > 100  # top-left hot in "early", cold in "middle"
+
+
+# --------------------------------------------------------------------------------------------------
+# Console
+# --------------------------------------------------------------------------------------------------
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_console_plain_without_tty_or_with_no_color(monkeypatch):
+    metrics = {"reward": 1.5, "attention/mdi": 4.25, "missing": None}
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    tty = FakeTTY()
+    print_step_summary(7, metrics, file=tty)
+    assert "\x1b[" in tty.getvalue() and "4.25" in tty.getvalue()  # colour on a terminal
+
+    pipe = io.StringIO()  # not a TTY
+    print_step_summary(7, metrics, file=pipe)
+    assert "\x1b[" not in pipe.getvalue() and pipe.getvalue().startswith("step 7\n")
+    assert isinstance(format_step_summary(7, metrics, colorize=False, file=tty), str)
+
+    monkeypatch.setenv("NO_COLOR", "1")
+    tty = FakeTTY()
+    print_step_summary(7, metrics, file=tty)
+    assert "\x1b[" not in tty.getvalue() and "attention/mdi 4.25" in tty.getvalue() and "missing       —" in tty.getvalue()
+
+
+def test_logs_package_imports_no_trainer():
+    code = "import sys, trl_mdi.logs; print(any(m == 'trl' or m.startswith(('trl.', 'transformers')) for m in sys.modules))"
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=os.environ)
+    assert out.stdout.strip() == "False"

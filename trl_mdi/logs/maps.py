@@ -1,0 +1,190 @@
+"""Attention maps as PNG: per-image-token attention mass as a heat map over the image. PIL + numpy only.
+
+Input is one image's slice of ``ModalityAttention.image_token_mass[row]`` averaged over the layers of
+interest, shape (n_image_tokens,), in the order the image tokens appear in the sequence (row-major over the
+token grid). For Qwen2-VL / Qwen2.5-VL the token grid of an image with ``image_grid_thw = (1, gh, gw)`` is
+``(gh // merge_size, gw // merge_size)`` (merge_size 2): see :func:`token_grid_hw`. A row with several images
+holds their tokens one image after another; split the mass per image before rendering.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+# Ten anchor colours of matplotlib's viridis, interpolated to a 256-entry lookup table.
+_VIRIDIS = np.array([
+    (68, 1, 84), (72, 40, 120), (62, 74, 137), (49, 104, 142), (38, 130, 142),
+    (31, 158, 137), (53, 183, 121), (110, 206, 88), (181, 222, 43), (253, 231, 37),
+], dtype=np.float64)
+_LUT = np.stack([np.interp(np.linspace(0, 1, 256), np.linspace(0, 1, len(_VIRIDIS)), _VIRIDIS[:, c])
+                 for c in range(3)], axis=1).round().astype(np.uint8)
+_RESAMPLE = {"nearest": Image.Resampling.NEAREST, "bilinear": Image.Resampling.BILINEAR}
+_BAR = 18  # height of the title / caption bar and of the legend strip, in pixels
+
+
+def colormap(values: np.ndarray) -> np.ndarray:
+    """Viridis-like RGB (uint8, shape ``values.shape + (3,)``) of values in [0, 1] (clipped)."""
+    idx = (np.clip(np.nan_to_num(values, nan=0.0), 0.0, 1.0) * 255).round().astype(np.intp)
+    return _LUT[idx]
+
+
+def token_grid_hw(image_grid_thw: Sequence[int] | Any, merge_size: int = 2) -> tuple[int, int]:
+    """Token grid (h, w) of one image from its ``image_grid_thw`` row (Qwen2-VL / 2.5-VL / 3-VL).
+
+    >>> token_grid_hw([1, 8, 12])
+    (4, 6)
+    """
+    t, gh, gw = (int(x) for x in (image_grid_thw.tolist() if hasattr(image_grid_thw, "tolist") else image_grid_thw))
+    if t != 1:
+        raise ValueError(f"image_grid_thw {t, gh, gw}: only still images (t == 1) have a 2-D token grid")
+    if gh % merge_size or gw % merge_size:
+        raise ValueError(f"image_grid_thw {t, gh, gw} is not divisible by merge_size {merge_size}")
+    return gh // merge_size, gw // merge_size
+
+
+def _mass_array(token_mass: Any, grid_hw: tuple[int, int]) -> np.ndarray:
+    if hasattr(token_mass, "detach"):  # torch tensor
+        token_mass = token_mass.detach().float().cpu().numpy()
+    mass = np.asarray(token_mass, dtype=np.float64)
+    h, w = (int(x) for x in grid_hw)
+    if h <= 0 or w <= 0:
+        raise ValueError(f"grid_hw must be two positive ints, got {grid_hw}")
+    if mass.ndim != 1:
+        raise ValueError(
+            f"token_mass must be 1-D (n_image_tokens,), got shape {mass.shape}; average the per-layer maps of "
+            "ModalityAttention.image_token_mass over layers first, e.g. mass[layers].mean(0)"
+        )
+    if mass.size != h * w:
+        raise ValueError(
+            f"token_mass has {mass.size} values but the token grid {h}x{w} has {h * w} tokens; for Qwen2.5-VL "
+            "pass (grid_h // merge_size, grid_w // merge_size) of the image's image_grid_thw (token_grid_hw), "
+            "and only this image's tokens"
+        )
+    return mass.reshape(h, w)
+
+
+def display_size(size: tuple[int, int], min_side: int = 224, max_side: int = 512) -> tuple[int, int]:
+    """Size the overlay is drawn at: the image size, scaled up until its short side is ``min_side`` and down
+    until its long side is at most ``max_side`` (the cap wins), aspect ratio kept.
+
+    >>> display_size((56, 56)), display_size((2048, 1024)), display_size((300, 400))
+    ((224, 224), (512, 256), (300, 400))
+    """
+    w, h = size
+    scale = 1.0
+    if min(w, h) < min_side:
+        scale = min_side / min(w, h)
+    scale = min(scale, max_side / max(w, h)) if max(w, h) * scale > max_side else scale
+    return max(1, round(w * scale)), max(1, round(h * scale))
+
+
+def _overlay(image: Image.Image, grid: np.ndarray, size: tuple[int, int], lo: float, hi: float,
+             alpha: float, resample: str) -> Image.Image:
+    norm = (grid - lo) / (hi - lo) if hi > lo else np.full_like(grid, 0.5)
+    heat = Image.fromarray(np.nan_to_num(norm, nan=0.0).astype(np.float32)).resize(size, _RESAMPLE[resample])
+    heat_rgb = Image.fromarray(colormap(np.asarray(heat)))
+    base = image.convert("RGB").resize(size, Image.Resampling.BICUBIC) if image.size != size else image.convert("RGB")
+    return Image.blend(base, heat_rgb, alpha)
+
+
+def _font() -> ImageFont.ImageFont:
+    return ImageFont.load_default()
+
+
+def _caption(width: int, text: str) -> Image.Image:
+    bar = Image.new("RGB", (width, _BAR), (255, 255, 255))
+    ImageDraw.Draw(bar).text((3, 3), text, fill=(0, 0, 0), font=_font())
+    return bar
+
+
+def _legend(width: int, lo: float, hi: float) -> Image.Image:
+    """A strip: 'min <lo>' | viridis gradient | 'max <hi>'."""
+    strip = Image.new("RGB", (width, _BAR), (255, 255, 255))
+    draw = ImageDraw.Draw(strip)
+    left, right = f"min {lo:.3g}", f"max {hi:.3g}"
+    lw, rw = draw.textlength(left, font=_font()), draw.textlength(right, font=_font())
+    x0, x1 = int(lw) + 6, width - int(rw) - 6
+    if x1 - x0 >= 8:
+        gradient = colormap(np.linspace(0, 1, x1 - x0))[None].repeat(_BAR - 8, axis=0)
+        strip.paste(Image.fromarray(gradient), (x0, 4))
+    draw.text((2, 3), left, fill=(0, 0, 0), font=_font())
+    draw.text((width - rw - 2, 3), right, fill=(0, 0, 0), font=_font())
+    return strip
+
+
+def _stack(parts: list[Image.Image]) -> Image.Image:
+    out = Image.new("RGB", (max(p.width for p in parts), sum(p.height for p in parts)), (255, 255, 255))
+    y = 0
+    for p in parts:
+        out.paste(p, (0, y))
+        y += p.height
+    return out
+
+
+def _save(img: Image.Image, out_path: str | os.PathLike) -> Path:
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(out_path, format="PNG", optimize=True)
+    return out_path
+
+
+def render_attention_map(image: Image.Image, token_mass: Any, grid_hw: tuple[int, int], out_path: str | os.PathLike,
+                         title: str | None = None, *, alpha: float = 0.55, resample: str = "bilinear",
+                         legend: bool = True, min_side: int = 224, max_side: int = 512) -> Path:
+    """Save a PNG of ``image`` overlaid with the attention mass of its tokens; returns the path.
+
+    ``token_mass`` (n_image_tokens,) is reshaped row-major to ``grid_hw`` (ValueError unless n == h*w),
+    normalised to its own min/max, upsampled (``"bilinear"`` or ``"nearest"``) to the display size
+    (:func:`display_size` of the image) and alpha-blended. Layout top to bottom: optional title bar, the overlay,
+    optional legend strip with the min and max mass.
+    """
+    grid = _mass_array(token_mass, grid_hw)
+    if resample not in _RESAMPLE:
+        raise ValueError(f"resample must be one of {sorted(_RESAMPLE)}, got {resample!r}")
+    size = display_size(image.size, min_side, max_side)
+    lo, hi = float(np.nanmin(grid)), float(np.nanmax(grid))
+    parts = [_caption(size[0], title)] if title else []
+    parts.append(_overlay(image, grid, size, lo, hi, alpha, resample))
+    if legend:
+        parts.append(_legend(size[0], lo, hi))
+    return _save(_stack(parts), out_path)
+
+
+def render_segment_maps(image: Image.Image, masses_per_segment: Mapping[str, Any], grid_hw: tuple[int, int],
+                        out_path: str | os.PathLike, title: str | None = None, *, shared_scale: bool = True,
+                        alpha: float = 0.55, resample: str = "bilinear", legend: bool = True,
+                        min_side: int = 160, max_side: int = 320, gap: int = 4) -> Path:
+    """One panel per layer segment (``{"early": mass, "middle": ..., ...}``), side by side, captioned.
+
+    With ``shared_scale`` every panel uses the same min/max (panels comparable; one legend); otherwise each panel
+    is normalised on its own and gets its own legend.
+    """
+    if not masses_per_segment:
+        raise ValueError("masses_per_segment is empty: nothing to render")
+    grids = {name: _mass_array(m, grid_hw) for name, m in masses_per_segment.items()}
+    size = display_size(image.size, min_side, max_side)
+    glo = min(float(np.nanmin(g)) for g in grids.values())
+    ghi = max(float(np.nanmax(g)) for g in grids.values())
+    panels = []
+    for name, grid in grids.items():
+        lo, hi = (glo, ghi) if shared_scale else (float(np.nanmin(grid)), float(np.nanmax(grid)))
+        parts = [_caption(size[0], str(name)), _overlay(image, grid, size, lo, hi, alpha, resample)]
+        if legend and not shared_scale:
+            parts.append(_legend(size[0], lo, hi))
+        panels.append(_stack(parts))
+    width = sum(p.width for p in panels) + gap * (len(panels) - 1)
+    row = Image.new("RGB", (width, max(p.height for p in panels)), (255, 255, 255))
+    x = 0
+    for p in panels:
+        row.paste(p, (x, 0))
+        x += p.width + gap
+    parts = ([_caption(width, title)] if title else []) + [row]
+    if legend and shared_scale:
+        parts.append(_legend(width, glo, ghi))
+    return _save(_stack(parts), out_path)

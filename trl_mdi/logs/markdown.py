@@ -1,0 +1,225 @@
+"""Safe Markdown building blocks: cleaning, escaping, fences, tables, sparklines. Pure functions.
+
+Every piece of model- or data-provided text reaches a log file through exactly one of two doors:
+
+* ``fence(clean(text))`` for multi-line text (prompts, completions): a fenced code block whose fence is
+  longer than any backtick run inside, so nothing in the text can close it, open HTML or make a heading;
+* ``escape_inline(text)`` for single cells and inline values: HTML-escaped, pipes escaped, newlines as
+  ``<br>``, so the value stays on one line inside its table row.
+
+The files are read raw (``tail -f``) as often as rendered, so escaping is kept minimal and readable.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+MISSING = "—"
+SPARK_CHARS = "▁▂▃▄▅▆▇█"
+
+# C0/C1 control characters except \t and \n, plus DEL. \r is normalised before this runs.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# Bidirectional overrides/isolates: invisible, and they reorder how the raw log reads in a terminal.
+_BIDI = re.compile(r"[\u202a-\u202e\u2066-\u2069]")
+_BACKTICK_RUN = re.compile(r"`+")
+_FENCE_OPEN = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
+
+
+def clean(text: Any, max_chars: int | None = None) -> str:
+    """Text safe to write: control characters removed (``\\n``, ``\\t`` kept), line ends normalised, capped.
+
+    ``\\r\\n`` and lone ``\\r`` become ``\\n``; Unicode line/paragraph separators become ``\\n``; lone
+    surrogates (undecodable bytes) become ``?``. Text longer than ``max_chars`` is cut with a visible
+    ``... (N more chars)``.
+
+    >>> clean("a\\r\\nb\\x1b[31mc\\x00", 100)
+    'a\\nb[31mc'
+    >>> clean("x" * 10, 4)
+    'xxxx... (6 more chars)'
+    """
+    text = "" if text is None else str(text)
+    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\u2028", "\n").replace("\u2029", "\n")
+    text = _BIDI.sub("", _CONTROL.sub("", text))
+    text = text.encode("utf-8", "replace").decode("utf-8")  # lone surrogates -> "?"
+    if max_chars is not None and len(text) > max_chars:
+        text = f"{text[:max_chars]}... ({len(text) - max_chars} more chars)"
+    return text
+
+
+def fence(text: str, info: str = "") -> str:
+    """A fenced code block that ``text`` cannot close: the fence is longer than any backtick run inside.
+
+    The result ends with a newline; ``text`` should already be ``clean``-ed.
+
+    >>> print(fence("a ```` b", "text"))
+    `````text
+    a ```` b
+    `````
+    <BLANKLINE>
+    """
+    longest = max((len(m) for m in _BACKTICK_RUN.findall(text)), default=0)
+    ticks = "`" * max(3, longest + 1)
+    body = text if text.endswith("\n") or not text else text + "\n"
+    return f"{ticks}{info}\n{body}{ticks}\n"
+
+
+def escape_inline(text: Any) -> str:
+    """One-line, table-safe text: ``<``, ``>``, ``&`` HTML-escaped, ``|`` escaped, newlines as ``<br>``.
+
+    Backslashes right before a pipe are doubled so the pipe's own escape cannot be cancelled.
+
+    >>> escape_inline("a|b <i>\\nc")
+    'a\\\\|b &lt;i&gt;<br>c'
+    """
+    text = clean(text)
+    text = html.escape(text, quote=False)
+    text = re.sub(r"(\\*)\|", lambda m: m.group(1) * 2 + "\\|", text)
+    text = text.replace("\t", " ").replace("\n", "<br>")
+    return text
+
+
+def format_value(value: Any) -> str:
+    """How numbers and other values appear in tables: None -> "—", floats to 4 significant digits.
+
+    >>> [format_value(v) for v in (None, 3, 0.123456, float("nan"), float("-inf"), True, "a|b")]
+    ['—', '3', '0.1235', 'nan', '-inf', 'yes', 'a\\\\|b']
+    """
+    if value is None:
+        return MISSING
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 0) == 0:
+        value = value.item()  # numpy / torch scalars
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return f"{value:.4g}"
+    return escape_inline(value)
+
+
+def _is_number(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
+        hasattr(value, "item") and getattr(value, "ndim", None) == 0
+    )
+
+
+def md_table(headers: Sequence[Any], rows: Iterable[Sequence[Any]]) -> str:
+    """A GitHub-flavoured Markdown table; numeric columns right-aligned. Ends with a newline.
+
+    Short rows are padded with "—"; long rows raise ValueError (a silent cut would hide data).
+
+    >>> print(md_table(["name", "score"], [["a|b", 0.5], ["c", None]]), end="")
+    | name | score |
+    |---|---:|
+    | a\\|b | 0.5 |
+    | c | — |
+    """
+    rows = [list(r) for r in rows]
+    width = len(headers)
+    for r in rows:
+        if len(r) > width:
+            raise ValueError(f"table row has {len(r)} cells but there are {width} headers: {r!r}")
+        r.extend([None] * (width - len(r)))
+    numeric = [bool(rows) and all(_is_number(r[c]) for r in rows) for c in range(width)]
+    lines = [
+        "| " + " | ".join(escape_inline(h) for h in headers) + " |",
+        "|" + "|".join("---:" if n else "---" for n in numeric) + "|",
+    ]
+    lines += ["| " + " | ".join(format_value(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _finite(value: Any) -> float | None:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def sparkline(values: Iterable[Any]) -> str:
+    """One character per value, ▁ (min) to █ (max); None/NaN/inf are gaps (a space).
+
+    A constant series is drawn at mid height.
+
+    >>> sparkline([1, 2, None, 3, float("nan"), 8])
+    '▁▂ ▃ █'
+    >>> sparkline([5, 5])
+    '▄▄'
+    """
+    vals = [_finite(v) for v in values]
+    present = [v for v in vals if v is not None]
+    if not present:
+        return " " * len(vals)
+    lo, hi = min(present), max(present)
+    top = len(SPARK_CHARS) - 1
+    out = []
+    for v in vals:
+        if v is None:
+            out.append(" ")
+        elif hi == lo:
+            out.append(SPARK_CHARS[top // 2])
+        else:
+            out.append(SPARK_CHARS[round((v - lo) / (hi - lo) * top)])
+    return "".join(out)
+
+
+def trend_line(values: Sequence[Any], width: int = 60, label: str = "") -> str:
+    """A one-line trend: sparkline of the last ``width`` values with min / max / last of those shown.
+
+    >>> trend_line([1.0, 2.0, 1.5], label="MDI")
+    'MDI `▁█▅` min 1 · max 2 · last 1.5 (3 points)'
+    >>> trend_line([None], label="MDI")
+    'MDI (no data yet)'
+    """
+    shown = list(values)[-width:] if width > 0 else []
+    present = [v for v in (_finite(x) for x in shown) if v is not None]
+    prefix = f"{label} " if label else ""
+    if not present:
+        return f"{prefix}(no data yet)"
+    last = _finite(shown[-1])
+    n = len(shown)
+    span = f"last {n} of {len(values)} points" if len(values) > n else f"{n} point{'s' if n != 1 else ''}"
+    return (
+        f"{prefix}`{sparkline(shown)}` min {format_value(min(present))} · max {format_value(max(present))}"
+        f" · last {format_value(last)} ({span})"
+    )
+
+
+def iter_lines_outside_fences(text: str) -> Iterator[tuple[int, str]]:
+    """(character offset, line) of every line that is not inside a fenced code block (fence lines excluded).
+
+    Follows CommonMark: a fence opens with >= 3 backticks or tildes (up to 3 spaces of indent) and closes with
+    a line of the same character, at least as long, and nothing else. Used to find the writers' own markers
+    in a log without being fooled by the same text inside a logged completion.
+
+    >>> [line for _, line in iter_lines_outside_fences("a\\n````\\n## x\\n```\\n````\\nb\\n")]
+    ['a', 'b']
+    """
+    offset = 0
+    open_char, open_len = "", 0
+    lines = text.split("\n")  # only \n: Markdown's line end once clean() has run
+    if lines and lines[-1] == "":
+        lines.pop()
+    for line in lines:
+        stripped = line.rstrip("\r")
+        if open_char:
+            m = re.match(r"^ {0,3}(" + re.escape(open_char) + "{" + str(open_len) + r",})\s*$", stripped)
+            if m:
+                open_char, open_len = "", 0
+        else:
+            m = _FENCE_OPEN.match(stripped)
+            if m and not (m.group(1)[0] == "`" and "`" in m.group(2)):
+                open_char, open_len = m.group(1)[0], len(m.group(1))
+            else:
+                yield offset, stripped
+        offset += len(line) + 1
+

@@ -1,0 +1,319 @@
+"""The two live Markdown logs: rollouts (prompt, completion, rewards) and attention diagnostics (MDI / AEI).
+
+Both are written by the main process only, with rows already gathered from every process. File mechanics
+(header, fsync, resume, write failures) are in :mod:`trl_mdi.logs.base`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from .base import StepLogFile
+from .markdown import clean, escape_inline, fence, format_value, md_table, trend_line
+
+# Image placeholders of chat-templated prompt strings: Qwen-VL's vision span, runs of its pad token, "<image>".
+_IMAGE_SPAN = re.compile(r"<\|vision_start\|>.*?<\|vision_end\|>|(?:<\|image_pad\|>)+|(?:<image>)+", re.DOTALL)
+
+
+def _mean(values: Iterable[Any]) -> float | None:
+    vals = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _image_label(size: Any) -> str:
+    size = getattr(size, "size", size)  # a PIL image or a (width, height) pair
+    try:
+        w, h = (int(x) for x in size)
+        return f"[image {w}x{h}]"
+    except (TypeError, ValueError):
+        return "[image]"
+
+
+def prompt_text(prompt: Any, image_sizes: Sequence[Any] = ()) -> str:
+    """The prompt as plain text with each image shown as ``[image WxH]`` (sizes in order of appearance).
+
+    ``prompt`` is a string (image placeholders of the chat template are replaced) or TRL's conversational
+    form (a list of ``{"role", "content"}`` messages, content a string or parts ``{"type": "image"|"text"}``).
+    Sizes with no placeholder to replace are listed first.
+
+    >>> prompt_text([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Color?"}]}], [(56, 56)])
+    'user: [image 56x56] Color?'
+    >>> prompt_text("<|vision_start|><|image_pad|><|vision_end|>Color?", [(8, 4)])
+    '[image 8x4]Color?'
+    """
+    sizes = list(image_sizes or ())
+    used = 0
+
+    def next_image(_match: Any = None) -> str:
+        nonlocal used
+        label = _image_label(sizes[used]) if used < len(sizes) else "[image]"
+        used += 1
+        return label
+
+    if isinstance(prompt, dict):
+        prompt = [prompt]
+    if isinstance(prompt, list):
+        lines = []
+        for msg in prompt:
+            content = msg.get("content", "") if isinstance(msg, dict) else msg
+            if isinstance(content, list):
+                parts = [next_image() if isinstance(p, dict) and p.get("type") in ("image", "image_url")
+                         else str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content]
+                content = " ".join(parts)
+            role = msg.get("role", "") if isinstance(msg, dict) else ""
+            lines.append(f"{role}: {content}" if role else str(content))
+        text = "\n".join(lines)
+    else:
+        text = _IMAGE_SPAN.sub(next_image, "" if prompt is None else str(prompt))
+    if used < len(sizes):
+        text = " ".join(_image_label(s) for s in sizes[used:]) + "\n" + text
+    return text
+
+
+def message_text(x: Any) -> str:
+    """Text of a completion given as a string or as messages (contents joined by newlines)."""
+    if isinstance(x, dict):
+        x = [x]
+    if isinstance(x, list):
+        return "\n".join(prompt_text(m["content"] if isinstance(m, dict) and "content" in m else m) for m in x)
+    return "" if x is None else str(x)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rollouts
+# ---------------------------------------------------------------------------------------------------
+class RolloutLogWriter(StepLogFile):
+    """Per step: the first ``full_rollouts_per_step`` rollouts in full, the others one table row each, a summary.
+
+    A rollout is a dict with (all optional except ``completion``):
+        prompt (str or messages), image_sizes ([(w, h), ...] or PIL images), completion (str or messages),
+        rewards ({name: value or None}, unweighted components), reward (weighted total), advantage,
+        answer (gold), correct (bool; else derived from the first reward named in ``accuracy_rewards``, > 0),
+        group (prompt group id; else consecutive blocks of ``num_generations``), completion_length (tokens),
+        index (shown as #; default its position).
+    """
+
+    kind = "rollout"
+    title = "Rollout log"
+
+    def __init__(self, path: str | os.PathLike, *, run_name: str | None = None, config: dict | None = None,
+                 preview_chars: int = 2000, full_rollouts_per_step: int = 2, row_preview_chars: int = 80,
+                 num_generations: int | None = None, accuracy_rewards: Sequence[str] = ("mc_idx", "accuracy"),
+                 colorize: bool = True, trend_width: int = 60):
+        super().__init__(path, run_name=run_name, config=config)
+        self.preview_chars = preview_chars
+        self.full_rollouts_per_step = full_rollouts_per_step
+        self.row_preview_chars = row_preview_chars
+        self.num_generations = num_generations
+        self.accuracy_rewards = tuple(accuracy_rewards)
+        self.colorize = colorize
+        self.trend_width = trend_width
+
+    def _correct(self, r: dict) -> bool | None:
+        if "correct" in r:
+            return None if r["correct"] is None else bool(r["correct"])
+        for name in self.accuracy_rewards:
+            value = (r.get("rewards") or {}).get(name)
+            if value is not None and not math.isnan(float(value)):
+                return float(value) > 0
+        return None
+
+    def _mark(self, correct: bool | None) -> str:
+        if correct is None:
+            return "—"
+        if self.colorize:
+            return "✅" if correct else "❌"
+        return "correct" if correct else "wrong"
+
+    def _groups(self, rollouts: list[dict]) -> list[list[float | None]] | None:
+        if all("group" in r for r in rollouts):
+            groups: dict[Any, list] = {}
+            for r in rollouts:
+                groups.setdefault(r["group"], []).append(r.get("reward"))
+            return list(groups.values())
+        if self.num_generations:
+            g = self.num_generations
+            return [[r.get("reward") for r in rollouts[i : i + g]] for i in range(0, len(rollouts), g)]
+        return None
+
+    def write_step(self, step: int, epoch: float | None, rollouts: list[dict], summary: dict | None = None) -> bool:
+        """Append one step block; returns False when it was not written (failed or disabled log)."""
+        if self.failed:
+            self.dropped_writes += 1
+            return False
+        names: list[str] = []
+        for r in rollouts:
+            names += [k for k in (r.get("rewards") or {}) if k not in names]
+        parts = []
+        full, rest = rollouts[: self.full_rollouts_per_step], rollouts[self.full_rollouts_per_step :]
+        for pos, r in enumerate(full):
+            parts.append(self._full(r, pos, names))
+        if rest:
+            parts.append(f"### Other rollouts ({len(rest)})\n")
+            header = ["#", "group", *names, "total", "advantage", "correct", "length", "answer", "completion"]
+            rows = []
+            for pos, r in enumerate(rest, start=len(full)):
+                text = clean(message_text(r.get("completion")))
+                preview = clean(text, self.row_preview_chars)
+                rewards = r.get("rewards") or {}
+                rows.append([r.get("index", pos), r.get("group"), *[rewards.get(n) for n in names], r.get("reward"),
+                             r.get("advantage"), self._mark(self._correct(r)), r.get("completion_length", len(text)),
+                             None if r.get("answer") is None else str(r["answer"]), preview])
+            parts.append(md_table(header, rows))
+        stats = self._summary(rollouts, names)
+        parts.append("### Step summary\n")
+        rows = [[k, v] for k, v in stats.items()] + [[k, v] for k, v in (summary or {}).items()]
+        parts.append(md_table(["metric", "value"], [[k, _cell(v)] for k, v in rows]))
+        data = {"reward": stats.get("reward (weighted) mean"), "accuracy": stats.get("accuracy")}
+        history = [d for _, d in self.records] + [data]
+        parts.append(trend_line([d.get("reward") for d in history], self.trend_width, "Mean reward trend:") + "  ")
+        parts.append(trend_line([d.get("accuracy") for d in history], self.trend_width, "Accuracy trend:"))
+        return self._write_block(step, epoch, "\n".join(parts), data)
+
+    def _full(self, r: dict, pos: int, names: list[str]) -> str:
+        idx = r.get("index", pos)
+        title = f"### Rollout {idx}"
+        if r.get("group") is not None:
+            title += f" · group {escape_inline(r['group'])}"
+        title += f" · reward {format_value(r.get('reward'))} · advantage {format_value(r.get('advantage'))}"
+        correct = self._correct(r)
+        if correct is not None:
+            title += f" · {self._mark(correct)}"
+        sizes = r.get("image_sizes") or ()
+        prompt = clean(prompt_text(r.get("prompt"), sizes), self.preview_chars)
+        text = clean(message_text(r.get("completion")))
+        length = f"{len(text)} chars" + (f", {r['completion_length']} tokens" if "completion_length" in r else "")
+        rewards = r.get("rewards") or {}
+        table = [[n, rewards.get(n)] for n in names] + [["**total (weighted)**", r.get("reward")],
+                                                        ["advantage", r.get("advantage")]]
+        out = [title, "", f"**Prompt** · {len(sizes)} image(s)", "", fence(prompt, "text"),
+               f"**Completion** · {length}", "", fence(clean(text, self.preview_chars), "text")]
+        if r.get("answer") is not None:
+            out += [f"**Gold answer:** {escape_inline(r['answer'])}", ""]
+        out += [md_table(["reward", "value"], table)]
+        return "\n".join(out)
+
+    def _summary(self, rollouts: list[dict], names: list[str]) -> dict[str, Any]:
+        stats: dict[str, Any] = {"rollouts": len(rollouts)}
+        stats["reward (weighted) mean"] = _mean(r.get("reward") for r in rollouts)
+        for n in names:
+            stats[f"{n} mean"] = _mean((r.get("rewards") or {}).get(n) for r in rollouts)
+        stats["advantage mean |A|"] = _mean(None if r.get("advantage") is None else abs(r["advantage"]) for r in rollouts)
+        verdicts = [c for c in (self._correct(r) for r in rollouts) if c is not None]
+        stats["accuracy"] = sum(verdicts) / len(verdicts) if verdicts else None
+        tokens = all("completion_length" in r for r in rollouts)
+        lengths = [r["completion_length"] if tokens else len(clean(message_text(r.get("completion")))) for r in rollouts]
+        if lengths:
+            unit = "tokens" if tokens else "chars"
+            stats[f"completion length mean ({unit})"] = sum(lengths) / len(lengths)
+            stats[f"completion length min / max ({unit})"] = f"{min(lengths)} / {max(lengths)}"
+        groups = self._groups(rollouts)
+        if groups is not None:
+            flat = 0
+            for g in groups:
+                vals = [float(v) for v in g if v is not None and not math.isnan(float(v))]
+                flat += len(vals) <= 1 or max(vals) == min(vals)
+            stats["groups with zero reward spread"] = f"{flat} / {len(groups)}"
+        return stats
+
+
+def _cell(v: Any) -> Any:
+    """Numbers (numpy / torch scalars included) stay numbers for format_value; anything else becomes text."""
+    scalar = hasattr(v, "item") and getattr(v, "ndim", None) == 0
+    return v if v is None or scalar or isinstance(v, (int, float, str)) else str(v)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------------
+_MEAN_KEYS = (("aei_text_all", "AEI text"), ("aei_image_all", "AEI vision"), ("balance", "balance"),
+              ("image_mass", "image mass"), ("prompt_text_mass", "prompt-text mass"),
+              ("completion_mass", "completion mass"), ("special_mass", "special mass"))
+
+
+def mdi_segments(rows: Iterable[dict]) -> list[str]:
+    """Segment names present in attention rows (keys ``mdi_<segment>``), "all" last.
+
+    >>> mdi_segments([{"mdi_early": 1.0, "mdi_all": 1.0, "mdi_balance": 0.5, "mdi_late": 2.0}])
+    ['early', 'late', 'all']
+    """
+    segs: list[str] = []
+    for row in rows:
+        segs += [k[4:] for k in row if k.startswith("mdi_") and k != "mdi_balance" and k[4:] not in segs]
+    return [s for s in segs if s != "all"] + (["all"] if "all" in segs else [])
+
+
+class AttentionLogWriter(StepLogFile):
+    """Per step: one table row per rollout (MDI per layer segment, AEI, token counts, balance), a summary,
+    trend lines of the mean MDI and balance over the run, and links to attention-map PNGs.
+
+    Rows are the dicts of ``ModalityAttention.rows()`` plus ``balance`` (falls back to ``mdi_balance``) and
+    optionally ``group`` / ``index``. The trends are rebuilt on resume from the step blocks kept in the file.
+    """
+
+    kind = "attention"
+    title = "Attention diagnostics"
+
+    def __init__(self, path: str | os.PathLike, *, run_name: str | None = None, config: dict | None = None,
+                 trend_width: int = 60, maps_dir: str | os.PathLike | None = None):
+        super().__init__(path, run_name=run_name, config=config)
+        self.trend_width = trend_width
+        self.maps_dir = Path(maps_dir) if maps_dir is not None else self.path.with_name(self.path.stem + "_maps")
+
+    def map_path(self, step: int, rollout_index: int, tag: str = "") -> tuple[Path, str]:
+        """(where to save a map PNG, the path relative to the log to pass to ``write_step``)."""
+        name = f"step{int(step):06d}_rollout{int(rollout_index):04d}{'_' + tag if tag else ''}.png"
+        path = self.maps_dir / name
+        return path, Path(os.path.relpath(path, self.path.parent)).as_posix()
+
+    def write_step(self, step: int, epoch: float | None, rollouts: list[dict], summary: dict | None = None,
+                   maps: Sequence[tuple[int, str]] = ()) -> bool:
+        """Append one step block; returns False when it was not written (failed or disabled log)."""
+        if self.failed:
+            self.dropped_writes += 1
+            return False
+        segs = mdi_segments(rollouts)
+        has_group = any("group" in r for r in rollouts)
+        header = ["#", *(["group"] if has_group else []), *[f"MDI {s}" for s in segs], "AEI text", "AEI vision",
+                  "balance", "n image", "n text", "n special", "n completion", "n queries"]
+        rows = []
+        for pos, r in enumerate(rollouts):
+            rows.append([r.get("index", pos), *([r.get("group")] if has_group else []),
+                         *[r.get(f"mdi_{s}") for s in segs], r.get("aei_text_all"), r.get("aei_image_all"),
+                         _balance(r), r.get("n_image"), r.get("n_prompt_text"), r.get("n_special"),
+                         r.get("n_completion"), r.get("n_queries")])
+        parts = [f"### Rollouts ({len(rollouts)})\n", md_table(header, rows), "### Step summary\n"]
+        stat_rows = []
+        for key, label in [(f"mdi_{s}", f"MDI {s}") for s in segs] + list(_MEAN_KEYS):
+            vals = [_balance(r) if key == "balance" else r.get(key) for r in rollouts]
+            vals = [float(v) for v in vals if v is not None and not math.isnan(float(v))]
+            if vals:
+                stat_rows.append([label, sum(vals) / len(vals), min(vals), max(vals), len(vals)])
+        parts.append(md_table(["metric", "mean", "min", "max", "n"], stat_rows))
+        counts = [["rollouts", len(rollouts)],
+                  ["rows without image", sum(1 for r in rollouts if not r.get("n_image"))],
+                  ["rows without measured queries", sum(1 for r in rollouts if r.get("n_queries") == 0)]]
+        counts += [[k, _cell(v)] for k, v in (summary or {}).items()]
+        parts.append(md_table(["count / extra", "value"], counts))
+        data = {"mdi": _mean(r.get("mdi", r.get("mdi_all")) for r in rollouts), "balance": _mean(map(_balance, rollouts))}
+        history = [d for _, d in self.records] + [data]
+        parts.append(trend_line([d.get("mdi") for d in history], self.trend_width, "Mean MDI trend:") + "  ")
+        parts.append(trend_line([d.get("balance") for d in history], self.trend_width, "Mean balance trend:") + "\n")
+        if maps:
+            parts.append("### Attention maps\n")
+            for idx, rel in maps:
+                rel = Path(rel)
+                if rel.is_absolute():
+                    rel = Path(os.path.relpath(rel, self.path.parent))
+                parts.append(f"![attention map, step {int(step)}, rollout {int(idx)}]({quote(rel.as_posix())})\n")
+        return self._write_block(step, epoch, "\n".join(parts), data)
+
+
+def _balance(r: dict) -> Any:
+    return r.get("balance", r.get("mdi_balance"))
