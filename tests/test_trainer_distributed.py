@@ -33,14 +33,18 @@ def launch(config: str, model_dir: Path, data: Path, out: Path, overrides: dict)
 )
 def test_two_processes(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path, config, overrides, dist_type):
     # per_device_train_batch_size 2 with 4 generations: every group spans both processes.
-    overrides = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2, **overrides}
+    # All three TPRL parts on: the perturbed-image forward runs on every rank, TAS normalises the gathered batch.
+    tprl = {"enable_entropy_filtering": True, "enable_perception_filtering": True,
+            "enable_trajectory_reweighting": True}
+    overrides = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2, **tprl, **overrides}
     records = launch(config, tiny_vlm_dir("qwen2_5_vl"), prepared_aokvqa_dir / "train.parquet",
                      tmp_path / "ranks.jsonl", overrides)
     assert [r["rank"] for r in records] == [0, 1]
     for r in records:
         assert r["world_size"] == 2 and r["distributed_type"].endswith(dist_type), r
-        # Every rank ran exactly one no-grad policy forward per generation batch (ZeRO-3 needs them in step).
-        assert r["forwards_per_generation"] == [1, 1], r
+        # Every rank ran the same no-grad policy forwards per generation batch (ZeRO-3 needs them in step):
+        # the probe forward and the perturbed-image forward.
+        assert r["forwards_per_generation"] == [2, 2], r
         assert r["measured_rows"] == [2, 2], r
     if dist_type == "DEEPSPEED":
         assert all(0.4 < r["local_param_fraction"] < 0.6 for r in records)  # really sharded
@@ -51,5 +55,8 @@ def test_two_processes(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path, config, over
     logs = records[0]["logs"]
     assert len(logs) == 2
     for key in ("attention/mdi", "attention/mdi_early", "attention/mdi_late", "rewards/mdi_balance_reward/mean",
-                "rewards/mdi_group_reward/zero_spread_frac"):
+                "rewards/mdi_group_reward/zero_spread_frac", "tprl/perception_token_fraction",
+                "tprl/entropy_token_fraction", "tprl/scaling_factor_mean", "tprl/sensitivity_score_mean"):
         assert key in logs[0], key
+    # TAS multipliers are normalised over the gathered batch: their mean over it is 1.
+    assert all(abs(h["tprl/scaling_factor_mean"] - 1.0) < 1e-5 for h in logs)

@@ -46,6 +46,16 @@ def test_old_logps_condition_is_the_one_we_mirror():
     )
 
 
+def test_tool_mask_only_enters_the_loss_mask():
+    """TPRL's token masks are multiplied into TRL's tool_mask: it must reach the loss mask and nothing else."""
+    src = inspect.getsource(GRPOTrainer._compute_loss)
+    assert 'mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]' in src
+    assert "attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)" in src
+    # The DAPO normaliser is counted at generation time, before our filtering.
+    gen = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert "num_items_in_batch = self.accelerator.gather(loss_mask.sum()).sum()" in gen
+
+
 def test_forward_inputs_match_what_trl_passes(tiny_vlm_dir, grpo_train_dataset, tmp_path, monkeypatch):
     """With num_iterations=2 TRL runs its own old-log-prob forward: our rebuilt inputs must equal its inputs."""
     args = MDIGRPOConfig(

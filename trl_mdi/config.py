@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .metrics import layer_segments
+from .perturb import check_perturbation
+from .tprl import validate_scaling_min, validate_top_p
 
 TEXT_KEY_CHOICES = ("all", "content")
 
@@ -45,6 +47,35 @@ class MDIGRPOConfig(GRPOConfig):
             Which prompt keys count as text: `"all"` (every non-image prompt token, chat-template special tokens and
             system prompt included) or `"content"` (special tokens and the system turn are reported separately).
 
+        > TPRL: token gradient filtering (TGF) and trajectory advantage shaping (TAS), after VPPO
+
+        enable_entropy_filtering (`bool`, *optional*, defaults to `False`):
+            Per sequence, keep only the `ceil(top_p_entropy_tokens * L_i)` highest-entropy completion tokens in the
+            policy-gradient loss (entropies of the generation-time policy). TRL's own `top_entropy_quantile`
+            (a per-batch quantile) keeps working beside it.
+        top_p_entropy_tokens (`float`, *optional*, defaults to `0.2`):
+            Fraction in (0, 1] of each completion's tokens kept by the entropy filter.
+        enable_perception_filtering (`bool`, *optional*, defaults to `False`):
+            Per sequence, keep only the `ceil(top_p_perception_tokens * L_i)` tokens whose log-probability depends
+            most on the image: `s_t = clamp(exp(d) - d - 1, 0, 10)`, `d = clamp(logp(I') - logp(I), -20, 20)`,
+            with I' the perturbed image. Costs one extra no-grad forward per generation batch. With both filters
+            on, a token is kept if either keeps it.
+        top_p_perception_tokens (`float`, *optional*, defaults to `0.2`):
+            Fraction in (0, 1] of each completion's tokens kept by the perception filter.
+        enable_trajectory_reweighting (`bool`, *optional*, defaults to `False`):
+            Scale each rollout's advantage by `alpha_i` from its mean visual dependency, min-max normalised over
+            the whole generation batch gathered from all processes (VPPO normalises per device); mean(alpha) = 1.
+        trajectory_scaling_min (`float`, *optional*, defaults to `0.8`):
+            beta_min in [0, 1]: the multiplier of the least visually dependent rollout.
+        perception_perturbation (`str`, *optional*, defaults to `"patch_blackening"`):
+            How I' is made from I, on the PIL image before the processor: `patch_blackening`, `gaussian_noise`,
+            `blur` or `black`.
+        perturbation_patch_size (`int`, *optional*, defaults to `14`), perturbation_prob (`float`, defaults to
+        `0.5`), perturbation_noise_std (`float`, defaults to `189.0`), perturbation_blur_radius (`float`, defaults
+        to `6.0`), perturbation_seed (`int`, *optional*, defaults to `seed`):
+            Parameters of the perturbation; masks are drawn per (seed, step, rollout), so resumed runs continue
+            deterministically.
+
         > Reward stack
 
         reward_funcs (`list[str]`, *optional*):
@@ -79,10 +110,52 @@ class MDIGRPOConfig(GRPOConfig):
             "choices": list(TEXT_KEY_CHOICES),
         },
     )
+    enable_entropy_filtering: bool = field(
+        default=False, metadata={"help": "TGF: keep only each completion's top-p highest-entropy tokens in the loss."}
+    )
+    top_p_entropy_tokens: float = field(
+        default=0.2, metadata={"help": "Fraction in (0, 1] of each completion's tokens kept by the entropy filter."}
+    )
+    enable_perception_filtering: bool = field(
+        default=False,
+        metadata={"help": "TGF: keep only each completion's top-p most image-dependent tokens in the loss "
+                  "(one extra no-grad forward with a perturbed image per generation batch)."},
+    )
+    top_p_perception_tokens: float = field(
+        default=0.2, metadata={"help": "Fraction in (0, 1] of each completion's tokens kept by the perception filter."}
+    )
+    enable_trajectory_reweighting: bool = field(
+        default=False,
+        metadata={"help": "TAS: scale each rollout's advantage by its batch-normalised visual dependency "
+                  "(mean multiplier 1)."},
+    )
+    trajectory_scaling_min: float = field(
+        default=0.8, metadata={"help": "TAS beta_min in [0, 1]: multiplier of the least image-dependent rollout."}
+    )
+    perception_perturbation: str = field(
+        default="patch_blackening",
+        metadata={"help": "How the perturbed image is made: patch_blackening, gaussian_noise, blur or black."},
+    )
+    perturbation_patch_size: int = field(default=14, metadata={"help": "patch_blackening: patch side in pixels."})
+    perturbation_prob: float = field(default=0.5, metadata={"help": "patch_blackening: probability a patch is blacked."})
+    perturbation_noise_std: float = field(default=189.0, metadata={"help": "gaussian_noise: std in 0-255 pixel units."})
+    perturbation_blur_radius: float = field(default=6.0, metadata={"help": "blur: Gaussian blur radius in pixels."})
+    perturbation_seed: int | None = field(
+        default=None, metadata={"help": "Seed of the perturbation masks (default: the run's seed)."}
+    )
     reward_funcs: list[str] | None = field(
         default=None,
-        metadata={"help": "Reward functions by name or 'pkg.module:function' (see the list in the README)."},
+        metadata={"help": _reward_names_help()},  # generated from the registry: cannot drift from it
     )
+
+    @property
+    def uses_visual_dependency(self) -> bool:
+        """Whether the perturbed-image forward is needed (perception filter or trajectory reweighting)."""
+        return self.enable_perception_filtering or self.enable_trajectory_reweighting
+
+    @property
+    def uses_tprl(self) -> bool:
+        return self.enable_entropy_filtering or self.uses_visual_dependency
 
     def __post_init__(self):
         super().__post_init__()
@@ -98,6 +171,17 @@ class MDIGRPOConfig(GRPOConfig):
             layer_segments(10_000, self.attention_layer_segments)
         except ValueError as e:
             raise ValueError(f"attention_layer_segments: {e}") from None
+        validate_top_p(self.top_p_entropy_tokens, "top_p_entropy_tokens")
+        validate_top_p(self.top_p_perception_tokens, "top_p_perception_tokens")
+        validate_scaling_min(self.trajectory_scaling_min, "trajectory_scaling_min")
+        try:
+            check_perturbation(self.perception_perturbation, patch_size=self.perturbation_patch_size,
+                               prob=self.perturbation_prob, noise_std=self.perturbation_noise_std,
+                               blur_radius=self.perturbation_blur_radius)
+        except ValueError as e:
+            raise ValueError(f"perception_perturbation: {e}") from None
+        if self.perturbation_seed is None:
+            self.perturbation_seed = self.seed
         if isinstance(self.reward_funcs, str):
             self.reward_funcs = self.reward_funcs.split()
         if self.reward_funcs is not None:

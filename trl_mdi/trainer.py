@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,8 @@ from . import metrics as M
 from .attention import ModalityAttention, _forward_tensors, _layout, image_token_ids, probe_attention, unwrap_model
 from .attention import template_text_exclusion_mask
 from .config import MDIGRPOConfig
+from .perturb import perturb_images
+from .tprl import combine_masks, sequence_mean, token_visual_dependency, top_p_token_mask, trajectory_scaling
 from .rewards import (
     DEFAULT_REWARD_WEIGHTS,
     DEFAULT_REWARDS,
@@ -45,9 +48,17 @@ class _ScoringSession:
     """
 
     capture_in_trl_forward: bool  # TRL runs a no-grad policy forward (old log-probs): measure inside it
+    measure_attention: bool
+    need_entropy: bool
     attention: ModalityAttention | None = None
     policy_logps: torch.Tensor | None = None  # (B, C) log-probs of the completion under the real image
-    forwards: int = 0  # no-grad policy forwards made for measurement (for tests and metrics)
+    entropies: torch.Tensor | None = None  # (B, C) token entropies of the generation-time policy
+    visual_dependency: torch.Tensor | None = None  # (B, C) s_t, zero for rows without an image
+    has_image: torch.Tensor | None = None  # (B,) bool
+
+    @property
+    def scored(self) -> bool:
+        return self.policy_logps is not None
 
 
 class MDIGRPOTrainer(GRPOTrainer):
@@ -88,10 +99,19 @@ class MDIGRPOTrainer(GRPOTrainer):
             args.reward_weights = list(DEFAULT_REWARD_WEIGHTS)
         funcs = _resolve_reward_funcs(list(names), args.reward_weights)
         self._check_reward_inputs(funcs, args, train_dataset, eval_dataset)
+        if args.uses_visual_dependency:
+            for split, ds in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+                cols = getattr(ds, "column_names", None)
+                if isinstance(cols, list) and not {"image", "images"} & set(cols):
+                    raise ValueError(
+                        f"enable_perception_filtering / enable_trajectory_reweighting measure how much each token "
+                        f"depends on the image, but {split} has no 'image' or 'images' column (columns: {cols}). "
+                        "Turn them off for text-only data."
+                    )
         self._probe_session: _ScoringSession | None = None
         super().__init__(model, reward_funcs=funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, **kwargs)
-        if args.compute_attention_metrics:
+        if args.compute_attention_metrics or args.uses_visual_dependency:
             base = unwrap_model(self.model)
             self._image_ids = image_token_ids(base.config)  # clear error for a model without an image token
             num_layers = base.config.get_text_config().num_hidden_layers
@@ -143,39 +163,53 @@ class MDIGRPOTrainer(GRPOTrainer):
             # Same fix for the dataset's image column, which TRL uses when a batch holds no image at all.
             for x in inputs:
                 x["images"] = [x["image"]] if x.get("image") is not None else []
-        if not self.args.compute_attention_metrics:
+        if not (self.args.compute_attention_metrics or self.args.uses_tprl):
             return super()._generate_and_score_completions(inputs)
-        self._probe_session = _ScoringSession(capture_in_trl_forward=self._trl_runs_policy_forward())
+        session = _ScoringSession(
+            capture_in_trl_forward=self._trl_runs_policy_forward(),
+            measure_attention=self.args.compute_attention_metrics,
+            need_entropy=self.args.enable_entropy_filtering,
+        )
+        self._probe_session = session
         try:
-            return super()._generate_and_score_completions(inputs)
+            out = super()._generate_and_score_completions(inputs)
         finally:
             self._probe_session = None
+        if self.args.uses_tprl:
+            self._apply_tprl(out, session)
+        return out
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         session = self._probe_session
         if (
             session is None
             or not session.capture_in_trl_forward
-            or session.attention is not None
+            or session.scored
             or model is not self.model
             or torch.is_grad_enabled()
         ):
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                               *args, **kwargs)
         # TRL's old-log-prob forward of the policy: measure inside it instead of running another one.
-        with probe_attention(model, self._layout_fn(logits_to_keep)) as state:
+        if session.need_entropy:
+            kwargs["compute_entropy"] = True  # the fused head returns it at no extra forward
+        with self._maybe_probe(session, logits_to_keep) as state:
             out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                              *args, **kwargs)
-        session.attention, session.policy_logps = state.result(), out[0]
-        session.forwards += 1
+        session.policy_logps, session.entropies = out[0], out[1]
+        session.attention = state.result() if state is not None else None
         return out
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         session = self._probe_session
         if session is not None:
-            if session.attention is None:
-                self._measure_attention(session, inputs, prompts, completion_ids_list)
-            self._attach_attention_fields(session.attention, inputs)
+            session.has_image = torch.tensor([bool(_row_images(x)) for x in inputs])
+            if not session.scored:
+                self._scoring_forward(session, self._policy_forward_inputs(inputs, prompts, completion_ids_list))
+            if self.args.uses_visual_dependency:
+                self._visual_dependency(session, inputs, prompts, completion_ids_list)
+            if session.attention is not None:
+                self._attach_attention_fields(session.attention, inputs)
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
@@ -215,13 +249,8 @@ class MDIGRPOTrainer(GRPOTrainer):
         Every generated token is measured, truncated completions included (TRL masks those out of the loss only).
         """
         device = self.accelerator.device
-        if "images" in inputs[0]:
-            images = [x.get("images") or [] for x in inputs]
-        elif "image" in inputs[0]:
-            images = [[x["image"]] if x.get("image") is not None else [] for x in inputs]
-        else:
-            images = None
-        if images is not None and all(not imgs for imgs in images):
+        images = [_row_images(x) for x in inputs]
+        if all(not imgs for imgs in images):
             images = None
         texts = [apply_chat_template({"prompt": p}, self.processing_class, **self.chat_template_kwargs)["prompt"]
                  for p in prompts]
@@ -249,22 +278,51 @@ class MDIGRPOTrainer(GRPOTrainer):
             **forward_kwargs,
         }
 
-    def _measure_attention(self, session: _ScoringSession, inputs, prompts, completion_ids_list) -> None:
-        fwd = self._policy_forward_inputs(inputs, prompts, completion_ids_list)
+    @contextlib.contextmanager
+    def _maybe_probe(self, session: _ScoringSession, completion_length: int):
+        if not session.measure_attention:
+            yield None
+            return
+        with probe_attention(self.model, self._layout_fn(completion_length)) as state:
+            yield state
+
+    def _policy_logps(self, fwd: dict[str, Any], compute_entropy: bool = False, probe=None):
+        """One no-grad policy forward through TRL's own log-prob path (same chunking, fused head)."""
+        fwd = dict(fwd)
         mode = "train" if self.model.training else "eval"
         batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
         input_ids, attention_mask, c_len = fwd.pop("input_ids"), fwd.pop("attention_mask"), fwd.pop("logits_to_keep")
         # Every rank runs this forward (same number of chunks): ZeRO-3 needs all ranks in every gather.
-        with (
-            torch.no_grad(),
-            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-            probe_attention(self.model, self._layout_fn(c_len)) as state,
-        ):
-            logps, _, _ = super()._get_per_token_logps_and_entropies(
-                self.model, input_ids, attention_mask, c_len, batch_size=batch_size, **fwd
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            logps, entropies, _ = super()._get_per_token_logps_and_entropies(
+                self.model, input_ids, attention_mask, c_len, batch_size=batch_size, compute_entropy=compute_entropy,
+                **fwd,
             )
-        session.attention, session.policy_logps = state.result(), logps
-        session.forwards += 1
+        return logps, entropies
+
+    def _scoring_forward(self, session: _ScoringSession, fwd: dict[str, Any]) -> None:
+        """The one extra no-grad forward: attention probe, log-probs under the real image, entropies."""
+        with self._maybe_probe(session, fwd["logits_to_keep"]) as state:
+            session.policy_logps, session.entropies = self._policy_logps(fwd, compute_entropy=session.need_entropy)
+        session.attention = state.result() if state is not None else None
+
+    def _visual_dependency(self, session: _ScoringSession, inputs, prompts, completion_ids_list) -> None:
+        """s_t from one no-grad forward with perturbed images (the only other forward TPRL adds)."""
+        a = self.args
+        rows = [_row_images(x) for x in inputs]
+        step = self.state.global_step if self.model.training else 10**9 + self.state.global_step
+        perturbed = perturb_images(
+            rows, a.perception_perturbation, seed=a.perturbation_seed, step=step,
+            row_offset=self.accelerator.process_index * len(inputs), patch_size=a.perturbation_patch_size,
+            prob=a.perturbation_prob, noise_std=a.perturbation_noise_std, blur_radius=a.perturbation_blur_radius,
+        )
+        aug_inputs = [{**x, "images": imgs} for x, imgs in zip(inputs, perturbed)]
+        fwd = self._policy_forward_inputs(aug_inputs, prompts, completion_ids_list)
+        aug_logps, _ = self._policy_logps(fwd)
+        logps = _fit_width(session.policy_logps, aug_logps.shape[1])
+        s_t = token_visual_dependency(logps, aug_logps)
+        # Rows without an image have no visual dependency to measure: 0, and the masks leave them unfiltered.
+        session.visual_dependency = s_t * session.has_image.to(s_t.device)[:, None]
 
     def _attach_attention_fields(self, attention: ModalityAttention, inputs: list[dict]) -> None:
         """Add per-rollout attention fields to every input row (TRL passes row keys to rewards) and log metrics."""
@@ -295,6 +353,52 @@ class MDIGRPOTrainer(GRPOTrainer):
             for k in [*ATTENTION_FIELDS, *(f"mdi_{n}" for n in seg if n != "all")]:
                 row[k] = _float_or_none(local[k][i])
         self._log_attention_metrics(mode, keys, gathered)
+
+    def _apply_tprl(self, out: dict[str, Any], session: _ScoringSession) -> None:
+        """TGF masks into the loss mask (TRL's tool_mask) and TAS multipliers into the advantages.
+
+        The mask enters the loss mask only: with loss_type "dapo" the normaliser (num_items_in_batch, counted
+        before filtering) is unchanged, as in VPPO, so kept tokens get exactly the gradient they had.
+        """
+        a, metrics = self.args, self._metrics["train" if self.model.training else "eval"]
+        completion_mask = out["completion_mask"]
+        width = completion_mask.shape[1]
+        has_image = session.has_image.to(completion_mask.device)
+        entropy_mask = perception_mask = None
+        if a.enable_entropy_filtering:
+            entropies = _fit_width(session.entropies, width)
+            entropy_mask = top_p_token_mask(entropies, completion_mask, a.top_p_entropy_tokens)
+            metrics["tprl/entropy_token_fraction"].append(self._kept_fraction(entropy_mask, completion_mask))
+        s_t = _fit_width(session.visual_dependency, width) if session.visual_dependency is not None else None
+        if a.enable_perception_filtering:
+            perception_mask = top_p_token_mask(s_t, completion_mask, a.top_p_perception_tokens)
+            perception_mask |= ~has_image[:, None]  # nothing to rank without an image: keep every token
+            metrics["tprl/perception_token_fraction"].append(self._kept_fraction(perception_mask, completion_mask))
+        keep = combine_masks(entropy_mask, perception_mask)
+        if keep is not None:
+            tool_mask = out.get("tool_mask")
+            keep = keep.to(completion_mask.dtype)
+            out["tool_mask"] = keep if tool_mask is None else tool_mask * keep
+        if s_t is not None:
+            seq = sequence_mean(s_t, completion_mask)
+            table = self.accelerator.gather(torch.stack([seq.float(), has_image.float()], dim=1))
+            metrics["tprl/rows_without_image"].append(float((table[:, 1] == 0).float().mean()))
+            if table[:, 1].any():
+                metrics["tprl/sensitivity_score_mean"].append(float(table[table[:, 1] > 0, 0].mean()))
+            if a.enable_trajectory_reweighting:
+                valid = (table[:, 1] > 0) & (self.accelerator.gather(completion_mask.sum(1)) > 0)
+                scaling = trajectory_scaling(table[:, 0], a.trajectory_scaling_min, valid=valid)
+                start = self.accelerator.process_index * len(seq)
+                alpha = scaling.alpha[start : start + len(seq)].to(out["advantages"].device)
+                out["advantages"] = out["advantages"] * alpha
+                metrics["tprl/scaling_factor_mean"].append(float(scaling.alpha[valid].mean()) if valid.any() else 1.0)
+                metrics["tprl/scaling_factor_min"].append(float(scaling.alpha.min()))
+                metrics["tprl/scaling_factor_max"].append(float(scaling.alpha.max()))
+
+    def _kept_fraction(self, mask: torch.Tensor, completion_mask: torch.Tensor) -> float:
+        kept = torch.stack([(mask & completion_mask.bool()).sum(), completion_mask.sum()]).float()
+        kept, total = self.accelerator.gather(kept[None]).sum(0).tolist()
+        return kept / total if total else 0.0
 
     def _log_attention_metrics(self, mode: str, keys: list[str], gathered: torch.Tensor) -> None:
         col = {k: gathered[:, i] for i, k in enumerate(keys)}
@@ -329,6 +433,20 @@ def _resolve_reward_funcs(names: list, weights: list[float] | None) -> list:
 
 def _reward_name(r) -> str:
     return r if isinstance(r, str) else getattr(r, "__name__", type(r).__name__)
+
+
+def _row_images(row: dict) -> list:
+    """A row's images as a list, as TRL reads them: the `images` column first, else `image` (None -> [])."""
+    if "images" in row:
+        return list(row["images"] or [])
+    return [row["image"]] if row.get("image") is not None else []
+
+
+def _fit_width(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad with zeros or cut (B, C) to (B, width): TRL may pad completions to a multiple of N."""
+    if t.shape[1] >= width:
+        return t[:, :width]
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
 
 
 def _float_or_none(x: torch.Tensor) -> float | None:
