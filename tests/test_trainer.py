@@ -33,7 +33,8 @@ def make_args(tmp_path, **overrides):
     kw = dict(
         output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4,
         num_generations=4, max_completion_length=8, max_steps=2, logging_steps=1, save_strategy="no", seed=0,
-        learning_rate=1e-3, disable_tqdm=True,
+        learning_rate=1e-3, disable_tqdm=True, rollout_log_path=str(tmp_path / "logs" / "rollouts.md"),
+        attention_diag_log_path=str(tmp_path / "logs" / "attention.md"),
     )
     kw.update(overrides)
     return MDIGRPOConfig(**kw)

@@ -1,6 +1,7 @@
 """MDIGRPOTrainer with 2 CPU processes: DDP (gloo) and DeepSpeed ZeRO-3."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -36,7 +37,8 @@ def test_two_processes(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path, config, over
     # All three TPRL parts on: the perturbed-image forward runs on every rank, TAS normalises the gathered batch.
     tprl = {"enable_entropy_filtering": True, "enable_perception_filtering": True,
             "enable_trajectory_reweighting": True}
-    overrides = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2, **tprl, **overrides}
+    overrides = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2, "log_full_rollouts_per_step": 8,
+                 **tprl, **overrides}
     records = launch(config, tiny_vlm_dir("qwen2_5_vl"), prepared_aokvqa_dir / "train.parquet",
                      tmp_path / "ranks.jsonl", overrides)
     assert [r["rank"] for r in records] == [0, 1]
@@ -60,3 +62,12 @@ def test_two_processes(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path, config, over
         assert key in logs[0], key
     # TAS multipliers are normalised over the gathered batch: their mean over it is 1.
     assert all(abs(h["tprl/scaling_factor_mean"] - 1.0) < 1e-5 for h in logs)
+
+    # The live logs, written by the main process from data gathered on both: every rollout of a step once.
+    text = (tmp_path / "out" / "logs" / "rollouts.md").read_text()
+    steps = re.split(r"^## Step ", text, flags=re.M)[1:]
+    assert [int(b.split()[0]) for b in steps] == [1, 2]
+    for block in steps:
+        assert [int(i) for i in re.findall(r"^### Rollout (\d+)", block, flags=re.M)] == [0, 1, 2, 3]
+    attention = (tmp_path / "out" / "logs" / "attention.md").read_text()
+    assert len(re.findall(r"^## Step ", attention, flags=re.M)) == 2

@@ -76,6 +76,27 @@ class MDIGRPOConfig(GRPOConfig):
             Parameters of the perturbation; masks are drawn per (seed, step, rollout), so resumed runs continue
             deterministically.
 
+        > Live diagnostics (Markdown logs for `tail -f training_logs/*.md`, console, attention maps)
+
+        realtime_rollout_logging (`bool`, *optional*, defaults to `True`):
+            Append every generation batch (gathered from all processes) to the rollout log and, with attention
+            metrics on, to the attention log; written by the main process, flushed at once.
+        rollout_log_path (`str`, *optional*):
+            Defaults to `training_logs/rollout_results_<run>.md`, `<run>` = run_name or a timestamp.
+        attention_diag_log_path (`str`, *optional*):
+            Defaults to `training_logs/attention_diagnostics_<run>.md`.
+        colorize_output (`bool`, *optional*, defaults to `True`):
+            Colour the console summary (off anyway for NO_COLOR or non-TTY output).
+        log_prompt_preview_chars (`int`, *optional*, defaults to `120`), log_completion_preview_chars (`int`,
+        defaults to `2000`):
+            How much of a prompt (table rows) and of a completion (full rollouts) is written.
+        log_full_rollouts_per_step (`int`, *optional*, defaults to `2`):
+            Rollouts per step written in full; the others get one table row each.
+        attention_map_every_n_steps (`int`, *optional*, defaults to `10`), attention_maps_per_step (`int`,
+        defaults to `2`):
+            Draw attention-map PNGs (image with the completion's attention per image token, per segment) at step 1
+            and every N steps for that many rollouts, linked from the attention log. 0 turns maps off.
+
         > Reward stack
 
         reward_funcs (`list[str]`, *optional*):
@@ -143,6 +164,26 @@ class MDIGRPOConfig(GRPOConfig):
     perturbation_seed: int | None = field(
         default=None, metadata={"help": "Seed of the perturbation masks (default: the run's seed)."}
     )
+    realtime_rollout_logging: bool = field(
+        default=True,
+        metadata={"help": "Append every generation batch to training_logs/*.md (rollouts and attention), live."},
+    )
+    rollout_log_path: str | None = field(
+        default=None, metadata={"help": "Rollout log (default training_logs/rollout_results_<run>.md)."}
+    )
+    attention_diag_log_path: str | None = field(
+        default=None, metadata={"help": "Attention log (default training_logs/attention_diagnostics_<run>.md)."}
+    )
+    colorize_output: bool = field(default=True, metadata={"help": "Colour the console summary (off for NO_COLOR / pipes)."})
+    log_prompt_preview_chars: int = field(default=120, metadata={"help": "Prompt/completion characters per table row."})
+    log_completion_preview_chars: int = field(
+        default=2000, metadata={"help": "Completion characters written for a full rollout (then '... (N more chars)')."}
+    )
+    log_full_rollouts_per_step: int = field(default=2, metadata={"help": "Rollouts per step written in full."})
+    attention_map_every_n_steps: int = field(
+        default=10, metadata={"help": "Draw attention maps at step 1 and every N steps (0: never)."}
+    )
+    attention_maps_per_step: int = field(default=2, metadata={"help": "Rollouts per map step that get a map."})
     reward_funcs: list[str] | None = field(
         default=None,
         metadata={"help": _reward_names_help()},  # generated from the registry: cannot drift from it
@@ -180,6 +221,10 @@ class MDIGRPOConfig(GRPOConfig):
                                blur_radius=self.perturbation_blur_radius)
         except ValueError as e:
             raise ValueError(f"perception_perturbation: {e}") from None
+        for name in ("log_prompt_preview_chars", "log_completion_preview_chars", "log_full_rollouts_per_step",
+                     "attention_map_every_n_steps", "attention_maps_per_step"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.perturbation_seed is None:
             self.perturbation_seed = self.seed
         if isinstance(self.reward_funcs, str):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
 from trl import GRPOTrainer
 from trl.data_utils import apply_chat_template
 from trl.models.utils import disable_gradient_checkpointing
@@ -16,6 +18,7 @@ from . import metrics as M
 from .attention import ModalityAttention, _forward_tensors, _layout, image_token_ids, probe_attention, unwrap_model
 from .attention import template_text_exclusion_mask
 from .config import MDIGRPOConfig
+from .diagnostics import ConsoleSummaryCallback, LiveDiagnostics, map_record, rollout_record
 from .perturb import perturb_images
 from .tprl import combine_masks, sequence_mean, token_visual_dependency, top_p_token_mask, trajectory_scaling
 from .rewards import (
@@ -55,6 +58,11 @@ class _ScoringSession:
     entropies: torch.Tensor | None = None  # (B, C) token entropies of the generation-time policy
     visual_dependency: torch.Tensor | None = None  # (B, C) s_t, zero for rows without an image
     has_image: torch.Tensor | None = None  # (B,) bool
+    map_rows: list[int] = field(default_factory=list)  # local rows whose per-image-token attention is kept
+    rewards_per_func: torch.Tensor | None = None  # (N_global, F), as TRL computed them
+    batch: dict[str, Any] = field(default_factory=dict)  # prompts / completions / rows for the live logs
+    scoring_seconds: float = 0.0
+    reward_start: float = 0.0
 
     @property
     def scored(self) -> bool:
@@ -109,6 +117,13 @@ class MDIGRPOTrainer(GRPOTrainer):
                         "Turn them off for text-only data."
                     )
         self._probe_session: _ScoringSession | None = None
+        self._perf: dict[str, float] = {}
+        self._diagnostics = (
+            LiveDiagnostics(args, is_main_process=args.process_index == 0,
+                            reward_names=[_reward_name(f) for f in funcs], num_generations=args.num_generations,
+                            model_name=model if isinstance(model, str) else getattr(model.config, "_name_or_path", ""))
+            if args.realtime_rollout_logging else None
+        )
         super().__init__(model, reward_funcs=funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, **kwargs)
         if args.compute_attention_metrics or args.uses_visual_dependency:
@@ -119,6 +134,8 @@ class MDIGRPOTrainer(GRPOTrainer):
                 M.layer_segments(num_layers, args.attention_layer_segments)  # ranges checked against the model
             except ValueError as e:
                 raise ValueError(f"attention_layer_segments: {e}") from None
+
+        self.add_callback(ConsoleSummaryCallback(args.colorize_output))
 
     # ------------------------------------------------------------------------------------------------ checks
     @staticmethod
@@ -163,21 +180,52 @@ class MDIGRPOTrainer(GRPOTrainer):
             # Same fix for the dataset's image column, which TRL uses when a batch holds no image at all.
             for x in inputs:
                 x["images"] = [x["image"]] if x.get("image") is not None else []
-        if not (self.args.compute_attention_metrics or self.args.uses_tprl):
+        if not (self.args.compute_attention_metrics or self.args.uses_tprl or self._diagnostics):
             return super()._generate_and_score_completions(inputs)
+        step = self.state.global_step + 1  # the optimizer step this generation batch feeds
         session = _ScoringSession(
             capture_in_trl_forward=self._trl_runs_policy_forward(),
             measure_attention=self.args.compute_attention_metrics,
             need_entropy=self.args.enable_entropy_filtering,
         )
+        if self._diagnostics and self._diagnostics.is_main and self._diagnostics.wants_maps(step):
+            rows = [i for i, x in enumerate(inputs) if len(_row_images(x)) == 1]
+            session.map_rows = rows[: self.args.attention_maps_per_step]
         self._probe_session = session
+        start = time.perf_counter()
         try:
             out = super()._generate_and_score_completions(inputs)
         finally:
             self._probe_session = None
         if self.args.uses_tprl:
             self._apply_tprl(out, session)
+        mode = "train" if self.model.training else "eval"
+        generation = session.reward_start - start - (session.scoring_seconds if session.capture_in_trl_forward else 0)
+        self._perf = {
+            "generation": max(generation, 0.0),
+            "scoring": session.scoring_seconds,
+            "tokens": float(self.accelerator.gather(out["prompt_mask"].sum() + out["completion_mask"].sum()).sum()),
+            "samples": float(len(inputs) * self.accelerator.num_processes),
+        }
+        self._metrics[mode]["perf/generation_seconds"].append(self._perf["generation"])
+        self._metrics[mode]["perf/scoring_seconds"].append(session.scoring_seconds)
+        if self._diagnostics is not None:
+            self._write_diagnostics(step, session, out)
         return out
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        self._perf = {}
+        start = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        wall = time.perf_counter() - start
+        perf, metrics = self._perf, self._metrics["train"]
+        if perf:  # this step generated: split its wall time, and count its throughput
+            metrics["perf/update_seconds"].append(max(wall - perf["generation"] - perf["scoring"], 0.0))
+            metrics["perf/tokens_per_second"].append(perf["tokens"] / wall)
+            metrics["perf/samples_per_second"].append(perf["samples"] / wall)
+        else:
+            metrics["perf/update_seconds"].append(wall)
+        return loss
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         session = self._probe_session
@@ -193,9 +241,11 @@ class MDIGRPOTrainer(GRPOTrainer):
         # TRL's old-log-prob forward of the policy: measure inside it instead of running another one.
         if session.need_entropy:
             kwargs["compute_entropy"] = True  # the fused head returns it at no extra forward
+        start = time.perf_counter()
         with self._maybe_probe(session, logits_to_keep) as state:
             out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                              *args, **kwargs)
+        session.scoring_seconds += time.perf_counter() - start
         session.policy_logps, session.entropies = out[0], out[1]
         session.attention = state.result() if state is not None else None
         return out
@@ -203,14 +253,21 @@ class MDIGRPOTrainer(GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         session = self._probe_session
         if session is not None:
+            session.reward_start = start = time.perf_counter()
             session.has_image = torch.tensor([bool(_row_images(x)) for x in inputs])
-            if not session.scored:
+            need_forward = session.measure_attention or self.args.uses_tprl
+            if need_forward and not session.scored:
                 self._scoring_forward(session, self._policy_forward_inputs(inputs, prompts, completion_ids_list))
             if self.args.uses_visual_dependency:
                 self._visual_dependency(session, inputs, prompts, completion_ids_list)
             if session.attention is not None:
                 self._attach_attention_fields(session.attention, inputs)
+            session.scoring_seconds += time.perf_counter() - start
+            session.batch = {"inputs": inputs, "prompts": prompts, "completions": completions,
+                             "lengths": [len(c) for c in completion_ids_list]}
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if session is not None:
+            session.rewards_per_func = rewards_per_func
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         if num_generations and rewards_per_func.shape[0] % num_generations == 0:
@@ -283,7 +340,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         if not session.measure_attention:
             yield None
             return
-        with probe_attention(self.model, self._layout_fn(completion_length)) as state:
+        with probe_attention(self.model, self._layout_fn(completion_length), session.map_rows) as state:
             yield state
 
     def _policy_logps(self, fwd: dict[str, Any], compute_entropy: bool = False, probe=None):
@@ -394,6 +451,55 @@ class MDIGRPOTrainer(GRPOTrainer):
                 metrics["tprl/scaling_factor_mean"].append(float(scaling.alpha[valid].mean()) if valid.any() else 1.0)
                 metrics["tprl/scaling_factor_min"].append(float(scaling.alpha.min()))
                 metrics["tprl/scaling_factor_max"].append(float(scaling.alpha.max()))
+
+    def _write_diagnostics(self, step: int, session: _ScoringSession, out: dict[str, Any]) -> None:
+        """Gather this batch's rollouts (all ranks take part) and append them to the live logs (main process)."""
+        b = session.batch
+        if not b:
+            return
+        rows = session.attention.rows(self.args.attention_layer_segments, self.args.mdi_balance_ratio) \
+            if session.attention is not None else [None] * len(b["inputs"])
+        local = [
+            rollout_record(i, p, c, _row_images(x), {}, None, None, {k: x.get(k) for k in ("label_idx", "choices")},
+                           n, row)
+            for i, (p, c, x, n, row) in enumerate(zip(b["prompts"], b["completions"], b["inputs"], b["lengths"], rows))
+        ]
+        records = gather_object(local)
+        advantages = self.accelerator.gather(out["advantages"]).tolist()
+        rewards = session.rewards_per_func
+        weights = self.reward_weights.to(rewards.device)
+        totals = (rewards * weights).nansum(dim=1).tolist()
+        for g, rec in enumerate(records):
+            rec["rollout"]["index"] = g
+            vals = rewards[g].tolist()
+            rec["rollout"]["rewards"] = {n: (None if math.isnan(v) else v) for n, v in zip(self.reward_func_names, vals)}
+            rec["rollout"]["reward"] = totals[g]
+            rec["rollout"]["advantage"] = advantages[g]
+            if rec["attention"] is not None:
+                rec["attention"]["index"] = g
+        maps = self._attention_maps(session) if session.map_rows else []
+        self._diagnostics.write(step, float(self.state.epoch or 0.0), records, maps, {})
+
+    def _attention_maps(self, session: _ScoringSession) -> list[dict]:
+        """Per-segment attention over the image tokens of the selected local rows (main process, Qwen grids)."""
+        att, images = session.attention, [_row_images(x) for x in session.batch["inputs"]]
+        image_processor = getattr(self.processing_class, "image_processor", None)
+        merge = getattr(image_processor, "merge_size", None)
+        if att is None or merge is None:
+            return []  # maps need the Qwen-style image grid; other families are logged without maps
+        segments = M.layer_segments(att.num_layers, self.args.attention_layer_segments)
+        maps = []
+        for row in session.map_rows:
+            mass = att.image_token_mass.get(row)
+            if mass is None or mass.numel() == 0:
+                continue
+            grid = image_processor(images=images[row], return_tensors="pt")["image_grid_thw"][0].tolist()
+            per_seg = {name: mass[layers].mean(dim=0) for name, layers in segments.items()}
+            try:
+                maps.append(map_record(row, images[row][0], per_seg, grid, merge))
+            except ValueError:
+                continue
+        return maps
 
     def _kept_fraction(self, mask: torch.Tensor, completion_mask: torch.Tensor) -> float:
         kept = torch.stack([(mask & completion_mask.bool()).sum(), completion_mask.sum()]).float()

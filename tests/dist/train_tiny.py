@@ -53,10 +53,12 @@ def main():
     if drop_every:
         # Some prompts lose their image, so ranks see different mixes.
         ds = ds.map(lambda ex, i: {"image": None if i % drop_every == drop_every - 1 else ex["image"]}, with_indices=True)
+    out_dir = overrides.pop("output_dir")
     kwargs = dict(
-        output_dir=overrides.pop("output_dir"), bf16=False, report_to="none", per_device_train_batch_size=4,
+        output_dir=out_dir, bf16=False, report_to="none", per_device_train_batch_size=4,
         num_generations=4, max_completion_length=6, max_steps=2, logging_steps=1, save_strategy="no", seed=0,
         learning_rate=1e-3, disable_tqdm=True, ddp_backend="gloo",
+        rollout_log_path=out_dir + "/logs/rollouts.md", attention_diag_log_path=out_dir + "/logs/attention.md",
     )
     kwargs.update(overrides)
     args = MDIGRPOConfig(**kwargs)

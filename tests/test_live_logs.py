@@ -1,0 +1,183 @@
+"""The live Markdown logs as the trainer writes them: format, values, hostile completions, resume, growth."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoProcessor, TrainerCallback
+
+from test_trainer import make_args, spread_reward
+from trl_mdi.logs import LogPathError
+from trl_mdi.trainer import MDIGRPOTrainer
+
+STEP_HEADER = re.compile(r"^## Step (\d+)\b", re.M)
+
+
+def _logs(tmp_path: Path) -> tuple[Path, Path]:
+    return tmp_path / "logs" / "rollouts.md", tmp_path / "logs" / "attention.md"
+
+
+def _outside_fences(text: str) -> str:
+    """The text with fenced code blocks removed (CommonMark: a fence closes with at least as many backticks)."""
+    out, fence = [], None
+    for line in text.splitlines():
+        m = re.match(r"^(`{3,})", line)
+        if fence is None and m:
+            fence = m.group(1)
+        elif fence is not None and line.strip().startswith(fence) and set(line.strip()) == {"`"}:
+            fence = None
+        elif fence is None:
+            out.append(line)
+    assert fence is None, "a code fence was left open"
+    return "\n".join(out)
+
+
+class SizeWatcher(TrainerCallback):
+    """Reads the log file during training, after every optimizer step."""
+
+    def __init__(self, path: Path):
+        self.path, self.sizes = path, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.sizes.append(self.path.stat().st_size if self.path.exists() else 0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_vlm_dir):
+    return tiny_vlm_dir("qwen2_5_vl")
+
+
+class Recorded:
+    """Wraps a reward and records every value it returns, in rollout order."""
+
+    def __init__(self, fn):
+        self.fn, self.__name__, self.values = fn, fn.__name__, []
+
+    def __call__(self, *args, **kwargs):
+        out = self.fn(*args, **kwargs)
+        self.values.extend(out)
+        return out
+
+
+def test_logs_hold_every_step_and_the_rewards_the_trainer_computed(model_dir, grpo_train_dataset, tmp_path):
+    from trl_mdi.rewards import mc_idx_reward, mdi_balance_reward
+
+    rollout_log, attention_log = _logs(tmp_path)
+    recorded = [Recorded(mc_idx_reward), Recorded(mdi_balance_reward), Recorded(spread_reward)]
+    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=recorded,
+                             args=make_args(tmp_path, max_steps=3, log_full_rollouts_per_step=4),
+                             train_dataset=grpo_train_dataset)
+    watcher = SizeWatcher(rollout_log)
+    trainer.add_callback(watcher)
+    trainer.train()
+    # The file grew while the run was in progress, step by step (read from a callback, not after training).
+    assert len(watcher.sizes) == 3 and watcher.sizes[0] > 0 and watcher.sizes == sorted(set(watcher.sizes))
+    text = rollout_log.read_text()
+    body = _outside_fences(text)
+    assert [int(s) for s in STEP_HEADER.findall(body)] == [1, 2, 3]
+    assert body.count("<!-- trl_mdi:header kind=rollout") == 1
+    # Every rollout's reward values in the file equal what the reward functions returned.
+    logged = {r.__name__: r.values for r in recorded}
+    assert all(len(v) == 12 for v in logged.values())
+    blocks = re.split(r"^### Rollout ", body, flags=re.M)[1:]
+    assert len(blocks) == 12  # 3 steps x 4 rollouts, all written in full
+    for k, block in enumerate(blocks):
+        for name in trainer.reward_func_names:
+            m = re.search(rf"^\| {name} \| ([^|]+) \|", block, re.M)
+            assert m, (name, block[:300])
+            assert float(m.group(1)) == pytest.approx(logged[name][k], rel=1e-3, abs=1e-4), (name, k)
+    att = _outside_fences(attention_log.read_text())
+    assert [int(s) for s in STEP_HEADER.findall(att)] == [1, 2, 3]
+    assert "Mean MDI trend" in att and "![attention map, step 1" in att
+    pngs = sorted((attention_log.parent).rglob("*.png"))
+    assert pngs and all(p.stat().st_size > 0 for p in pngs)
+
+
+def test_hostile_completions_stay_valid_markdown(model_dir, grpo_train_dataset, tmp_path):
+    processor = AutoProcessor.from_pretrained(model_dir)
+    hostile = "`````\n## Step 99\n<script>alert(1)</script>\x07\x1b[31m | a | b |\n```"
+    ids = processor.tokenizer.encode(hostile, add_special_tokens=False)
+
+    def rollout_func(prompts, trainer):
+        prompt_ids = [processor.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)
+                      ["input_ids"][0] for p in prompts]
+        return {"prompt_ids": prompt_ids, "completion_ids": [ids] * len(prompts),
+                "logprobs": [[0.0] * len(ids)] * len(prompts)}
+
+    rollout_log, _ = _logs(tmp_path)
+    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=make_args(tmp_path, max_steps=1),
+                             train_dataset=grpo_train_dataset, rollout_func=rollout_func)
+    trainer.train()
+    text = rollout_log.read_text()
+    body = _outside_fences(text)
+    assert [int(s) for s in STEP_HEADER.findall(body)] == [1]  # the fake "## Step 99" stayed inside a fence
+    assert "<script>" not in body  # HTML outside fences is escaped
+    assert "\x07" not in text and "\x1b" not in text  # control characters removed
+    from markdown_it import MarkdownIt
+
+    tokens = MarkdownIt().parse(text)
+    assert sum(t.type == "heading_open" and t.tag == "h2" for t in tokens) == 1
+
+
+def test_resume_appends_with_marker_and_no_step_twice(model_dir, grpo_train_dataset, tmp_path):
+    rollout_log, attention_log = _logs(tmp_path)
+    args = make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
+    MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=args, train_dataset=grpo_train_dataset).train()
+    first = rollout_log.read_text()
+    assert [int(s) for s in STEP_HEADER.findall(_outside_fences(first))] == [1, 2, 3, 4]
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert checkpoint.is_dir()
+    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=args, train_dataset=grpo_train_dataset)
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    for path in (rollout_log, attention_log):
+        body = _outside_fences(path.read_text())
+        assert [int(s) for s in STEP_HEADER.findall(body)] == [1, 2, 3, 4], path.name
+        assert body.count("trl_mdi:header kind=") == 1
+        assert "Resumed at step 2" in body
+    # Steps 1-2 are kept byte for byte from the first run.
+    head = first[: first.index("\n## Step 3")]
+    assert rollout_log.read_text().startswith(head)
+
+
+def test_unwritable_log_path_fails_at_construction(model_dir, grpo_train_dataset, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(LogPathError, match="a_file"):
+        MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward],
+                       args=make_args(tmp_path, rollout_log_path=str(blocker / "rollouts.md")),
+                       train_dataset=grpo_train_dataset)
+
+
+def test_full_disk_mid_run_warns_once_and_training_continues(model_dir, grpo_train_dataset, tmp_path, monkeypatch):
+    import errno
+    import os
+
+    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=make_args(tmp_path, max_steps=3),
+                             train_dataset=grpo_train_dataset)
+    real_fsync = os.fsync
+    calls = {"n": 0}
+
+    def failing_fsync(fd):
+        calls["n"] += 1
+        if calls["n"] > 2:  # header + step 1 go through, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.warns(RuntimeWarning, match="No space left") as record:
+        trainer.train()
+    assert trainer.state.global_step == 3
+    # Once per log file (rollouts, attention), not once per step.
+    messages = [str(w.message) for w in record if "No space left" in str(w.message)]
+    assert len(messages) == 2
+    assert any("rollouts.md" in m for m in messages) and any("attention.md" in m for m in messages)
+
+
+def test_logging_off_writes_nothing(model_dir, grpo_train_dataset, tmp_path):
+    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward],
+                             args=make_args(tmp_path, max_steps=1, realtime_rollout_logging=False),
+                             train_dataset=grpo_train_dataset)
+    trainer.train()
+    assert not any(p.exists() for p in _logs(tmp_path))
+    assert torch.is_grad_enabled()

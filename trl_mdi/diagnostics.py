@@ -1,0 +1,175 @@
+"""Live diagnostics of a run: the two Markdown logs, attention maps and the console summary.
+
+The trainer builds one :class:`LiveDiagnostics` at construction (so a log path that cannot be written fails
+before any model work) and calls :meth:`LiveDiagnostics.write` once per generation batch with rows already
+gathered from every process; only the main process writes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from .logs import AttentionLogWriter, RolloutLogWriter, default_log_paths, print_step_summary
+from .logs.maps import render_segment_maps, token_grid_hw
+
+LETTERS = "ABCDEFGHIJ"
+
+
+def gold_answer(row: dict) -> str | None:
+    """'B (red)' from a row's label_idx and choices; None when the row has no label."""
+    label = row.get("label_idx")
+    if label is None or (isinstance(label, float) and math.isnan(label)):
+        return None
+    label = int(label)
+    choices = row.get("choices") or []
+    letter = LETTERS[label] if 0 <= label < len(LETTERS) else str(label)
+    return f"{letter} ({choices[label]})" if 0 <= label < len(choices) else letter
+
+
+def completion_string(completion: Any) -> str:
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list):
+        return "".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in completion)
+    return str(completion)
+
+
+class LiveDiagnostics:
+    """Owns the rollout log, the attention log and the attention-map folder of one run."""
+
+    def __init__(self, args, *, is_main_process: bool, reward_names: list[str], num_generations: int,
+                 model_name: str = ""):
+        self.args = args
+        self.is_main = is_main_process
+        self.reward_names = reward_names
+        self.started = time.time()
+        run = args.run_name if args.run_name and args.run_name != args.output_dir else None
+        default_rollout, default_attention = default_log_paths("training_logs", run)
+        self.rollout_path = Path(args.rollout_log_path or default_rollout)
+        self.attention_path = Path(args.attention_diag_log_path or default_attention)
+        self._opened = False
+        self.rollouts = self.attention = None
+        if not self.is_main:
+            return
+        config = {
+            "model": model_name or "(not given)",
+            "rewards": ", ".join(f"{n} x{w:g}" for n, w in zip(reward_names, args.reward_weights or [1] * 99)),
+            "num_generations": args.num_generations,
+            "mdi_balance_ratio": args.mdi_balance_ratio,
+            "tprl": ", ".join(k for k in ("enable_entropy_filtering", "enable_perception_filtering",
+                                          "enable_trajectory_reweighting") if getattr(args, k)) or "off",
+        }
+        accuracy = tuple(n for n in reward_names if n.startswith(("mc_idx", "accuracy")))
+        # Constructing the writers checks the paths: a bad path fails here, with the path and the reason.
+        self.rollouts = RolloutLogWriter(
+            self.rollout_path, run_name=run, config=config, preview_chars=args.log_completion_preview_chars,
+            full_rollouts_per_step=args.log_full_rollouts_per_step, row_preview_chars=args.log_prompt_preview_chars,
+            num_generations=num_generations, accuracy_rewards=accuracy, colorize=args.colorize_output,
+        )
+        self.attention = (
+            AttentionLogWriter(self.attention_path, run_name=run, config=config)
+            if args.compute_attention_metrics else None
+        )
+
+    # -------------------------------------------------------------------------------------------- writing
+    def open(self, global_step: int) -> None:
+        """Open lazily at the first write: a run that resumes from step N appends after its step-N block."""
+        if self._opened or not self.is_main:
+            return
+        resume = global_step if global_step > 0 else None
+        self.rollouts.open(resume_from_step=resume)
+        if self.attention is not None:
+            self.attention.open(resume_from_step=resume)
+        self._opened = True
+
+    def wants_maps(self, step: int) -> bool:
+        every = self.args.attention_map_every_n_steps
+        return bool(self.args.compute_attention_metrics and every and self.args.attention_maps_per_step
+                    and (step == 1 or step % every == 0))
+
+    def write(self, step: int, epoch: float, records: list[dict], maps: list[dict], summary: dict[str, Any]) -> None:
+        """Write one generation batch (main process). ``records``: gathered per-rollout dicts."""
+        if not self.is_main:
+            return
+        self.open(step - 1)
+        self.rollouts.write_step(step, epoch, [r["rollout"] for r in records], summary.get("rollout"))
+        if self.attention is None:
+            return
+        links = []
+        for m in maps:
+            abs_path, rel = self.attention.map_path(step, m["index"])
+            try:
+                render_segment_maps(m["image"], m["segments"], m["grid_hw"], abs_path,
+                                    title=f"step {step} · rollout {m['index']}")
+                links.append((m["index"], rel))
+            except (OSError, ValueError) as e:  # a map is a nicety: never stop training for one
+                summary.setdefault("attention", {})["map error"] = str(e)[:200]
+        rows = [r["attention"] for r in records if r.get("attention") is not None]
+        self.attention.write_step(step, epoch, rows, summary.get("attention"), maps=links)
+
+    def close(self) -> None:
+        for w in (self.rollouts, self.attention):
+            if w is not None:
+                w.close()
+
+
+def map_record(index: int, image, token_mass_by_segment: dict[str, Any], image_grid_thw, merge_size: int) -> dict:
+    """What the main process needs to draw one rollout's attention map."""
+    return {"index": index, "image": image, "segments": token_mass_by_segment,
+            "grid_hw": token_grid_hw(image_grid_thw, merge_size)}
+
+
+def rollout_record(index: int, prompt, completion, images: list, rewards: dict, total: float | None,
+                   advantage: float | None, row: dict, completion_length: int, attention: dict | None) -> dict:
+    """One rollout, reduced to plain Python (cheap to gather across processes)."""
+    sizes = [getattr(img, "size", None) for img in images]
+    return {
+        "rollout": {
+            "index": index,
+            "prompt": _without_image_payloads(prompt),
+            "image_sizes": sizes,
+            "completion": completion_string(completion),
+            "rewards": rewards,
+            "reward": total,
+            "advantage": advantage,
+            "answer": gold_answer(row),
+            "completion_length": completion_length,
+        },
+        "attention": None if attention is None else {**attention, "index": index},
+    }
+
+
+def _without_image_payloads(prompt: Any) -> Any:
+    """The prompt messages with image parts reduced to placeholders (no PIL objects to pickle across ranks)."""
+    if not isinstance(prompt, list):
+        return prompt
+    out = []
+    for msg in prompt:
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if isinstance(content, list):
+            content = [{"type": "image"} if isinstance(p, dict) and p.get("type") == "image" else p for p in content]
+            msg = {**msg, "content": content}
+        out.append(msg)
+    return out
+
+
+class ConsoleSummaryCallback(TrainerCallback):
+    """A colourised per-log summary next to the progress bar (plain text for NO_COLOR or non-TTY output)."""
+
+    KEYS = ("reward", "rewards/mc_idx_reward/mean", "attention/mdi", "attention/mdi_balance",
+            "tprl/scaling_factor_mean", "perf/tokens_per_second", "completions/mean_length")
+
+    def __init__(self, colorize: bool):
+        self.colorize = colorize
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs or "loss" not in logs:
+            return
+        shown = {k: logs[k] for k in self.KEYS if k in logs}
+        if shown:
+            print_step_summary(state.global_step, shown, colorize=self.colorize)
