@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -486,6 +487,9 @@ def measure_modality_attention(
         ids, am, mm = _forward_tensors(kwargs)
         return _layout(ids, am, completion_region, image_ids, mm, exclusion, query_phase, completion_mask)
 
+    # The masses come from inside the layers: ask for one position of logits, not (B, L, vocab), which at a real
+    # vocabulary (152k for Qwen2.5-VL) costs more memory than the whole rest of the forward.
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
     with torch.no_grad(), probe_attention(model, layout_fn, image_map_rows) as state:
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **multimodal_inputs)
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra, **multimodal_inputs)
     return state.result()

@@ -5,22 +5,26 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from accelerate.utils import gather_object
 from trl import GRPOTrainer
-from trl.data_utils import apply_chat_template
 from trl.models.utils import disable_gradient_checkpointing
 
 from . import metrics as M
-from .attention import ModalityAttention, _forward_tensors, _layout, image_token_ids, probe_attention, unwrap_model
-from .attention import template_text_exclusion_mask
+from .attention import (
+    ModalityAttention,
+    _forward_tensors,
+    _layout,
+    image_token_ids,
+    probe_attention,
+    template_text_exclusion_mask,
+    unwrap_model,
+)
 from .config import MDIGRPOConfig
 from .diagnostics import ConsoleSummaryCallback, LiveDiagnostics, map_record, rollout_record
 from .perturb import perturb_images
-from .tprl import combine_masks, sequence_mean, token_visual_dependency, top_p_token_mask, trajectory_scaling
 from .rewards import (
     DEFAULT_REWARD_WEIGHTS,
     DEFAULT_REWARDS,
@@ -31,42 +35,20 @@ from .rewards import (
     resolve_rewards,
     zero_spread_fraction,
 )
-
-# Per-rollout fields handed to reward functions (named keyword arguments) when attention metrics are on.
-ATTENTION_FIELDS = ("mdi", "mdi_balance", "mdi_group_score", "aei_text", "aei_image")
-
-# Keys of the processor output that TRL's log-prob forward accepts (its keyword arguments).
-_FORWARD_KEYS = (
-    "pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
-    "token_type_ids", "mm_token_type_ids", "image_position_ids",
+from .scoring import (
+    ATTENTION_FIELDS,
+    ScoringSession,
+    apply_tprl,
+    attention_metric_values,
+    attention_table,
+    fit_width,
+    float_or_none,
+    is_attention_field,
+    rebuild_forward_inputs,
+    row_images,
+    segment_names,
 )
-
-
-@dataclass
-class _ScoringSession:
-    """What one call of _generate_and_score_completions learns about its rollouts.
-
-    Lives only for the duration of that call (set and cleared in a try/finally), because TRL's pipeline offers no
-    other channel between the log-prob forward and the reward computation.
-    """
-
-    capture_in_trl_forward: bool  # TRL runs a no-grad policy forward (old log-probs): measure inside it
-    measure_attention: bool
-    need_entropy: bool
-    attention: ModalityAttention | None = None
-    policy_logps: torch.Tensor | None = None  # (B, C) log-probs of the completion under the real image
-    entropies: torch.Tensor | None = None  # (B, C) token entropies of the generation-time policy
-    visual_dependency: torch.Tensor | None = None  # (B, C) s_t, zero for rows without an image
-    has_image: torch.Tensor | None = None  # (B,) bool
-    map_rows: list[int] = field(default_factory=list)  # local rows whose per-image-token attention is kept
-    rewards_per_func: torch.Tensor | None = None  # (N_global, F), as TRL computed them
-    batch: dict[str, Any] = field(default_factory=dict)  # prompts / completions / rows for the live logs
-    scoring_seconds: float = 0.0
-    reward_start: float = 0.0
-
-    @property
-    def scored(self) -> bool:
-        return self.policy_logps is not None
+from .tprl import token_visual_dependency
 
 
 class MDIGRPOTrainer(GRPOTrainer):
@@ -116,7 +98,7 @@ class MDIGRPOTrainer(GRPOTrainer):
                         f"depends on the image, but {split} has no 'image' or 'images' column (columns: {cols}). "
                         "Turn them off for text-only data."
                     )
-        self._probe_session: _ScoringSession | None = None
+        self._probe_session: ScoringSession | None = None
         self._perf: dict[str, float] = {}
         self._diagnostics = (
             LiveDiagnostics(args, is_main_process=args.process_index == 0,
@@ -148,19 +130,19 @@ class MDIGRPOTrainer(GRPOTrainer):
             if not isinstance(cols, list):
                 continue  # iterable datasets may not know their columns up front
             # Segment names are configurable, so every mdi_<name> counts as a trainer field here.
-            trainer_fields = [*ATTENTION_FIELDS, *(f"mdi_{n}" for n in _segment_names(args))]
+            trainer_fields = [*ATTENTION_FIELDS, *(f"mdi_{n}" for n in segment_names(args.attention_layer_segments))]
             try:
                 check_reward_columns(funcs, [*cols, *trainer_fields] if args.compute_attention_metrics else cols)
             except ValueError as e:
                 raise ValueError(f"{split}: {e} Add the column (data_prep/prepare_aokvqa_for_trl.py writes "
                                  "label_idx) or drop the reward.") from None
-            clash = [c for c in cols if _is_attention_field(c)]
+            clash = [c for c in cols if is_attention_field(c)]
             if clash and args.compute_attention_metrics:
                 raise ValueError(f"{split} has columns {clash} that the trainer fills with attention metrics: "
                                  "rename them")
         if not args.compute_attention_metrics:
             for f in funcs:
-                needed = [n for n in required_reward_inputs(f) if _is_attention_field(n)]
+                needed = [n for n in required_reward_inputs(f) if is_attention_field(n)]
                 if needed:
                     raise ValueError(f"reward {_reward_name(f)!r} reads {needed}, which the trainer computes only "
                                      "with compute_attention_metrics=True")
@@ -183,13 +165,13 @@ class MDIGRPOTrainer(GRPOTrainer):
         if not (self.args.compute_attention_metrics or self.args.uses_tprl or self._diagnostics):
             return super()._generate_and_score_completions(inputs)
         step = self.state.global_step + 1  # the optimizer step this generation batch feeds
-        session = _ScoringSession(
+        session = ScoringSession(
             capture_in_trl_forward=self._trl_runs_policy_forward(),
             measure_attention=self.args.compute_attention_metrics,
             need_entropy=self.args.enable_entropy_filtering,
         )
         if self._diagnostics and self._diagnostics.is_main and self._diagnostics.wants_maps(step):
-            rows = [i for i, x in enumerate(inputs) if len(_row_images(x)) == 1]
+            rows = [i for i, x in enumerate(inputs) if len(row_images(x)) == 1]
             session.map_rows = rows[: self.args.attention_maps_per_step]
         self._probe_session = session
         start = time.perf_counter()
@@ -254,7 +236,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         session = self._probe_session
         if session is not None:
             session.reward_start = start = time.perf_counter()
-            session.has_image = torch.tensor([bool(_row_images(x)) for x in inputs])
+            session.has_image = torch.tensor([bool(row_images(x)) for x in inputs])
             need_forward = session.measure_attention or self.args.uses_tprl
             if need_forward and not session.scored:
                 self._scoring_forward(session, self._policy_forward_inputs(inputs, prompts, completion_ids_list))
@@ -301,42 +283,11 @@ class MDIGRPOTrainer(GRPOTrainer):
         return layout_fn
 
     def _policy_forward_inputs(self, inputs, prompts, completion_ids_list) -> dict[str, Any]:
-        """Prompt + completion tensors and multimodal kwargs, built as TRL builds them for its log-prob forward.
-
-        Every generated token is measured, truncated completions included (TRL masks those out of the loss only).
-        """
-        device = self.accelerator.device
-        images = [_row_images(x) for x in inputs]
-        if all(not imgs for imgs in images):
-            images = None
-        texts = [apply_chat_template({"prompt": p}, self.processing_class, **self.chat_template_kwargs)["prompt"]
-                 for p in prompts]
-        proc_kwargs = {"images": images} if images is not None else {}
-        enc = self.processing_class(text=texts, padding=True, padding_side="left", return_tensors="pt", **proc_kwargs)
-        enc = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in enc.items()}
-        prompt_ids, prompt_mask = enc["input_ids"], enc["attention_mask"]
-        c_len = max(1, max(len(c) for c in completion_ids_list))
-        pad_id = self._tokenizer.pad_token_id
-        completion_ids = torch.full((len(prompts), c_len), pad_id, dtype=prompt_ids.dtype, device=device)
-        completion_mask = torch.zeros((len(prompts), c_len), dtype=prompt_mask.dtype, device=device)
-        for i, ids in enumerate(completion_ids_list):
-            completion_ids[i, : len(ids)] = torch.as_tensor(list(ids), dtype=prompt_ids.dtype)
-            completion_mask[i, : len(ids)] = 1
-        forward_kwargs = {k: v for k, v in enc.items() if k in _FORWARD_KEYS}
-        for key in ("token_type_ids", "mm_token_type_ids"):
-            if key in forward_kwargs:
-                forward_kwargs[key] = torch.cat([forward_kwargs[key], forward_kwargs[key].new_zeros(completion_ids.shape)], 1)
-        num_images = [len(imgs) if imgs else 0 for imgs in images] if images is not None else None
-        return {
-            "input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
-            "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1),
-            "logits_to_keep": c_len,
-            "num_images": num_images,
-            **forward_kwargs,
-        }
+        return rebuild_forward_inputs(self.processing_class, self._tokenizer.pad_token_id, self.chat_template_kwargs,
+                                      inputs, prompts, completion_ids_list, self.accelerator.device)
 
     @contextlib.contextmanager
-    def _maybe_probe(self, session: _ScoringSession, completion_length: int):
+    def _maybe_probe(self, session: ScoringSession, completion_length: int):
         if not session.measure_attention:
             yield None
             return
@@ -357,16 +308,16 @@ class MDIGRPOTrainer(GRPOTrainer):
             )
         return logps, entropies
 
-    def _scoring_forward(self, session: _ScoringSession, fwd: dict[str, Any]) -> None:
+    def _scoring_forward(self, session: ScoringSession, fwd: dict[str, Any]) -> None:
         """The one extra no-grad forward: attention probe, log-probs under the real image, entropies."""
         with self._maybe_probe(session, fwd["logits_to_keep"]) as state:
             session.policy_logps, session.entropies = self._policy_logps(fwd, compute_entropy=session.need_entropy)
         session.attention = state.result() if state is not None else None
 
-    def _visual_dependency(self, session: _ScoringSession, inputs, prompts, completion_ids_list) -> None:
+    def _visual_dependency(self, session: ScoringSession, inputs, prompts, completion_ids_list) -> None:
         """s_t from one no-grad forward with perturbed images (the only other forward TPRL adds)."""
         a = self.args
-        rows = [_row_images(x) for x in inputs]
+        rows = [row_images(x) for x in inputs]
         step = self.state.global_step if self.model.training else 10**9 + self.state.global_step
         perturbed = perturb_images(
             rows, a.perception_perturbation, seed=a.perturbation_seed, step=step,
@@ -376,83 +327,36 @@ class MDIGRPOTrainer(GRPOTrainer):
         aug_inputs = [{**x, "images": imgs} for x, imgs in zip(inputs, perturbed)]
         fwd = self._policy_forward_inputs(aug_inputs, prompts, completion_ids_list)
         aug_logps, _ = self._policy_logps(fwd)
-        logps = _fit_width(session.policy_logps, aug_logps.shape[1])
+        logps = fit_width(session.policy_logps, aug_logps.shape[1])
         s_t = token_visual_dependency(logps, aug_logps)
         # Rows without an image have no visual dependency to measure: 0, and the masks leave them unfiltered.
         session.visual_dependency = s_t * session.has_image.to(s_t.device)[:, None]
 
     def _attach_attention_fields(self, attention: ModalityAttention, inputs: list[dict]) -> None:
         """Add per-rollout attention fields to every input row (TRL passes row keys to rewards) and log metrics."""
-        seg = attention.segment_metrics(self.args.attention_layer_segments)
-        balance = M.mdi_balance(seg["all"]["mdi"], self.args.mdi_balance_ratio)
-        local = {
-            "mdi": seg["all"]["mdi"],
-            "mdi_balance": balance,
-            "aei_text": seg["all"]["aei_text"],
-            "aei_image": seg["all"]["aei_image"],
-            **{f"mdi_{name}": vals["mdi"] for name, vals in seg.items() if name != "all"},
-        }
-        for g in ("image", "prompt_text", "completion", "special"):
-            local[f"{g}_mass"] = getattr(attention, g).mean(dim=1)
-        local["has_image"] = attention.has_image.float()
-        local["measured"] = attention.valid.float()
+        local = attention_table(attention, self.args.attention_layer_segments, self.args.mdi_balance_ratio)
         keys = list(local)
-        device = self.accelerator.device
-        table = torch.stack([local[k].float() for k in keys], dim=1).to(device)
+        table = torch.stack([local[k].float() for k in keys], dim=1).to(self.accelerator.device)
         gathered = self.accelerator.gather(table)  # (N_global, K): groups can span processes
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        all_mdi = gathered[:, keys.index("mdi")]
-        group_score = group_relative_mdi_score(all_mdi.cpu(), num_generations)
+        group_score = group_relative_mdi_score(gathered[:, keys.index("mdi")].cpu(), num_generations)
         start = self.accelerator.process_index * len(inputs)
         local["mdi_group_score"] = group_score[start : start + len(inputs)]
+        fields = [*ATTENTION_FIELDS, *(f"mdi_{n}" for n in segment_names(self.args.attention_layer_segments))]
         for i, row in enumerate(inputs):
-            for k in [*ATTENTION_FIELDS, *(f"mdi_{n}" for n in seg if n != "all")]:
-                row[k] = _float_or_none(local[k][i])
-        self._log_attention_metrics(mode, keys, gathered)
+            for k in fields:
+                row[k] = float_or_none(local[k][i])
+        for name, value in attention_metric_values(keys, gathered).items():
+            self._metrics[mode][name].append(value)
 
-    def _apply_tprl(self, out: dict[str, Any], session: _ScoringSession) -> None:
-        """TGF masks into the loss mask (TRL's tool_mask) and TAS multipliers into the advantages.
+    def _apply_tprl(self, out: dict[str, Any], session: ScoringSession) -> None:
+        metrics = apply_tprl(out, session, self.args, self.accelerator.gather, self.accelerator.process_index)
+        mode = "train" if self.model.training else "eval"
+        for name, value in metrics.items():
+            self._metrics[mode][name].append(value)
 
-        The mask enters the loss mask only: with loss_type "dapo" the normaliser (num_items_in_batch, counted
-        before filtering) is unchanged, as in VPPO, so kept tokens get exactly the gradient they had.
-        """
-        a, metrics = self.args, self._metrics["train" if self.model.training else "eval"]
-        completion_mask = out["completion_mask"]
-        width = completion_mask.shape[1]
-        has_image = session.has_image.to(completion_mask.device)
-        entropy_mask = perception_mask = None
-        if a.enable_entropy_filtering:
-            entropies = _fit_width(session.entropies, width)
-            entropy_mask = top_p_token_mask(entropies, completion_mask, a.top_p_entropy_tokens)
-            metrics["tprl/entropy_token_fraction"].append(self._kept_fraction(entropy_mask, completion_mask))
-        s_t = _fit_width(session.visual_dependency, width) if session.visual_dependency is not None else None
-        if a.enable_perception_filtering:
-            perception_mask = top_p_token_mask(s_t, completion_mask, a.top_p_perception_tokens)
-            perception_mask |= ~has_image[:, None]  # nothing to rank without an image: keep every token
-            metrics["tprl/perception_token_fraction"].append(self._kept_fraction(perception_mask, completion_mask))
-        keep = combine_masks(entropy_mask, perception_mask)
-        if keep is not None:
-            tool_mask = out.get("tool_mask")
-            keep = keep.to(completion_mask.dtype)
-            out["tool_mask"] = keep if tool_mask is None else tool_mask * keep
-        if s_t is not None:
-            seq = sequence_mean(s_t, completion_mask)
-            table = self.accelerator.gather(torch.stack([seq.float(), has_image.float()], dim=1))
-            metrics["tprl/rows_without_image"].append(float((table[:, 1] == 0).float().mean()))
-            if table[:, 1].any():
-                metrics["tprl/sensitivity_score_mean"].append(float(table[table[:, 1] > 0, 0].mean()))
-            if a.enable_trajectory_reweighting:
-                valid = (table[:, 1] > 0) & (self.accelerator.gather(completion_mask.sum(1)) > 0)
-                scaling = trajectory_scaling(table[:, 0], a.trajectory_scaling_min, valid=valid)
-                start = self.accelerator.process_index * len(seq)
-                alpha = scaling.alpha[start : start + len(seq)].to(out["advantages"].device)
-                out["advantages"] = out["advantages"] * alpha
-                metrics["tprl/scaling_factor_mean"].append(float(scaling.alpha[valid].mean()) if valid.any() else 1.0)
-                metrics["tprl/scaling_factor_min"].append(float(scaling.alpha.min()))
-                metrics["tprl/scaling_factor_max"].append(float(scaling.alpha.max()))
-
-    def _write_diagnostics(self, step: int, session: _ScoringSession, out: dict[str, Any]) -> None:
+    def _write_diagnostics(self, step: int, session: ScoringSession, out: dict[str, Any]) -> None:
         """Gather this batch's rollouts (all ranks take part) and append them to the live logs (main process)."""
         b = session.batch
         if not b:
@@ -460,7 +364,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         rows = session.attention.rows(self.args.attention_layer_segments, self.args.mdi_balance_ratio) \
             if session.attention is not None else [None] * len(b["inputs"])
         local = [
-            rollout_record(i, p, c, _row_images(x), {}, None, None, {k: x.get(k) for k in ("label_idx", "choices")},
+            rollout_record(i, p, c, row_images(x), {}, None, None, {k: x.get(k) for k in ("label_idx", "choices")},
                            n, row)
             for i, (p, c, x, n, row) in enumerate(zip(b["prompts"], b["completions"], b["inputs"], b["lengths"], rows))
         ]
@@ -480,9 +384,9 @@ class MDIGRPOTrainer(GRPOTrainer):
         maps = self._attention_maps(session) if session.map_rows else []
         self._diagnostics.write(step, float(self.state.epoch or 0.0), records, maps, {})
 
-    def _attention_maps(self, session: _ScoringSession) -> list[dict]:
+    def _attention_maps(self, session: ScoringSession) -> list[dict]:
         """Per-segment attention over the image tokens of the selected local rows (main process, Qwen grids)."""
-        att, images = session.attention, [_row_images(x) for x in session.batch["inputs"]]
+        att, images = session.attention, [row_images(x) for x in session.batch["inputs"]]
         image_processor = getattr(self.processing_class, "image_processor", None)
         merge = getattr(image_processor, "merge_size", None)
         if att is None or merge is None:
@@ -500,24 +404,6 @@ class MDIGRPOTrainer(GRPOTrainer):
             except ValueError:
                 continue
         return maps
-
-    def _kept_fraction(self, mask: torch.Tensor, completion_mask: torch.Tensor) -> float:
-        kept = torch.stack([(mask & completion_mask.bool()).sum(), completion_mask.sum()]).float()
-        kept, total = self.accelerator.gather(kept[None]).sum(0).tolist()
-        return kept / total if total else 0.0
-
-    def _log_attention_metrics(self, mode: str, keys: list[str], gathered: torch.Tensor) -> None:
-        col = {k: gathered[:, i] for i, k in enumerate(keys)}
-        metrics = self._metrics[mode]
-        metrics["attention/rows_without_image"].append(float((col["has_image"] == 0).float().mean()))
-        metrics["attention/rows_unmeasured"].append(float((col["measured"] == 0).float().mean()))
-        for k in keys:
-            if k in ("has_image", "measured"):
-                continue
-            v = col[k]
-            v = v[torch.isfinite(v)]  # MDI is NaN without image and +inf when image keys get no attention
-            if v.numel():
-                metrics[f"attention/{k}"].append(float(v.mean()))
 
 
 def _resolve_reward_funcs(names: list, weights: list[float] | None) -> list:
@@ -539,31 +425,4 @@ def _resolve_reward_funcs(names: list, weights: list[float] | None) -> list:
 
 def _reward_name(r) -> str:
     return r if isinstance(r, str) else getattr(r, "__name__", type(r).__name__)
-
-
-def _row_images(row: dict) -> list:
-    """A row's images as a list, as TRL reads them: the `images` column first, else `image` (None -> [])."""
-    if "images" in row:
-        return list(row["images"] or [])
-    return [row["image"]] if row.get("image") is not None else []
-
-
-def _fit_width(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Right-pad with zeros or cut (B, C) to (B, width): TRL may pad completions to a multiple of N."""
-    if t.shape[1] >= width:
-        return t[:, :width]
-    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
-
-
-def _float_or_none(x: torch.Tensor) -> float | None:
-    v = float(x)
-    return None if math.isnan(v) else v
-
-
-def _segment_names(args) -> list[str]:
-    return [n for n in M.layer_segments(10_000, args.attention_layer_segments) if n != "all"]
-
-
-def _is_attention_field(name: str) -> bool:
-    return name in ATTENTION_FIELDS or name.startswith("mdi_")
 
