@@ -8,6 +8,7 @@ gathered from every process; only the main process writes.
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,8 @@ class LiveDiagnostics:
         self.reward_names = reward_names
         self.started = time.time()
         run = args.run_name if args.run_name and args.run_name != args.output_dir else None
-        default_rollout, default_attention = default_log_paths("training_logs", run)
+        # TRL_MDI_LOG_DIR moves the default folder (the test suite points it at a temporary directory).
+        default_rollout, default_attention = default_log_paths(os.environ.get("TRL_MDI_LOG_DIR", "training_logs"), run)
         self.rollout_path = Path(args.rollout_log_path or default_rollout)
         self.attention_path = Path(args.attention_diag_log_path or default_attention)
         self._opened = False

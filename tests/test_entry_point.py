@@ -1,0 +1,301 @@
+"""examples/scripts/grpo_vlm.py (logic in trl_mdi.cli): flags, --config YAML, defaults and their provenance, the
+checks that run before any weight is loaded, the accelerate configs, and one 2-process ZeRO-3 training run.
+
+Everything but the last test runs in-process with --dry_run or on the parser alone (no weights, no training).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import yaml
+
+from trl_mdi import cli
+from trl_mdi.rewards import REWARD_REGISTRY
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "scripts" / "grpo_vlm.py"
+DEMO_YAML = ROOT / "examples" / "configs" / "demo.yaml"
+datasets.disable_progress_bars()
+
+
+def run_main(capsys, *args) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def base_args(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path):
+    return ["--model_name_or_path", tiny_vlm_dir("qwen2_5_vl"), "--dataset_path", prepared_aokvqa_dir,
+            "--output_dir", tmp_path / "out"]
+
+
+# ------------------------------------------------------------------------------------------------------- flags
+
+
+def test_help_lists_our_fields_with_their_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines: compare with whitespace collapsed
+    for flag in ("--compute_attention_metrics", "--mdi_balance_ratio", "--reward_funcs", "--dataset_path",
+                 "--data_files", "--eval_split_size", "--max_image_side", "--system_prompt", "--min_pixels",
+                 "--max_pixels", "--dry_run", "--use_peft", "--lora_target_modules", "--use_vllm", "--vllm_mode"):
+        assert flag in text, flag
+    assert "Measure per-rollout attention of generated tokens on image vs text" in text
+    assert "Drop rows with an image whose longer side exceeds this many pixels" in text
+    # The reward help comes from the registry: every name with the first line of its docstring.
+    for name, fn in REWARD_REGISTRY.items():
+        first = fn.__doc__.strip().splitlines()[0].strip()
+        assert f"{name} {' '.join(first.split())}" in text, name
+    # Script defaults are shown as the defaults.
+    assert "(default: 0.28)" in text
+
+
+def test_unknown_flag_is_an_error(capsys, base_args):
+    code, _, err = run_main(capsys, *base_args, "--no_such_flag", "1")
+    assert code == 2 and "--no_such_flag" in err
+
+
+def test_abbreviated_flag_is_an_error(capsys, base_args):
+    # argparse would otherwise read --epsilon_hig as --epsilon_high
+    code, _, err = run_main(capsys, *base_args, "--epsilon_hig", "0.3")
+    assert code == 2 and "--epsilon_hig" in err
+
+
+def test_unknown_yaml_key_is_an_error(capsys, base_args, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("max_steps: 3\nnot_a_field: 1\n")
+    code, _, err = run_main(capsys, *base_args, "--config", config)
+    assert code == 2 and "not_a_field" in err
+
+
+def test_yaml_config_cli_override_and_provenance(base_args, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(DEMO_YAML.read_text() + "epsilon_high: 0.25\n")
+    run = cli.parse_args([str(a) for a in base_args] + ["--config", str(config), "--max_steps", "3",
+                                                         "--mask_truncated_completions", "false"])
+    t = run.training
+    assert (t.max_steps, run.source("max_steps")) == (3, cli.SOURCE_CLI)  # the command line wins over the file
+    assert (t.num_generations, run.source("num_generations")) == (4, cli.SOURCE_YAML)
+    assert (t.epsilon_high, run.source("epsilon_high")) == (0.25, cli.SOURCE_YAML)  # the file wins over ours
+    assert (t.mask_truncated_completions, run.source("mask_truncated_completions")) == (False, cli.SOURCE_CLI)
+    assert (t.loss_type, run.source("loss_type")) == ("dapo", cli.SOURCE_OURS)
+    assert t.reward_funcs == ["mc_idx", "think_format", "mdi_balance"] and t.reward_weights == [4.0, 1.0, 1.0]
+    assert run.data.dataset_train_split == "sample_200" and run.source("dataset_train_split") == cli.SOURCE_YAML
+    assert run.source("beta") == cli.SOURCE_LIBRARY
+
+
+def test_recommended_and_cpu_defaults(base_args, monkeypatch):
+    run = cli.parse_args([str(a) for a in base_args])
+    assert run.training.epsilon_high == 0.28 and run.training.mask_truncated_completions is True
+    assert run.training.bf16 is False and run.source("bf16") == cli.SOURCE_OURS  # no GPU here
+    assert run.training.ddp_backend is None  # one process: no backend (accelerate would look for a process group)
+    flagged = cli.parse_args([str(a) for a in base_args] + ["--bf16", "false", "--epsilon_high", "0.2"])
+    assert flagged.source("bf16") == cli.SOURCE_CLI and flagged.training.epsilon_high == 0.2
+    # Under a multi-process launch (only the defaults are checked here: parsing would need torchrun's processes):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.script_defaults()["ddp_backend"] == "gloo" and cli.script_defaults()["use_cpu"] is True  # DDP
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert cli.script_defaults()["ddp_backend"] == "gloo" and "use_cpu" not in cli.script_defaults()  # ZeRO-3
+
+
+def test_dry_run_prints_the_effective_configuration(capsys, base_args):
+    code, out, _ = run_main(capsys, *base_args, "--dry_run", "--epsilon_high", "0.3", "--max_pixels", 12544)
+    assert code == 0
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and line.split()}
+    assert lines["epsilon_high"].split()[1:] == ["0.3", "cli"]
+    assert lines["mask_truncated_completions"].split()[1:] == ["True", "trl_mdi", "default"]
+    assert lines["reward_weights"].split()[1:4] == ["4", "1", "1"]
+    assert "compute_attention_metrics" in lines and "max_image_side" in lines
+    assert "train (64 rows)" in out and "dry run" in out
+
+
+def test_model_init_kwargs_from_model_flags(base_args):
+    run = cli.parse_args([str(a) for a in base_args] + ["--dtype", "bfloat16", "--attn_implementation", "sdpa"])
+    assert cli.model_init_kwargs(run.model, run.training) == {"revision": "main", "dtype": "bfloat16",
+                                                              "attn_implementation": "sdpa"}
+    run = cli.parse_args([str(a) for a in base_args] + ["--model_init_kwargs", '{"dtype": "float16"}'])
+    assert cli.model_init_kwargs(run.model, run.training)["dtype"] == "float16"  # the explicit JSON wins
+
+
+def test_processor_pixel_budget(tiny_vlm_dir):
+    processor = cli.load_processor(str(tiny_vlm_dir("qwen2_5_vl")), min_pixels=28 * 28, max_pixels=112 * 112)
+    assert (processor.image_processor.size.shortest_edge, processor.image_processor.size.longest_edge) == (784, 12544)
+    with pytest.raises(cli.ModelCheckError, match="Qwen-VL-style"):
+        cli.load_processor(str(tiny_vlm_dir("smolvlm")), max_pixels=12544)
+
+
+# --------------------------------------------------------------------------------------------------- bad input
+
+
+def test_model_that_is_not_a_vlm(capsys, base_args, tmp_path):
+    from transformers import Qwen2Config
+
+    Qwen2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(
+        tmp_path / "text-only")
+    args = list(base_args)
+    args[1] = tmp_path / "text-only"
+    code, _, err = run_main(capsys, *args, "--dry_run")
+    assert code == 2 and "is not a vision-language model" in err and "qwen2" in err
+
+
+def test_model_path_that_does_not_exist(capsys, base_args, tmp_path):
+    args = list(base_args)
+    args[1] = tmp_path / "nope"
+    code, _, err = run_main(capsys, *args, "--dry_run")
+    assert code == 2 and "does not exist" in err
+
+
+def test_dataset_path_that_does_not_exist(capsys, base_args, tmp_path):
+    args = list(base_args)
+    args[3] = tmp_path / "missing"
+    code, _, err = run_main(capsys, *args, "--dry_run")
+    assert code == 2 and "does not exist" in err and err.count("error:") == 1
+
+
+def test_dataset_without_label_column(capsys, base_args, tmp_path):
+    ds = datasets.load_dataset("parquet", data_files=str(Path(base_args[3]) / "train.parquet"), split="train")
+    ds.remove_columns("label_idx").to_parquet(str(tmp_path / "nolabel" / "train.parquet"))
+    args = list(base_args)
+    args[3] = tmp_path / "nolabel"
+    code, _, err = run_main(capsys, *args, "--dry_run")
+    assert code == 2 and "label_idx" in err and "solution" in err
+
+
+def test_dataset_without_image_column(capsys, base_args, tmp_path):
+    ds = datasets.load_dataset("parquet", data_files=str(Path(base_args[3]) / "train.parquet"), split="train")
+    ds.remove_columns("image").to_parquet(str(tmp_path / "noimage" / "train.parquet"))
+    args = list(base_args)
+    args[3] = tmp_path / "noimage"
+    code, _, err = run_main(capsys, *args, "--dry_run")
+    assert code == 2 and "no image column: expected 'image'" in err
+
+
+def test_reward_weight_count_mismatch(capsys, base_args):
+    code, _, err = run_main(capsys, *base_args, "--dry_run", "--reward_weights", "1", "2")
+    assert code == 2 and "2 reward weights for 3 reward functions" in err
+
+
+def test_peft_without_target_modules(capsys, base_args):
+    code, _, err = run_main(capsys, *base_args, "--dry_run", "--use_peft")
+    assert code == 2 and "--lora_target_modules" in err
+    code, out, _ = run_main(capsys, *base_args, "--dry_run", "--use_peft", "--lora_target_modules", "q_proj", "v_proj")
+    assert code == 0 and "lora_target_modules" in out
+
+
+def test_describe_outputs_lists_what_the_run_wrote(tmp_path):
+    import time
+    from types import SimpleNamespace
+
+    start = time.time() - 1
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    for path in (out / "checkpoint-10" / "trainer_state.json", out / "checkpoint-2" / "trainer_state.json",
+                 out / "README.md", logs / "r.md", logs / "a.md", logs / "a_maps" / "step1.png"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+    args = SimpleNamespace(output_dir=str(out), rollout_log_path=str(logs / "r.md"),
+                           attention_diag_log_path=str(logs / "a.md"))
+    text = cli.describe_outputs(args, start)
+    assert f"metrics (log_history):   {out / 'checkpoint-10' / 'trainer_state.json'}" in text
+    assert str(logs / "r.md") in text and str(logs / "a.md") in text and "README.md" not in text
+    assert f"1 PNG files in {logs / 'a_maps'}" in text
+
+
+# ------------------------------------------------------------------------------------------ accelerate configs
+
+GPU_CONFIGS = ["single_gpu.yaml", "multi_gpu.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml",
+               "multi_node_zero3.yaml"]
+HIDDEN_SIZE_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+
+
+@pytest.mark.parametrize("name", GPU_CONFIGS + ["cpu_ddp.yaml", "cpu_zero3.yaml"])
+def test_accelerate_config(name):
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    path = ROOT / "accelerate_configs" / name
+    text = path.read_text()
+    assert text.startswith("#"), f"{name} must open with a comment saying when to use it"
+    config = yaml.safe_load(text)
+    ClusterConfig.from_yaml_file(str(path))  # accelerate's own loader: unknown keys raise
+    ds = config.get("deepspeed_config") or {}
+    if ds.get("deepspeed_config_file"):
+        ds_json = json.loads((ROOT / ds["deepspeed_config_file"]).read_text())
+        zero = ds_json["zero_optimization"]
+    else:
+        zero = {}
+    # accelerate derives "auto" bucket sizes from a top-level hidden_size, which VLM configs lack.
+    assert not [k for k in HIDDEN_SIZE_KEYS if zero.get(k) == "auto"], name
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_process_zero3_run(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path):
+    """The script under accelerate with 2 processes and ZeRO-3 on CPU, configured by the demo YAML."""
+    out = tmp_path / "run"
+    logs = tmp_path / "logs"
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+        str(ROOT / "accelerate_configs" / "cpu_zero3.yaml"), str(SCRIPT),
+        "--config", str(DEMO_YAML), "--model_name_or_path", str(tiny_vlm_dir("qwen2_5_vl")),
+        "--dataset_path", str(prepared_aokvqa_dir), "--dataset_train_split", "train", "--output_dir", str(out),
+        "--max_steps", "2", "--save_steps", "2", "--per_device_train_batch_size", "2", "--max_completion_length", "8",
+        "--rollout_log_path", str(logs / "rollouts.md"), "--attention_diag_log_path", str(logs / "attention.md"),
+    ]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert proc.stdout.count("effective configuration") == 1  # printed by the main process only
+    assert "world_size                     2" in proc.stdout
+
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    steps = [h for h in state["log_history"] if "loss" in h]
+    assert len(steps) == 2
+    for key in ("attention/mdi", "attention/mdi_late", "attention/image_mass", "rewards/mc_idx_reward/mean",
+                "rewards/think_format_reward/mean", "rewards/mdi_balance_reward/mean"):
+        assert key in steps[-1], key
+    assert (logs / "rollouts.md").stat().st_size > 0 and (logs / "attention.md").stat().st_size > 0
+    assert f"Markdown log:            {logs / 'rollouts.md'}" in proc.stdout  # the closing summary finds them
+
+    # The final model was gathered from the ZeRO-3 shards: it reloads with every weight whole.
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    saved = AutoModelForImageTextToText.from_pretrained(out)
+    original = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir("qwen2_5_vl"))
+    assert {k: v.shape for k, v in saved.state_dict().items()} == {k: v.shape for k, v in original.state_dict().items()}
+    AutoProcessor.from_pretrained(out)
+
+
+def readme_training_commands() -> list[list[str]]:
+    """The grpo_vlm.py flags of every command in the README's Training section."""
+    import re
+    import shlex
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Training\n", 1)[1].split("\n## ", 1)[0]
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
+        for command in block.replace("\\\n", " ").splitlines():
+            tokens = shlex.split(command, comments=True)
+            if "examples/scripts/grpo_vlm.py" in tokens:
+                commands.append(tokens[tokens.index("examples/scripts/grpo_vlm.py") + 1:])
+    return commands
+
+
+def test_readme_training_commands_use_real_flags():
+    commands = readme_training_commands()
+    assert len(commands) == 4
+    for flags in commands:
+        run = cli.parse_args(flags)  # unknown or misspelt flags raise here
+        assert run.model.model_name_or_path == "Qwen/Qwen2.5-VL-3B-Instruct"
+        assert run.data.dataset_path == "./aokvqa_trl_data_simple"
