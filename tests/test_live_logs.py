@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_trainer import make_args, spread_reward
 from transformers import AutoProcessor, TrainerCallback
 
-from test_trainer import make_args, spread_reward
 from trl_mdi.logs import LogPathError
 from trl_mdi.trainer import MDIGRPOTrainer
 

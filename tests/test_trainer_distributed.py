@@ -1,8 +1,8 @@
 """MDIGRPOTrainer with 2 CPU processes: DDP (gloo) and DeepSpeed ZeRO-3."""
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path

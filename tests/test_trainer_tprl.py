@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from test_trainer import ForwardCounter, make_args, spread_reward
 from trl import GRPOTrainer
 
-from test_trainer import ForwardCounter, make_args, spread_reward
 from trl_mdi.trainer import MDIGRPOTrainer
 
 TPRL_ALL = dict(enable_entropy_filtering=True, enable_perception_filtering=True, enable_trajectory_reweighting=True,

@@ -39,7 +39,7 @@ _IMAGE, _PROMPT_TEXT, _COMPLETION, _SPECIAL = range(len(GROUPS))
 QUERY_PHASES = ("completion", "prompt")
 
 # The probe active in this context (thread / task); the registered attention function reads it.
-_ACTIVE: "contextvars.ContextVar[_ProbeState | None]" = contextvars.ContextVar("trl_mdi_probe", default=None)
+_ACTIVE: contextvars.ContextVar[_ProbeState | None] = contextvars.ContextVar("trl_mdi_probe", default=None)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -289,13 +289,9 @@ def model_init_kwargs(model_args, training_args) -> dict[str, Any]:
 
 def effective_rewards(training_args) -> tuple[list[str], list[float] | None]:
     """Reward names and weights the trainer will use (the same defaulting as MDIGRPOTrainer)."""
-    from .rewards import DEFAULT_REWARD_WEIGHTS, DEFAULT_REWARDS
+    from .rewards import default_reward_stack
 
-    names = list(training_args.reward_funcs or DEFAULT_REWARDS)
-    weights = training_args.reward_weights
-    if weights is None and names == list(DEFAULT_REWARDS):
-        weights = list(DEFAULT_REWARD_WEIGHTS)
-    return names, (list(weights) if weights is not None else None)
+    return default_reward_stack(training_args.reward_funcs, training_args.reward_weights)
 
 
 def _check_reward_data(run: ParsedRun, data: TrainingData) -> None:

@@ -523,6 +523,23 @@ def resolve_rewards(
     return funcs, [float(w) for w in weights]
 
 
+def default_reward_stack(names: Sequence | None, weights: Sequence[float] | None) -> tuple[list, list[float] | None]:
+    """The rewards and weights a run uses: the given ones, else the 4:1:1 stack.
+
+    The default weights apply only when the names are the default stack and no weights were given, so a user's
+    ``reward_weights`` is never replaced.
+
+    >>> default_reward_stack(None, None)
+    (['mc_idx', 'think_format', 'mdi_balance'], [4.0, 1.0, 1.0])
+    >>> default_reward_stack(["mc_idx"], None)
+    (['mc_idx'], None)
+    """
+    names = list(names) if names else list(DEFAULT_REWARDS)
+    if weights is None and names == list(DEFAULT_REWARDS):
+        return names, list(DEFAULT_REWARD_WEIGHTS)
+    return names, (list(weights) if weights is not None else None)
+
+
 def _first_doc_line(fn: Callable) -> str:
     doc = inspect.getdoc(fn) or ""
     return next((line.strip() for line in doc.splitlines() if line.strip()), "(no description)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from typing import Any
 
@@ -26,10 +27,9 @@ from .config import MDIGRPOConfig
 from .diagnostics import ConsoleSummaryCallback, LiveDiagnostics, map_record, rollout_record
 from .perturb import perturb_images
 from .rewards import (
-    DEFAULT_REWARD_WEIGHTS,
-    DEFAULT_REWARDS,
     REWARD_REGISTRY,
     check_reward_columns,
+    default_reward_stack,
     group_relative_mdi_score,
     required_reward_inputs,
     resolve_rewards,
@@ -82,11 +82,11 @@ class MDIGRPOTrainer(GRPOTrainer):
             args = MDIGRPOConfig(f"{str(name).split('/')[-1]}-MDI-GRPO")
         elif not isinstance(args, MDIGRPOConfig):
             raise TypeError(f"args must be an MDIGRPOConfig, got {type(args).__name__}")
-        names = reward_funcs if reward_funcs is not None else (args.reward_funcs or list(DEFAULT_REWARDS))
-        if not isinstance(names, (list, tuple)):
-            names = [names]
-        if args.reward_weights is None and list(names) == list(DEFAULT_REWARDS):
-            args.reward_weights = list(DEFAULT_REWARD_WEIGHTS)
+        if reward_funcs is not None and not isinstance(reward_funcs, (list, tuple)):
+            reward_funcs = [reward_funcs]
+        names, args.reward_weights = default_reward_stack(
+            reward_funcs if reward_funcs is not None else args.reward_funcs, args.reward_weights
+        )
         funcs = _resolve_reward_funcs(list(names), args.reward_weights)
         self._check_reward_inputs(funcs, args, train_dataset, eval_dataset)
         if args.uses_visual_dependency:
@@ -118,6 +118,14 @@ class MDIGRPOTrainer(GRPOTrainer):
                 raise ValueError(f"attention_layer_segments: {e}") from None
 
         self.add_callback(ConsoleSummaryCallback(args.colorize_output))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1 and self.accelerator.num_processes != world:
+            # Without a GPU accelerate finds no backend, reports one process per rank and every rank trains alone.
+            raise RuntimeError(
+                f"launched with WORLD_SIZE={world} but accelerate sees {self.accelerator.num_processes} process(es). "
+                "On a machine without a GPU set ddp_backend='gloo' (and use_cpu=True for plain DDP; use_cpu=False "
+                "with DeepSpeed); examples/scripts/grpo_vlm.py does this for you."
+            )
 
     # ------------------------------------------------------------------------------------------------ checks
     @staticmethod

@@ -1,0 +1,156 @@
+"""Step-time overhead of MDIGRPOTrainer over stock GRPOTrainer, measured side by side in one process.
+
+    .venv/bin/python benchmarks/overhead.py            # ~5 min on 2 CPU cores
+    .venv/bin/python benchmarks/overhead.py --quick    # fewer rounds
+
+Same tiny Qwen2.5-VL (built offline, deeper and wider than the test one), same synthetic A-OKVQA data, same seed
+and the same rewards (mc_idx + think_format, which need no attention) for every variant:
+
+    stock      trl.GRPOTrainer
+    attention  MDIGRPOTrainer, compute_attention_metrics=True, live Markdown logs off
+    full       MDIGRPOTrainer, compute_attention_metrics=True, live Markdown logs on (maps every 10 steps)
+
+Variants run in alternating rounds (stock, attention, full, stock, ...) so that machine load hits them alike; the
+figure is the median per-step wall time (first step of each run dropped as warm-up), and the ratio to stock.
+The section "Trainer overhead" of benchmarks/RESULTS.md is replaced with the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from datasets import load_dataset  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from trl_mdi.aokvqa import prepare_aokvqa  # noqa: E402
+from trl_mdi.config import MDIGRPOConfig  # noqa: E402
+from trl_mdi.data import to_conversational  # noqa: E402
+from trl_mdi.rewards import mc_idx_reward, think_format_reward  # noqa: E402
+from trl_mdi.synthetic import write_synthetic_aokvqa  # noqa: E402
+from trl_mdi.tiny import save_tiny_vlm  # noqa: E402
+from trl_mdi.trainer import MDIGRPOTrainer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTION = "## Trainer overhead: MDIGRPOTrainer vs GRPOTrainer"
+MODEL = dict(num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=4, intermediate_size=768)
+
+
+class StepTimer(TrainerCallback):
+    def __init__(self):
+        self.times: list[float] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._t = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append(time.perf_counter() - self._t)
+
+
+def run(variant: str, model_dir: Path, dataset, work: Path, steps: int) -> list[float]:
+    common = dict(
+        output_dir=str(work / variant), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=8,
+        num_generations=4, max_completion_length=32, max_steps=steps, logging_steps=1, save_strategy="no", seed=0,
+        learning_rate=1e-5, disable_tqdm=True, gradient_checkpointing=False,
+    )
+    rewards = [mc_idx_reward, think_format_reward]
+    if variant == "stock":
+        trainer = GRPOTrainer(str(model_dir), reward_funcs=rewards, args=GRPOConfig(**common), train_dataset=dataset)
+    else:
+        args = MDIGRPOConfig(
+            **common, compute_attention_metrics=True, realtime_rollout_logging=(variant == "full"),
+            rollout_log_path=str(work / variant / "rollouts.md"),
+            attention_diag_log_path=str(work / variant / "attention.md"),
+        )
+        trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=rewards, args=args, train_dataset=dataset)
+    timer = StepTimer()
+    trainer.add_callback(timer)
+    trainer.train()
+    return timer.times[1:]  # the first step pays one-off costs (allocator, kernel selection)
+
+
+def replace_section(path: Path, body: str) -> None:
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    start = text.find(SECTION)
+    if start == -1:
+        text = text.rstrip() + "\n\n" + body
+    else:
+        end = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + body + (text[end + 1:] if end != -1 else "")
+    path.write_text(text.rstrip() + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 5 steps")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    a = parser.parse_args()
+    if a.quick:
+        a.rounds, a.steps = 2, 5
+    torch.set_num_threads(2)
+    started = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model_dir = save_tiny_vlm("qwen2_5_vl", work / "model", **MODEL)
+        write_synthetic_aokvqa(work / "src", n_train=256, n_validation=8, n_test=8, seed=0, num_shards=1)
+        prepare_aokvqa(work / "src", work / "prepared", log=lambda *x: None)
+        dataset = load_dataset("parquet", data_files=str(work / "prepared" / "train.parquet"), split="train")
+        dataset = dataset.map(to_conversational)
+        times: dict[str, list[float]] = {"stock": [], "attention": [], "full": []}
+        for r in range(a.rounds):
+            for variant in times:
+                t = run(variant, model_dir, dataset, work / f"r{r}", a.steps)
+                times[variant].extend(t)
+                print(f"round {r} {variant:9s} median step {statistics.median(t):.3f} s", flush=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    rows = [
+        f"| {k} | {len(v)} | {med[k]:.3f} | {min(v):.3f} | {max(v):.3f} | {med[k] / med['stock']:.3f}"
+        f"{' ✓' if k != 'stock' and med[k] / med['stock'] <= 1.15 else (' ✗' if k != 'stock' else '')} |"
+        for k, v in times.items()
+    ]
+    body = "\n".join([
+        SECTION,
+        "",
+        f"Reproduce: `.venv/bin/python benchmarks/overhead.py{' --quick' if a.quick else ''}` (from the repository "
+        f"root; {(time.time() - started) / 60:.1f} min).",
+        "",
+        f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, torch {torch.__version__}, `torch.set_num_threads(2)`, Python {platform.python_version()}.",
+        f"- Model: tiny Qwen2.5-VL built offline ({', '.join(f'{k}={v}' for k, v in MODEL.items())}), float32, CPU.",
+        "- Run: per_device_train_batch_size 8, num_generations 4, max_completion_length 32, lr 1e-5, no gradient "
+        "checkpointing; rewards mc_idx + think_format for every variant (they need no attention).",
+        f"- {a.rounds} alternating rounds x {a.steps} steps per variant; first step of each run dropped; median step "
+        "wall time. Target: attention / stock <= 1.15.",
+        "",
+        "| variant | steps | median s | min s | max s | ratio to stock |",
+        "|---|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+        "`attention`: MDIGRPOTrainer with the probe on (one extra no-grad forward per generation batch, whose "
+        "log-probs TPRL reuses), Markdown logs off. `full`: the same plus the live Markdown logs and attention maps.",
+        "",
+    ])
+    print(body)
+    if not a.no_write:
+        replace_section(ROOT / "benchmarks" / "RESULTS.md", body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
