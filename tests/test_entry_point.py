@@ -299,3 +299,25 @@ def test_readme_training_commands_use_real_flags():
         run = cli.parse_args(flags)  # unknown or misspelt flags raise here
         assert run.model.model_name_or_path == "Qwen/Qwen2.5-VL-3B-Instruct"
         assert run.data.dataset_path == "./aokvqa_trl_data_simple"
+
+
+def test_eval_only_measures_without_training(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path):
+    """--eval_only: rewards and attention metrics on the eval split, logs and a summary, no weights written."""
+    import json
+
+    from trl_mdi.cli import main
+
+    out = tmp_path / "eval"
+    logs = tmp_path / "logs"
+    code = main([
+        "--model_name_or_path", str(tiny_vlm_dir("qwen2_5_vl")), "--dataset_path", str(prepared_aokvqa_dir),
+        "--output_dir", str(out), "--eval_only", "--per_device_eval_batch_size", "8", "--num_generations", "4",
+        "--max_completion_length", "6", "--report_to", "none", "--use_cpu", "true",
+        "--rollout_log_path", str(logs / "r.md"), "--attention_diag_log_path", str(logs / "a.md"),
+    ])
+    assert code == 0
+    summary = json.loads((out / "eval_summary.json").read_text())["summary"]
+    assert 0.0 <= summary["accuracy"] <= 1.0
+    assert {"attention/mdi_early", "attention/mdi_middle", "attention/mdi_late", "attention/mdi"} <= set(summary)
+    assert (logs / "r.md").read_text().count("## Step 1") >= 1 and (logs / "a.md").exists()
+    assert not (out / "model.safetensors").exists()  # nothing trained, nothing saved

@@ -27,6 +27,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from .config import MDIGRPOConfig
@@ -87,6 +88,12 @@ class ScriptArguments:
         default=None,
         metadata={"help": "Largest image size in pixels the processor resizes to (e.g. 401408 = 512*28*28), for "
                   "Qwen-VL-style processors: caps the image tokens per prompt (default: the processor's own)."},
+    )
+    eval_only: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "Measure without training: generate on the eval split, compute every reward and the "
+                  "attention metrics, write the Markdown logs and output_dir/eval_summary.json (accuracy, mean MDI "
+                  "per segment). Use it on a base model or a checkpoint (--model_name_or_path DIR)."},
     )
     dry_run: bool = dataclasses.field(
         default=False,
@@ -436,6 +443,34 @@ def _fail(message: str) -> int:
     return 2
 
 
+def eval_summary(metrics: dict[str, float]) -> dict[str, Any]:
+    """The headline numbers of an evaluation: accuracy, mean reward, mean MDI and balance per segment."""
+    pick = {k.removeprefix("eval_"): v for k, v in metrics.items()}
+    summary = {"accuracy": pick.get("rewards/mc_idx_reward/mean", pick.get("rewards/accuracy_reward/mean")),
+               "reward": pick.get("reward")}
+    summary.update({k: v for k, v in pick.items() if k.startswith(("attention/mdi", "attention/aei"))})
+    summary.update({k: v for k, v in pick.items() if k.startswith("rewards/") and k.endswith("/mean")})
+    return summary
+
+
+def _evaluate_only(trainer, t, start: float, log) -> int:
+    import json
+
+    metrics = trainer.evaluate()
+    summary = eval_summary(metrics)
+    if t.process_index == 0:
+        Path(t.output_dir).mkdir(parents=True, exist_ok=True)
+        out = Path(t.output_dir) / "eval_summary.json"
+        out.write_text(json.dumps({"summary": summary, "metrics": metrics}, indent=2, sort_keys=True))
+        width = max(len(k) for k in summary)
+        log("evaluation (no training):\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in summary.items()))
+        diag = trainer._diagnostics
+        logs = [str(p) for p in (diag.rollout_path, diag.attention_path) if p.exists()] if diag else []
+        log(f"summary: {out}\nMarkdown logs: {', '.join(logs) or 'off'}\ndone in {time.time() - start:.0f} s")
+    trainer.end()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the script; returns the exit status (0 done, 2 bad input). Other errors propagate with a traceback."""
     start = time.time()
@@ -455,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    max_pixels=s.max_pixels)
         # The main process prepares (and caches) the data first; the others then read the cache.
         with t.main_process_first(desc="dataset preparation"):
-            data = load_training_data(run.data, need_eval=t.eval_strategy != "no", seed=t.seed, log=log)
+            data = load_training_data(run.data, need_eval=t.eval_strategy != "no" or s.eval_only, seed=t.seed, log=log)
         _check_reward_data(run, data)
     except (UsageError, DatasetError) as e:
         return _fail(str(e))
@@ -474,11 +509,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         model=m.model_name_or_path,  # a path: model_init_kwargs and ZeRO-3 sharded init apply at load time
         args=t,
         train_dataset=data.train,
-        eval_dataset=data.eval if t.eval_strategy != "no" else None,
+        eval_dataset=data.eval if t.eval_strategy != "no" or s.eval_only else None,
         processing_class=processor,
         peft_config=get_peft_config(m),
         quantization_config=get_quantization_config(m),
     )
+    if s.eval_only:
+        return _evaluate_only(trainer, t, start, log)
     trainer.train(resume_from_checkpoint=t.resume_from_checkpoint)
     trainer.save_model(t.output_dir)  # model (gathered from ZeRO-3 shards) + processor
     if is_main:

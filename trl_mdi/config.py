@@ -76,6 +76,19 @@ class MDIGRPOConfig(GRPOConfig):
             Parameters of the perturbation; masks are drawn per (seed, step, rollout), so resumed runs continue
             deterministically.
 
+        > Online group filtering (TPRL brief's online_filtering / filter_key / filter_low / filter_high)
+
+        online_filtering (`bool`, *optional*, defaults to `False`):
+            Drop from the update every group whose mean of `filter_key` lies outside `[filter_low, filter_high]`
+            (all-right or all-wrong groups carry no signal): their advantages are zeroed, their tokens leave the
+            loss mask, and the DAPO normaliser counts only the kept groups' tokens, as if the dropped groups had
+            not been sampled. The batch shape stays the same (every process keeps its rows, ZeRO-3 stays in step).
+        filter_key (`str`, *optional*, defaults to `"mc_idx"`):
+            The reward whose group mean is tested: a reward name (`mc_idx` or `mc_idx_reward`) or `reward` for the
+            weighted total.
+        filter_low (`float`, *optional*, defaults to `0.01`), filter_high (`float`, *optional*, defaults to `0.99`):
+            Groups with a mean inside this closed range are kept.
+
         > Live diagnostics (Markdown logs for `tail -f training_logs/*.md`, console, attention maps)
 
         realtime_rollout_logging (`bool`, *optional*, defaults to `True`):
@@ -164,6 +177,14 @@ class MDIGRPOConfig(GRPOConfig):
     perturbation_seed: int | None = field(
         default=None, metadata={"help": "Seed of the perturbation masks (default: the run's seed)."}
     )
+    online_filtering: bool = field(
+        default=False, metadata={"help": "Drop groups whose mean filter_key reward is outside [filter_low, filter_high]."}
+    )
+    filter_key: str = field(
+        default="mc_idx", metadata={"help": "Reward tested by online_filtering: a reward name, or 'reward' (weighted total)."}
+    )
+    filter_low: float = field(default=0.01, metadata={"help": "online_filtering keeps groups with mean >= filter_low."})
+    filter_high: float = field(default=0.99, metadata={"help": "online_filtering keeps groups with mean <= filter_high."})
     realtime_rollout_logging: bool = field(
         default=True,
         metadata={"help": "Append every generation batch to training_logs/*.md (rollouts and attention), live."},
@@ -221,6 +242,8 @@ class MDIGRPOConfig(GRPOConfig):
                                blur_radius=self.perturbation_blur_radius)
         except ValueError as e:
             raise ValueError(f"perception_perturbation: {e}") from None
+        if self.filter_low > self.filter_high:
+            raise ValueError(f"filter_low ({self.filter_low}) must be <= filter_high ({self.filter_high})")
         for name in ("log_prompt_preview_chars", "log_completion_preview_chars", "log_full_rollouts_per_step",
                      "attention_map_every_n_steps", "attention_maps_per_step"):
             if getattr(self, name) < 0:

@@ -38,11 +38,13 @@ from .rewards import (
 from .scoring import (
     ATTENTION_FIELDS,
     ScoringSession,
+    apply_group_filter,
     apply_tprl,
     attention_metric_values,
     attention_table,
     fit_width,
     float_or_none,
+    group_filter_keep,
     is_attention_field,
     rebuild_forward_inputs,
     row_images,
@@ -108,6 +110,10 @@ class MDIGRPOTrainer(GRPOTrainer):
         )
         super().__init__(model, reward_funcs=funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, **kwargs)
+        if args.online_filtering and args.filter_key != "reward":
+            if not any(n in (args.filter_key, f"{args.filter_key}_reward") for n in self.reward_func_names):
+                raise ValueError(f"filter_key {args.filter_key!r} is not one of the rewards {self.reward_func_names} "
+                                 "(or 'reward' for the weighted total)")
         if args.compute_attention_metrics or args.uses_visual_dependency:
             base = unwrap_model(self.model)
             self._image_ids = image_token_ids(base.config)  # clear error for a model without an image token
@@ -170,7 +176,8 @@ class MDIGRPOTrainer(GRPOTrainer):
             # Same fix for the dataset's image column, which TRL uses when a batch holds no image at all.
             for x in inputs:
                 x["images"] = [x["image"]] if x.get("image") is not None else []
-        if not (self.args.compute_attention_metrics or self.args.uses_tprl or self._diagnostics):
+        if not (self.args.compute_attention_metrics or self.args.uses_tprl or self._diagnostics
+                or self.args.online_filtering):
             return super()._generate_and_score_completions(inputs)
         step = self.state.global_step + 1  # the optimizer step this generation batch feeds
         session = ScoringSession(
@@ -187,9 +194,11 @@ class MDIGRPOTrainer(GRPOTrainer):
             out = super()._generate_and_score_completions(inputs)
         finally:
             self._probe_session = None
+        mode = "train" if self.model.training else "eval"
+        if self.args.online_filtering:
+            self._filter_groups(out, session, mode)
         if self.args.uses_tprl:
             self._apply_tprl(out, session)
-        mode = "train" if self.model.training else "eval"
         generation = session.reward_start - start - (session.scoring_seconds if session.capture_in_trl_forward else 0)
         self._perf = {
             "generation": max(generation, 0.0),
@@ -357,6 +366,14 @@ class MDIGRPOTrainer(GRPOTrainer):
                 row[k] = float_or_none(local[k][i])
         for name, value in attention_metric_values(keys, gathered).items():
             self._metrics[mode][name].append(value)
+
+    def _filter_groups(self, out: dict[str, Any], session: ScoringSession, mode: str) -> None:
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        keep = group_filter_keep(session.rewards_per_func, self.reward_weights, self.reward_func_names,
+                                 self.args.filter_key, self.args.filter_low, self.args.filter_high, num_generations)
+        start = self.accelerator.process_index * len(out["advantages"])
+        apply_group_filter(out, keep[start : start + len(out["advantages"])], self.accelerator.gather)
+        self._metrics[mode]["filter/groups_dropped_frac"].append(1.0 - float(keep.float().mean()))
 
     def _apply_tprl(self, out: dict[str, Any], session: ScoringSession) -> None:
         metrics = apply_tprl(out, session, self.args, self.accelerator.gather, self.accelerator.process_index)
