@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from test_trainer import make_args
+
 from trl_mdi.trainer import MDIGRPOTrainer
 
 

@@ -177,6 +177,11 @@ class MDIGRPOConfig(GRPOConfig):
     perturbation_seed: int | None = field(
         default=None, metadata={"help": "Seed of the perturbation masks (default: the run's seed)."}
     )
+    on_bad_image: str = field(
+        default="skip",
+        metadata={"help": "An image that cannot be decoded mid-run: 'skip' (its rollouts leave the update, counted in "
+                  "data/bad_images) or 'error' (every process stops with an error naming the rows)."},
+    )
     online_filtering: bool = field(
         default=False, metadata={"help": "Drop groups whose mean filter_key reward is outside [filter_low, filter_high]."}
     )
@@ -242,6 +247,8 @@ class MDIGRPOConfig(GRPOConfig):
                                blur_radius=self.perturbation_blur_radius)
         except ValueError as e:
             raise ValueError(f"perception_perturbation: {e}") from None
+        if self.on_bad_image not in ("skip", "error"):
+            raise ValueError(f"on_bad_image must be 'skip' or 'error', got {self.on_bad_image!r}")
         if self.filter_low > self.filter_high:
             raise ValueError(f"filter_low ({self.filter_low}) must be <= filter_high ({self.filter_high})")
         for name in ("log_prompt_preview_chars", "log_completion_preview_chars", "log_full_rollouts_per_step",

@@ -53,6 +53,8 @@ class ScoringSession:
     batch: dict[str, Any] = field(default_factory=dict)  # prompts / completions / rows for the live logs
     scoring_seconds: float = 0.0
     reward_start: float = 0.0
+    bad_rows: list[int] = field(default_factory=list)  # local rows whose image could not be decoded
+    bad_global: torch.Tensor | None = None  # (N_global,) bool
 
     @property
     def scored(self) -> bool:
@@ -85,6 +87,44 @@ def segment_names(spec: str) -> list[str]:
 
 def is_attention_field(name: str) -> bool:
     return name in ATTENTION_FIELDS or name.startswith("mdi_")
+
+
+def _decode(value):
+    """A PIL image from what datasets stores with decode=False ({bytes, path}), a path, or a PIL image."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    if value is None or isinstance(value, Image.Image):
+        return value
+    if isinstance(value, dict):
+        data, path = value.get("bytes"), value.get("path")
+        img = Image.open(BytesIO(data)) if data is not None else Image.open(path)
+    else:
+        img = Image.open(value)
+    img.load()  # decode now: a truncated file fails here, not inside the processor
+    return img.convert("RGB") if img.mode != "RGB" else img
+
+
+def decode_row_images(inputs: list[dict]) -> list[int]:
+    """Decode every row's image(s) in place; a row whose image cannot be read gets no image. Returns those rows.
+
+    The trainer keeps datasets from decoding images (decode=False) so that one unreadable image surfaces here,
+    where it can be skipped and counted (or reported on every process at once), instead of raising inside the
+    data loader of one process while the others wait for it.
+    """
+    bad = []
+    for i, row in enumerate(inputs):
+        for key in ("image", "images"):
+            if key not in row:
+                continue
+            try:
+                row[key] = ([_decode(v) for v in row[key]] if isinstance(row[key], list) else _decode(row[key]))
+            except Exception as e:  # any decoder error: PIL raises several kinds
+                row[key] = [] if key == "images" else None
+                row["_bad_image_error"] = f"{type(e).__name__}: {e}"
+                bad.append(i)
+    return bad
 
 
 # ------------------------------------------------------------------------------------------------ forward inputs

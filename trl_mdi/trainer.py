@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather_object
+from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
@@ -42,6 +43,7 @@ from .scoring import (
     apply_tprl,
     attention_metric_values,
     attention_table,
+    decode_row_images,
     fit_width,
     float_or_none,
     group_filter_keep,
@@ -51,6 +53,8 @@ from .scoring import (
     segment_names,
 )
 from .tprl import token_visual_dependency
+
+logger = logging.get_logger(__name__)
 
 
 class MDIGRPOTrainer(GRPOTrainer):
@@ -100,6 +104,7 @@ class MDIGRPOTrainer(GRPOTrainer):
                         f"depends on the image, but {split} has no 'image' or 'images' column (columns: {cols}). "
                         "Turn them off for text-only data."
                     )
+        train_dataset, eval_dataset = _lazy_images(train_dataset), _lazy_images(eval_dataset)
         self._probe_session: ScoringSession | None = None
         self._perf: dict[str, float] = {}
         self._diagnostics = (
@@ -172,13 +177,11 @@ class MDIGRPOTrainer(GRPOTrainer):
         return out
 
     def _generate_and_score_completions(self, inputs):
+        bad = self._check_images(inputs)
         if any(x.get("image", 0) is None for x in inputs) and not any("images" in x for x in inputs):
             # Same fix for the dataset's image column, which TRL uses when a batch holds no image at all.
             for x in inputs:
                 x["images"] = [x["image"]] if x.get("image") is not None else []
-        if not (self.args.compute_attention_metrics or self.args.uses_tprl or self._diagnostics
-                or self.args.online_filtering):
-            return super()._generate_and_score_completions(inputs)
         step = self.state.global_step + 1  # the optimizer step this generation batch feeds
         session = ScoringSession(
             capture_in_trl_forward=self._trl_runs_policy_forward(),
@@ -188,6 +191,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         if self._diagnostics and self._diagnostics.is_main and self._diagnostics.wants_maps(step):
             rows = [i for i, x in enumerate(inputs) if len(row_images(x)) == 1]
             session.map_rows = rows[: self.args.attention_maps_per_step]
+        session.bad_rows = bad
         self._probe_session = session
         start = time.perf_counter()
         try:
@@ -195,6 +199,11 @@ class MDIGRPOTrainer(GRPOTrainer):
         finally:
             self._probe_session = None
         mode = "train" if self.model.training else "eval"
+        if session.bad_global is not None and session.bad_global.any():
+            local = session.bad_global[self.accelerator.process_index * len(inputs):][: len(inputs)]
+            apply_group_filter(out, ~local.to(out["advantages"].device), self.accelerator.gather)
+        n_bad = float(session.bad_global.sum()) if session.bad_global is not None else 0.0
+        self._metrics[mode]["data/bad_images"].append(n_bad)
         if self.args.online_filtering:
             self._filter_groups(out, session, mode)
         if self.args.uses_tprl:
@@ -211,6 +220,22 @@ class MDIGRPOTrainer(GRPOTrainer):
         if self._diagnostics is not None:
             self._write_diagnostics(step, session, out)
         return out
+
+    def _check_images(self, inputs) -> list[int]:
+        """Decode this batch's images; skip the unreadable ones or stop every process at once (on_bad_image)."""
+        bad = decode_row_images(inputs)
+        if self.args.on_bad_image == "error":
+            reports = [r for r in gather_object([
+                f"row {x.get('question_id', i)!r}: {x['_bad_image_error']}" for i, x in enumerate(inputs) if i in bad
+            ]) if r]
+            if reports:  # raised on every process together: none is left waiting in a collective
+                raise RuntimeError(f"unreadable image(s) in the training data ({len(reports)}): " + "; ".join(reports)
+                                   + ". Fix or drop these rows, or set on_bad_image='skip' to skip them.")
+        elif bad:
+            logger.warning("skipping %d rollout(s) with an unreadable image: %s", len(bad),
+                           "; ".join(f"{inputs[i].get('question_id', i)!r} ({inputs[i]['_bad_image_error']})"
+                                     for i in bad))
+        return bad
 
     def training_step(self, model, inputs, num_items_in_batch):
         self._perf = {}
@@ -266,6 +291,12 @@ class MDIGRPOTrainer(GRPOTrainer):
                              "lengths": [len(c) for c in completion_ids_list]}
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         if session is not None:
+            local_bad = torch.zeros(len(inputs), dtype=torch.bool, device=rewards_per_func.device)
+            local_bad[session.bad_rows] = True
+            session.bad_global = self.accelerator.gather(local_bad)
+            # Rollouts of an unreadable image are unscorable: NaN rewards give them advantage 0 and keep them out
+            # of their group's baseline (TRL's own rule); the loss mask drops them after.
+            rewards_per_func[session.bad_global] = float("nan")
             session.rewards_per_func = rewards_per_func
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
@@ -429,6 +460,21 @@ class MDIGRPOTrainer(GRPOTrainer):
             except ValueError:
                 continue
         return maps
+
+
+def _lazy_images(dataset):
+    """The dataset with its image column(s) left undecoded, so the trainer decodes them (see decode_row_images)."""
+    from datasets import Dataset, Image, List
+
+    if not isinstance(dataset, Dataset):
+        return dataset  # dicts of datasets and iterable datasets are passed through unchanged
+    for col in ("image", "images"):
+        feature = dataset.features.get(col)
+        if isinstance(feature, Image) and feature.decode:
+            dataset = dataset.cast_column(col, Image(decode=False))
+        elif isinstance(feature, List) and isinstance(feature.feature, Image) and feature.feature.decode:
+            dataset = dataset.cast_column(col, List(Image(decode=False)))
+    return dataset
 
 
 def _resolve_reward_funcs(names: list, weights: list[float] | None) -> list:
