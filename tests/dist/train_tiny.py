@@ -7,6 +7,7 @@ logged metrics.
 
 import json
 import sys
+import time
 
 import torch
 from datasets import load_dataset
@@ -44,12 +45,15 @@ def main():
     group_scores: list[list] = []
 
     def recording_reward(completions, mdi, mdi_group_score, **kwargs):
+        time.sleep(slow)  # lets a test kill the run at a known point
         measured.append(sum(m is not None for m in mdi))
         group_scores.append(list(mdi_group_score))
         return [0.0] * len(completions)
 
     ds = load_dataset("parquet", data_files=data_path, split="train").map(to_conversational)
     drop_every = overrides.pop("drop_image_every", 0)
+    resume = overrides.pop("resume_from_checkpoint", None)
+    slow = overrides.pop("slow_reward_seconds", 0.0)
     if drop_every:
         # Some prompts lose their image, so ranks see different mixes.
         ds = ds.map(lambda ex, i: {"image": None if i % drop_every == drop_every - 1 else ex["image"]}, with_indices=True)
@@ -64,7 +68,7 @@ def main():
     args = MDIGRPOConfig(**kwargs)
     trainer = MDIGRPOTrainer(model_dir, reward_funcs=["mdi_balance", "mdi_group", spread_reward, recording_reward],
                              args=args, train_dataset=ds)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     acc = trainer.accelerator
     record = {
         "rank": acc.process_index,
