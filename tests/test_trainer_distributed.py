@@ -71,3 +71,20 @@ def test_two_processes(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path, config, over
         assert [int(i) for i in re.findall(r"^### Rollout (\d+)", block, flags=re.M)] == [0, 1, 2, 3]
     attention = (tmp_path / "out" / "logs" / "attention.md").read_text()
     assert len(re.findall(r"^## Step ", attention, flags=re.M)) == 2
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_zero3_batch_with_images_on_one_rank_only_fails_clearly(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path):
+    """Two prompts, one with an image: each rank gets one, so the vision tower would run on one rank only."""
+    overrides = {"output_dir": str(tmp_path / "out"), "limit_rows": 2, "drop_image_every": 2, "max_steps": 1}
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+        str(ROOT / "accelerate_configs" / "cpu_zero3.yaml"), str(ROOT / "tests" / "dist" / "train_tiny.py"),
+        str(tiny_vlm_dir("qwen2_5_vl")), str(prepared_aokvqa_dir / "train.parquet"), str(tmp_path / "r.jsonl"),
+        json.dumps(overrides),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ})
+    assert proc.returncode != 0
+    # Both ranks raise the same error (neither is left waiting in a collective).
+    assert proc.stderr.count("has images on some processes and none on others") >= 2, proc.stderr[-3000:]

@@ -107,12 +107,14 @@ def _decode(value):
 
 
 def decode_row_images(inputs: list[dict]) -> list[int]:
-    """Decode every row's image(s) in place; a row whose image cannot be read gets no image. Returns those rows.
+    """Decode every row's image(s) in place; an unreadable one is replaced by a black image. Returns those rows.
 
     The trainer keeps datasets from decoding images (decode=False) so that one unreadable image surfaces here,
     where it can be skipped and counted (or reported on every process at once), instead of raising inside the
     data loader of one process while the others wait for it.
     """
+    from PIL import Image
+
     bad = []
     for i, row in enumerate(inputs):
         for key in ("image", "images"):
@@ -121,7 +123,10 @@ def decode_row_images(inputs: list[dict]) -> list[int]:
             try:
                 row[key] = ([_decode(v) for v in row[key]] if isinstance(row[key], list) else _decode(row[key]))
             except Exception as e:  # any decoder error: PIL raises several kinds
-                row[key] = [] if key == "images" else None
+                # A black stand-in keeps the batch's shapes and the vision tower's work the same on every process
+                # (ZeRO-3 gathers its weights on all ranks); the row's rollouts are dropped from the update anyway.
+                blank = Image.new("RGB", (56, 56))
+                row[key] = [blank] if key == "images" else blank
                 row["_bad_image_error"] = f"{type(e).__name__}: {e}"
                 bad.append(i)
     return bad

@@ -178,6 +178,7 @@ class MDIGRPOTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         bad = self._check_images(inputs)
+        self._check_image_presence_across_ranks(inputs)
         if any(x.get("image", 0) is None for x in inputs) and not any("images" in x for x in inputs):
             # Same fix for the dataset's image column, which TRL uses when a batch holds no image at all.
             for x in inputs:
@@ -220,6 +221,22 @@ class MDIGRPOTrainer(GRPOTrainer):
         if self._diagnostics is not None:
             self._write_diagnostics(step, session, out)
         return out
+
+    def _check_image_presence_across_ranks(self, inputs) -> None:
+        """Under ZeRO-3 a batch with images on some processes and none on others would hang: say so instead."""
+        if self.accelerator.num_processes < 2 or not self.is_deepspeed_enabled:
+            return
+        if self.accelerator.state.deepspeed_plugin.zero_stage != 3:
+            return
+        has = torch.tensor([float(any(row_images(x) for x in inputs))], device=self.accelerator.device)
+        flags = self.accelerator.gather(has)
+        if 0 < flags.sum() < len(flags):
+            raise RuntimeError(
+                "ZeRO-3: this generation batch has images on some processes and none on others "
+                f"(per process: {flags.int().tolist()}). The vision tower would run on some ranks only and the "
+                "sharded-weight gathers would wait forever. Mix text-only and image rows so every per-device batch "
+                "holds at least one image, or train text-only data with DDP / ZeRO-2."
+            )
 
     def _check_images(self, inputs) -> list[int]:
         """Decode this batch's images; skip the unreadable ones or stop every process at once (on_bad_image)."""

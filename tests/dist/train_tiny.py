@@ -52,8 +52,11 @@ def main():
 
     ds = load_dataset("parquet", data_files=data_path, split="train").map(to_conversational)
     drop_every = overrides.pop("drop_image_every", 0)
+    limit_rows = overrides.pop("limit_rows", None)
     resume = overrides.pop("resume_from_checkpoint", None)
     slow = overrides.pop("slow_reward_seconds", 0.0)
+    if limit_rows:
+        ds = ds.select(range(limit_rows))
     if drop_every:
         # Some prompts lose their image, so ranks see different mixes.
         ds = ds.map(lambda ex, i: {"image": None if i % drop_every == drop_every - 1 else ex["image"]}, with_indices=True)
