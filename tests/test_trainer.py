@@ -234,3 +234,11 @@ def test_default_stack_is_4_1_1(model_dir, grpo_train_dataset, tmp_path):
     trainer = MDIGRPOTrainer(str(model_dir), args=make_args(tmp_path), train_dataset=grpo_train_dataset)
     assert trainer.reward_func_names == ["mc_idx_reward", "think_format_reward", "mdi_balance_reward"]
     assert trainer.reward_weights.tolist() == [4.0, 1.0, 1.0]
+
+
+def test_world_size_that_accelerate_missed_is_a_clear_error(model_dir, grpo_train_dataset, tmp_path, monkeypatch):
+    # What a 2-process CPU launch without ddp_backend="gloo" looks like from inside one process.
+    args = make_args(tmp_path, use_cpu=False)  # the GPU-style launch: accelerate then finds no backend
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2 but accelerate sees 1 process.*ddp_backend='gloo'"):
+        MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=args, train_dataset=grpo_train_dataset)
