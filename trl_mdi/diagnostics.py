@@ -175,3 +175,59 @@ class ConsoleSummaryCallback(TrainerCallback):
         shown = {k: logs[k] for k in self.KEYS if k in logs}
         if shown:
             print_step_summary(state.global_step, shown, colorize=self.colorize)
+
+
+def gather_rollout_records(session, args, reward_names: list[str], reward_weights, advantages) -> list[dict]:
+    """Every process's rollouts of this batch as plain records, with rewards and advantages filled in.
+
+    All processes must call it (it gathers); ``advantages`` is already gathered, ``session.rewards_per_func`` is
+    TRL's gathered (N_global, F) table.
+    """
+    from accelerate.utils import gather_object
+
+    from .scoring import row_images
+
+    b = session.batch
+    rows = (session.attention.rows(args.attention_layer_segments, args.mdi_balance_ratio)
+            if session.attention is not None else [None] * len(b["inputs"]))
+    local = [
+        rollout_record(i, p, c, row_images(x), {}, None, None, {k: x.get(k) for k in ("label_idx", "choices")}, n, row)
+        for i, (p, c, x, n, row) in enumerate(zip(b["prompts"], b["completions"], b["inputs"], b["lengths"], rows))
+    ]
+    records = gather_object(local)
+    rewards = session.rewards_per_func
+    totals = (rewards * reward_weights.to(rewards.device)).nansum(dim=1).tolist()
+    advantages = advantages.tolist()
+    for g, rec in enumerate(records):
+        rec["rollout"]["index"] = g
+        rec["rollout"]["rewards"] = {n: (None if math.isnan(v) else v) for n, v in zip(reward_names, rewards[g].tolist())}
+        rec["rollout"]["reward"] = totals[g]
+        rec["rollout"]["advantage"] = advantages[g]
+        if rec["attention"] is not None:
+            rec["attention"]["index"] = g
+    return records
+
+
+def attention_map_records(session, args, processing_class) -> list[dict]:
+    """Per-segment attention over the image tokens of the selected local rows (main process, Qwen grids)."""
+    from .metrics import layer_segments
+    from .scoring import row_images
+
+    att, images = session.attention, [row_images(x) for x in session.batch["inputs"]]
+    image_processor = getattr(processing_class, "image_processor", None)
+    merge = getattr(image_processor, "merge_size", None)
+    if att is None or merge is None:
+        return []  # maps need the Qwen-style image grid; other families are logged without maps
+    segments = layer_segments(att.num_layers, args.attention_layer_segments)
+    maps = []
+    for row in session.map_rows:
+        mass = att.image_token_mass.get(row)
+        if mass is None or mass.numel() == 0:
+            continue
+        grid = image_processor(images=images[row], return_tensors="pt")["image_grid_thw"][0].tolist()
+        per_seg = {name: mass[layers].mean(dim=0) for name, layers in segments.items()}
+        try:
+            maps.append(map_record(row, images[row][0], per_seg, grid, merge))
+        except ValueError:
+            continue
+    return maps

@@ -570,3 +570,29 @@ def reward_help() -> str:
         "fn(completions, <dataset columns>, **kwargs) -> list[float | None]."
     )
     return "\n".join(lines)
+
+
+def resolve_reward_funcs(names: list, weights: list[float] | None) -> list:
+    """Registry names and 'pkg.module:function' paths -> functions, for a trainer's ``reward_funcs``.
+
+    Callables and strings that look like Hub model ids (``org/name``, which TRL loads as reward models itself)
+    pass through unchanged.
+    """
+    if weights is not None and len(weights) != len(names):
+        raise ValueError(
+            f"{len(names)} reward functions but {len(weights)} reward_weights: give one weight per reward "
+            f"({', '.join(map(reward_name, names))})"
+        )
+    out = []
+    for r in names:
+        if isinstance(r, str) and (r in REWARD_REGISTRY or ":" in r or "/" not in r):
+            out.extend(resolve_rewards([r], None)[0])
+        else:
+            out.append(r)
+    return out
+
+
+def reward_name(r) -> str:
+    """The name TRL logs a reward under (``rewards/<name>/mean``)."""
+    return r if isinstance(r, str) else getattr(r, "__name__", type(r).__name__)
+

@@ -289,3 +289,19 @@ def apply_group_filter(out: dict[str, Any], keep_local: torch.Tensor, gather: Ga
     loss_mask = out["completion_mask"] * out["tool_mask"]
     # Counted before TPRL's token filters, which must leave the normaliser unchanged.
     out["num_items_in_batch"] = gather(loss_mask.sum()).sum().clamp(min=1)
+
+
+def lazy_images(dataset):
+    """The dataset with its image column(s) left undecoded, so the trainer decodes them (see decode_row_images)."""
+    from datasets import Dataset, Image, List
+
+    if not isinstance(dataset, Dataset):
+        return dataset  # dicts of datasets and iterable datasets are passed through unchanged
+    for col in ("image", "images"):
+        feature = dataset.features.get(col)
+        if isinstance(feature, Image) and feature.decode:
+            dataset = dataset.cast_column(col, Image(decode=False))
+        elif isinstance(feature, List) and isinstance(feature.feature, Image) and feature.feature.decode:
+            dataset = dataset.cast_column(col, List(Image(decode=False)))
+    return dataset
+

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from typing import Any
@@ -25,15 +24,20 @@ from .attention import (
     unwrap_model,
 )
 from .config import MDIGRPOConfig
-from .diagnostics import ConsoleSummaryCallback, LiveDiagnostics, map_record, rollout_record
+from .diagnostics import (
+    ConsoleSummaryCallback,
+    LiveDiagnostics,
+    attention_map_records,
+    gather_rollout_records,
+)
 from .perturb import perturb_images
 from .rewards import (
-    REWARD_REGISTRY,
     check_reward_columns,
     default_reward_stack,
     group_relative_mdi_score,
     required_reward_inputs,
-    resolve_rewards,
+    resolve_reward_funcs,
+    reward_name,
     zero_spread_fraction,
 )
 from .scoring import (
@@ -48,6 +52,7 @@ from .scoring import (
     float_or_none,
     group_filter_keep,
     is_attention_field,
+    lazy_images,
     rebuild_forward_inputs,
     row_images,
     segment_names,
@@ -93,7 +98,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         names, args.reward_weights = default_reward_stack(
             reward_funcs if reward_funcs is not None else args.reward_funcs, args.reward_weights
         )
-        funcs = _resolve_reward_funcs(list(names), args.reward_weights)
+        funcs = resolve_reward_funcs(list(names), args.reward_weights)
         self._check_reward_inputs(funcs, args, train_dataset, eval_dataset)
         if args.uses_visual_dependency:
             for split, ds in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
@@ -104,12 +109,12 @@ class MDIGRPOTrainer(GRPOTrainer):
                         f"depends on the image, but {split} has no 'image' or 'images' column (columns: {cols}). "
                         "Turn them off for text-only data."
                     )
-        train_dataset, eval_dataset = _lazy_images(train_dataset), _lazy_images(eval_dataset)
+        train_dataset, eval_dataset = lazy_images(train_dataset), lazy_images(eval_dataset)
         self._probe_session: ScoringSession | None = None
         self._perf: dict[str, float] = {}
         self._diagnostics = (
             LiveDiagnostics(args, is_main_process=args.process_index == 0,
-                            reward_names=[_reward_name(f) for f in funcs], num_generations=args.num_generations,
+                            reward_names=[reward_name(f) for f in funcs], num_generations=args.num_generations,
                             model_name=model if isinstance(model, str) else getattr(model.config, "_name_or_path", ""))
             if args.realtime_rollout_logging else None
         )
@@ -163,7 +168,7 @@ class MDIGRPOTrainer(GRPOTrainer):
             for f in funcs:
                 needed = [n for n in required_reward_inputs(f) if is_attention_field(n)]
                 if needed:
-                    raise ValueError(f"reward {_reward_name(f)!r} reads {needed}, which the trainer computes only "
+                    raise ValueError(f"reward {reward_name(f)!r} reads {needed}, which the trainer computes only "
                                      "with compute_attention_metrics=True")
 
     # --------------------------------------------------------------------------------------------- overrides
@@ -431,86 +436,10 @@ class MDIGRPOTrainer(GRPOTrainer):
 
     def _write_diagnostics(self, step: int, session: ScoringSession, out: dict[str, Any]) -> None:
         """Gather this batch's rollouts (all ranks take part) and append them to the live logs (main process)."""
-        b = session.batch
-        if not b:
+        if not session.batch:
             return
-        rows = session.attention.rows(self.args.attention_layer_segments, self.args.mdi_balance_ratio) \
-            if session.attention is not None else [None] * len(b["inputs"])
-        local = [
-            rollout_record(i, p, c, row_images(x), {}, None, None, {k: x.get(k) for k in ("label_idx", "choices")},
-                           n, row)
-            for i, (p, c, x, n, row) in enumerate(zip(b["prompts"], b["completions"], b["inputs"], b["lengths"], rows))
-        ]
-        records = gather_object(local)
-        advantages = self.accelerator.gather(out["advantages"]).tolist()
-        rewards = session.rewards_per_func
-        weights = self.reward_weights.to(rewards.device)
-        totals = (rewards * weights).nansum(dim=1).tolist()
-        for g, rec in enumerate(records):
-            rec["rollout"]["index"] = g
-            vals = rewards[g].tolist()
-            rec["rollout"]["rewards"] = {n: (None if math.isnan(v) else v) for n, v in zip(self.reward_func_names, vals)}
-            rec["rollout"]["reward"] = totals[g]
-            rec["rollout"]["advantage"] = advantages[g]
-            if rec["attention"] is not None:
-                rec["attention"]["index"] = g
-        maps = self._attention_maps(session) if session.map_rows else []
+        records = gather_rollout_records(session, self.args, self.reward_func_names, self.reward_weights,
+                                         self.accelerator.gather(out["advantages"]))
+        maps = attention_map_records(session, self.args, self.processing_class) if session.map_rows else []
         self._diagnostics.write(step, float(self.state.epoch or 0.0), records, maps, {})
-
-    def _attention_maps(self, session: ScoringSession) -> list[dict]:
-        """Per-segment attention over the image tokens of the selected local rows (main process, Qwen grids)."""
-        att, images = session.attention, [row_images(x) for x in session.batch["inputs"]]
-        image_processor = getattr(self.processing_class, "image_processor", None)
-        merge = getattr(image_processor, "merge_size", None)
-        if att is None or merge is None:
-            return []  # maps need the Qwen-style image grid; other families are logged without maps
-        segments = M.layer_segments(att.num_layers, self.args.attention_layer_segments)
-        maps = []
-        for row in session.map_rows:
-            mass = att.image_token_mass.get(row)
-            if mass is None or mass.numel() == 0:
-                continue
-            grid = image_processor(images=images[row], return_tensors="pt")["image_grid_thw"][0].tolist()
-            per_seg = {name: mass[layers].mean(dim=0) for name, layers in segments.items()}
-            try:
-                maps.append(map_record(row, images[row][0], per_seg, grid, merge))
-            except ValueError:
-                continue
-        return maps
-
-
-def _lazy_images(dataset):
-    """The dataset with its image column(s) left undecoded, so the trainer decodes them (see decode_row_images)."""
-    from datasets import Dataset, Image, List
-
-    if not isinstance(dataset, Dataset):
-        return dataset  # dicts of datasets and iterable datasets are passed through unchanged
-    for col in ("image", "images"):
-        feature = dataset.features.get(col)
-        if isinstance(feature, Image) and feature.decode:
-            dataset = dataset.cast_column(col, Image(decode=False))
-        elif isinstance(feature, List) and isinstance(feature.feature, Image) and feature.feature.decode:
-            dataset = dataset.cast_column(col, List(Image(decode=False)))
-    return dataset
-
-
-def _resolve_reward_funcs(names: list, weights: list[float] | None) -> list:
-    """Registry names and 'pkg.module:function' paths -> functions; callables and other strings (reward model ids,
-    which TRL loads itself) pass through unchanged."""
-    if weights is not None and len(weights) != len(names):
-        raise ValueError(
-            f"{len(names)} reward functions but {len(weights)} reward_weights: give one weight per reward "
-            f"({', '.join(map(_reward_name, names))})"
-        )
-    out = []
-    for r in names:
-        if isinstance(r, str) and (r in REWARD_REGISTRY or ":" in r or "/" not in r):
-            out.extend(resolve_rewards([r], None)[0])
-        else:
-            out.append(r)
-    return out
-
-
-def _reward_name(r) -> str:
-    return r if isinstance(r, str) else getattr(r, "__name__", type(r).__name__)
 
