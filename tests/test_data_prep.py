@@ -10,8 +10,10 @@ import collections
 import doctest
 import glob
 import hashlib
+import importlib
 import io
 import os
+import pkgutil
 import subprocess
 import sys
 from pathlib import Path
@@ -599,11 +601,17 @@ def test_write_parquet_atomic_never_leaves_a_partial_file(tmp_path, monkeypatch)
     assert path.read_bytes() == original and os.listdir(tmp_path) == ["t.parquet"]
 
 
+def _with_submodules(package) -> list:
+    """The package and its submodules: the doctests sit next to the code, in the submodules."""
+    names = [m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_")]
+    return [package, *(importlib.import_module(f"{package.__name__}.{name}") for name in names)]
+
+
 def test_doctests():
-    for module in (aokvqa, synthetic):
+    for module in _with_submodules(aokvqa) + _with_submodules(synthetic):
         result = doctest.testmod(module)
         assert result.failed == 0
-    assert doctest.testmod(aokvqa).attempted >= 3
+    assert sum(doctest.testmod(module).attempted for module in _with_submodules(aokvqa)) >= 3
 
 
 def test_parquet_file_glob_and_flat_layouts_are_accepted(tmp_path):

@@ -1,0 +1,146 @@
+"""One A-OKVQA row -> one output row: label, choices and question checked first (cheap), then the image read
+and made RGB (design choices 1, 2 and 4 of `trl_mdi.aokvqa`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+from PIL import Image as PILImage
+
+from .schema import (
+    LETTERS,
+    SKIP_BAD_CHOICES,
+    SKIP_BAD_IMAGE,
+    SKIP_BAD_LABEL,
+    SKIP_BAD_QUESTION,
+    SKIP_LABEL_RANGE,
+    SKIP_MISSING_IMAGE,
+    SKIP_MISSING_LABEL,
+    format_prompt,
+)
+
+
+class ImageDecodeError(ValueError):
+    """An image value could not be read or converted to RGB."""
+
+
+# --------------------------------------------------------------------------------------------- images
+
+
+def image_value_bytes(value: Any, base_dir: str | None = None) -> bytes | None:
+    """Raw encoded bytes of an image cell: a ``{bytes, path}`` dict, raw bytes, or a file path.
+
+    Returns None when the cell holds no image. A path is resolved against ``base_dir`` when relative
+    (the directory of the parquet file it came from). Raises ImageDecodeError when a path is unreadable.
+    """
+    if value is None:
+        return None
+    if isinstance(value, PILImage.Image):
+        buf = io.BytesIO()
+        value.save(buf, format="PNG")
+        return buf.getvalue()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value) or None
+    path = None
+    if isinstance(value, dict):
+        if value.get("bytes"):
+            return bytes(value["bytes"])
+        path = value.get("path")
+    elif isinstance(value, str):
+        path = value
+    if not path:
+        return None
+    if base_dir and not os.path.isabs(path):
+        path = os.path.join(base_dir, path)
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise ImageDecodeError(f"cannot read image file {path!r}: {exc}") from exc
+
+
+def to_rgb_image_bytes(data: bytes) -> bytes:
+    """Validate encoded image bytes and return bytes that decode to an RGB image.
+
+    RGB images come back unchanged. Grayscale, CMYK, palette, RGBA and the like are converted
+    (transparency composited on white) and re-encoded. Raises ImageDecodeError for anything PIL cannot
+    fully decode (truncated files, non-images, decompression bombs).
+    """
+    try:
+        with PILImage.open(io.BytesIO(data)) as img:
+            # load() forces a full decode: open() alone only reads the header, so a truncated JPEG passes it.
+            img.load()
+            if img.mode == "RGB":
+                return data
+            source_format = img.format
+            rgb = _composite_to_rgb(img)
+        buf = io.BytesIO()
+        if source_format == "JPEG":
+            rgb.save(buf, format="JPEG", quality=95)
+        else:
+            rgb.save(buf, format="PNG")
+        return buf.getvalue()
+    except Exception as exc:  # PIL raises many types (OSError, SyntaxError, DecompressionBombError, ...)
+        raise ImageDecodeError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _composite_to_rgb(img: PILImage.Image) -> PILImage.Image:
+    has_alpha = img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (
+        img.mode == "P" and "transparency" in img.info
+    )
+    if not has_alpha:
+        return img.convert("RGB")
+    rgba = img.convert("RGBA")
+    # White, not black: transparent regions of icons and scans are meant to be seen on paper.
+    background = PILImage.new("RGB", rgba.size, (255, 255, 255))
+    background.paste(rgba, mask=rgba.getchannel("A"))
+    return background
+
+
+# ------------------------------------------------------------------------------------------ row check
+
+
+def convert_row(row: dict[str, Any], base_dir: str | None = None) -> tuple[dict[str, Any] | None, str | None]:
+    """Turn one A-OKVQA row into an output row, or explain why it is skipped.
+
+    Returns ``(output_row, None)`` or ``(None, reason)`` with reason one of the ``SKIP_*`` constants.
+    Checks run cheapest first, so unlabelled rows never pay for image decoding.
+    """
+    label = row.get("correct_choice_idx")
+    if label is None or (isinstance(label, float) and label != label):  # NaN: pandas' null for ints
+        return None, SKIP_MISSING_LABEL
+    if isinstance(label, bool) or not isinstance(label, (int, float)) or int(label) != label:
+        return None, SKIP_BAD_LABEL
+    label = int(label)
+    choices = row.get("choices")
+    if (
+        not isinstance(choices, (list, tuple))
+        or not 2 <= len(choices) <= len(LETTERS)
+        or not all(isinstance(c, str) and c.strip() for c in choices)
+    ):
+        return None, SKIP_BAD_CHOICES
+    if not 0 <= label < len(choices):
+        return None, SKIP_LABEL_RANGE
+    question = row.get("question")
+    if not isinstance(question, str) or not question.strip():
+        return None, SKIP_BAD_QUESTION
+    try:
+        raw = image_value_bytes(row.get("image"), base_dir)
+        if raw is None:
+            return None, SKIP_MISSING_IMAGE
+        image_bytes = to_rgb_image_bytes(raw)
+    except ImageDecodeError:
+        return None, SKIP_BAD_IMAGE
+    return (
+        {
+            "image": {"bytes": image_bytes, "path": None},
+            "prompt": format_prompt(question, choices),
+            "label_idx": label,
+            "choices": [c.strip() for c in choices],
+            "question_id": str(row["question_id"]),
+        },
+        None,
+    )

@@ -1,0 +1,111 @@
+"""The A-OKVQA schemas: the Hub dataset's columns (input), the prepared parquet's columns (output), the
+reasons a row is skipped, and the errors the prep raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+HUB_DATASET = "HuggingFaceM4/A-OKVQA"
+SPLITS = ("train", "validation", "test")
+DEFAULT_SPLITS = ("train", "validation")
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+# The Hub schema, as documented in shared/notes/algorithms.md section 5; quoted in error messages.
+AOKVQA_SCHEMA: dict[str, str] = {
+    "question_id": "string",
+    "image": "Image ({bytes, path} struct)",
+    "question": "string",
+    "choices": "list of 4 strings",
+    "correct_choice_idx": "int (null in the test split)",
+    "direct_answers": "list of 10 strings",
+    "difficult_direct_answer": "bool",
+    "rationales": "list of 3 strings",
+}
+# The subset of the schema this conversion reads; the other columns may be absent.
+REQUIRED_COLUMNS = ("question_id", "image", "question", "choices", "correct_choice_idx")
+OUTPUT_COLUMNS = ("image", "prompt", "label_idx", "choices", "question_id")
+
+# Skip reasons, one constant each so counts are keyed consistently.
+SKIP_NOT_IN_ID_FILE = "not in question_id_file"
+SKIP_DUPLICATE_ID = "duplicate question_id"
+SKIP_MISSING_ID = "missing question_id"
+SKIP_MISSING_LABEL = "missing label (correct_choice_idx is null)"
+SKIP_BAD_LABEL = "label is not an integer"
+SKIP_LABEL_RANGE = "label out of range"
+SKIP_BAD_CHOICES = "bad choices (need 2-26 non-empty strings)"
+SKIP_BAD_QUESTION = "empty question"
+SKIP_MISSING_IMAGE = "missing image"
+SKIP_BAD_IMAGE = "undecodable image"
+
+
+class DataPrepError(ValueError):
+    """Input or output problem that the user must fix; the CLI prints it without a traceback."""
+
+
+class MissingColumnsError(DataPrepError):
+    """The source lacks columns this conversion needs."""
+
+
+class EmptyResultError(DataPrepError):
+    """No usable row survived the conversion."""
+
+
+class OutDirNotEmptyError(DataPrepError):
+    """The output directory already holds files and ``overwrite`` was not given."""
+
+
+def aokvqa_features():
+    """The ``datasets.Features`` of the Hub A-OKVQA dataset (image as an ``Image`` feature)."""
+    from datasets import Features, Image, List, Value
+
+    return Features(
+        {
+            "question_id": Value("string"),
+            "image": Image(),
+            "question": Value("string"),
+            "choices": List(Value("string")),
+            "correct_choice_idx": Value("int64"),
+            "direct_answers": List(Value("string")),
+            "difficult_direct_answer": Value("bool"),
+            "rationales": List(Value("string")),
+        }
+    )
+
+
+def output_features():
+    """The ``datasets.Features`` of the prepared parquet files (see the module docstring)."""
+    from datasets import Features, Image, List, Value
+
+    return Features(
+        {
+            "image": Image(),
+            "prompt": Value("string"),
+            "label_idx": Value("int64"),
+            "choices": List(Value("string")),
+            "question_id": Value("string"),
+        }
+    )
+
+
+def format_schema() -> str:
+    """The expected input schema as one readable line per column, for error messages."""
+    return "\n".join(
+        f"  {name}: {kind}{'  (required)' if name in REQUIRED_COLUMNS else ''}"
+        for name, kind in AOKVQA_SCHEMA.items()
+    )
+
+
+def format_prompt(question: str, choices: Sequence[str]) -> str:
+    """The question followed by one lettered choice per line.
+
+    >>> print(format_prompt("What color is the circle?", ["red", "blue", "green", "yellow"]))
+    What color is the circle?
+    A. red
+    B. blue
+    C. green
+    D. yellow
+    """
+    lines = [question.strip()]
+    lines += [f"{LETTERS[i]}. {choice.strip()}" for i, choice in enumerate(choices)]
+    return "\n".join(lines)

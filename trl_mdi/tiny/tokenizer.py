@@ -1,0 +1,161 @@
+"""The tiny VLMs' tokenizer and chat template: parts 1 and 2 of the build described in `trl_mdi.tiny`.
+
+The tokenizer is trained on a fixed synthetic corpus, so a given arch always gets the same tokenizer
+files; the chat template is the official one shipped inside trl.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from ..data import DEFAULT_SYSTEM_PROMPT
+
+# The training script's system prompt: the tokenizer corpus includes it so it encodes to few tokens.
+SYSTEM_PROMPT = DEFAULT_SYSTEM_PROMPT
+
+# Colour and shape names our synthetic data draws from, and the multiple-choice letters.
+COLOURS = tuple("red green blue yellow purple orange black white gray pink brown cyan".split())
+SHAPES = tuple("circle square triangle star rectangle diamond hexagon pentagon cross heart".split())
+LETTERS = ("A", "B", "C", "D")
+
+# Strings that must encode to exactly one token: the reward parses the answer letter, and a letter
+# split over two tokens would make the policy's choice depend on two sampling steps.
+SINGLE_TOKEN_STRINGS = (" A", " B", " C", " D", "<think>", "</think>")
+
+# Upper bound on BPE merges. The trainer stops earlier, once every word of the closed synthetic
+# vocabulary is a single token, so every arch gets the same merges whatever its special tokens.
+_MAX_BPE_MERGES = 320
+
+_QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+# Idefics3Processor looks up <fake_token_around_image>, <image>, <global-img> and the 6x6
+# <row_r_col_c> tags by name when it expands an image; <end_of_utterance> closes each chat turn.
+_SMOLVLM_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<end_of_utterance>",
+    "<fake_token_around_image>",
+    "<image>",
+    "<global-img>",
+    *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)),
+)
+
+# Official templates shipped inside trl. Qwen2-VL has no file of its own: trl's README says Qwen2-VL
+# ships a byte-identical template to Qwen2.5-VL, so it reuses qwen2_5_vl.jinja. SmolVLM (an
+# Idefics3 model) uses smolvlm.jinja, the template SmolVLM checkpoints ship; idefics3.jinja is the
+# Idefics3-8B-Llama3 one and starts with a Llama-3 <|begin_of_text|> token our tokenizer lacks.
+_CHAT_TEMPLATE_FILES = {
+    "qwen2_5_vl": "qwen2_5_vl.jinja",
+    "qwen2_vl": "qwen2_5_vl.jinja",
+    "qwen3_vl": "qwen3_vl.jinja",
+    "smolvlm": "smolvlm.jinja",
+}
+
+
+def _synthetic_corpus() -> list[str]:
+    """Text that covers our synthetic data's vocabulary; fixed, so the tokenizer never varies.
+
+    The answer letters rotate so " A".." D" are equally frequent; chat-template scaffolding words
+    (system, user, Assistant, ...) are included so rendered prompts stay short.
+    """
+    lines = [SYSTEM_PROMPT] * 20
+    # Role names open a line in both templates ("<|im_start|>assistant", "Assistant:"), so they are
+    # trained both at the start of a sequence and after a space.
+    for role in ("system", "user", "assistant", "System", "User", "Assistant"):
+        lines += [f"{role}\n", f"{role}:", f"Picture 1: {role}"] * 10
+    lines += ["0 1 2 3 4 5 6 7 8 9"] * 10
+    for i, colour in enumerate(COLOURS):
+        for j, shape in enumerate(SHAPES):
+            letter = LETTERS[(i + j) % 4]
+            count = (i * 3 + j) % 9 + 1
+            options = "\n".join(f"{LETTERS[k]}. {COLOURS[(i + k) % len(COLOURS)]}" for k in range(4))
+            lines += [
+                f"What colour is the {shape} in the image?\n{options}",
+                f"What color is the shape? What shape is in the image? It is a {colour} {shape}.",
+                f"How many shapes are in the image? How many {colour} {shape}s are there? {count}",
+                f"<think>The {shape} is {colour}. There are {count} shapes.</think>\nAnswer: {letter}",
+                f"Answer: {letter}. The answer is {letter}, not {LETTERS[(i + j + 1) % 4]}.",
+            ]
+    return lines
+
+
+def _train_bpe(special_tokens: tuple[str, ...]) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    # GPT-2 style byte-level pre-tokenization: every byte has a token, so nothing is ever unknown.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(special_tokens) + len(pre_tokenizers.ByteLevel.alphabet()) + _MAX_BPE_MERGES,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_synthetic_corpus(), trainer)
+    # Not special: decode(skip_special_tokens=True) must keep them, the format reward reads them.
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in ("<think>", "</think>")])
+    return tok
+
+
+def _build_tokenizer(arch: str, chat_template: str, model_max_length: int) -> PreTrainedTokenizerFast:
+    if arch == "smolvlm":
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=_train_bpe(_SMOLVLM_SPECIAL_TOKENS),
+            bos_token="<|im_start|>",  # the template writes it; nothing adds it automatically
+            eos_token="<end_of_utterance>",
+            pad_token="<|endoftext|>",
+            unk_token=None,
+            padding_side="left",
+            clean_up_tokenization_spaces=False,
+            # Idefics3Processor registers <fake_token_around_image>, <image> and <end_of_utterance>
+            # as the extra special tokens itself (replacing any list given here).
+        )
+    else:
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=_train_bpe(_QWEN_SPECIAL_TOKENS),
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            unk_token=None,
+            padding_side="left",
+            clean_up_tokenization_spaces=False,
+            # Named model-specific tokens become tokenizer.image_token(_id) etc.; the Qwen processors
+            # read image_token/video_token/vision_start_token/vision_end_token, the notes' spelling
+            # vision_bos_token/vision_eos_token is what the Omni processors read.
+            extra_special_tokens={
+                "image_token": "<|image_pad|>",
+                "video_token": "<|video_pad|>",
+                "vision_start_token": "<|vision_start|>",
+                "vision_end_token": "<|vision_end|>",
+                "vision_bos_token": "<|vision_start|>",
+                "vision_eos_token": "<|vision_end|>",
+            },
+        )
+    tok.chat_template = chat_template
+    tok.model_max_length = model_max_length
+    for text in SINGLE_TOKEN_STRINGS:
+        ids = tok.encode(text, add_special_tokens=False)
+        if len(ids) != 1:  # a corpus edit broke the invariant: fail at build time, not in training
+            raise RuntimeError(
+                f"tiny tokenizer splits {text!r} into {len(ids)} tokens; extend _synthetic_corpus"
+            )
+    return tok
+
+
+def _chat_template(arch: str) -> str:
+    # Located without importing trl (a multi-second import) so the CLI stays quick.
+    spec = importlib.util.find_spec("trl")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("trl is not installed; the tiny VLMs take their chat templates from it")
+    path = Path(next(iter(spec.submodule_search_locations))) / "chat_templates" / _CHAT_TEMPLATE_FILES[arch]
+    return path.read_text(encoding="utf-8")
