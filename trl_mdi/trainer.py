@@ -79,9 +79,23 @@ class MDIGRPOTrainer(GRPOTrainer):
        tokens get None. `mdi_group_score` is computed over whole groups gathered from all processes.
     3. **Rewards by name.** `reward_funcs` may be registry names or `pkg.module:function` paths; with none given,
        the 4:1:1 stack (mc_idx, think_format, mdi_balance). Required dataset columns are checked at construction.
-    4. **Metrics.** `attention/*` (mean MDI per segment, AEI, mass shares, rows without image) and
+    4. **Metrics.** `attention/*` (mean MDI per segment, AEI, mass shares, rows without image),
        `rewards/<name>/zero_spread_frac` (fraction of groups in which a reward has no spread, hence no signal),
-       through TRL's metric path, so they reach every `report_to` tracker.
+       `perf/*` (generation / scoring / update seconds, tokens and samples per second), `tprl/*`, `filter/*` and
+       `data/bad_images`, through TRL's metric path, so they reach every `report_to` tracker.
+    5. **TPRL** (`enable_entropy_filtering`, `enable_perception_filtering`, `enable_trajectory_reweighting`):
+       per-sequence top-p token masks multiplied into TRL's `tool_mask` (the loss mask only; the DAPO normaliser
+       is counted before them), and advantages scaled by batch-global trajectory multipliers. Log-probs under
+       the real image come from the forward of item 1; the perturbed-image forward is the only one TPRL adds.
+    6. **Online group filtering** (`online_filtering`): groups whose mean `filter_key` reward is outside
+       `[filter_low, filter_high]` get zero advantage, leave the loss mask, and leave the normaliser.
+    7. **Live diagnostics** (`realtime_rollout_logging`): each generation batch, gathered from all processes, is
+       appended by the main process to `training_logs/rollout_results_<run>.md` and
+       `attention_diagnostics_<run>.md` (resume-aware), with attention-map PNGs; a console summary per log.
+    8. **Robust data handling.** Image columns are decoded by the trainer, so an unreadable image is skipped
+       and counted (or stops every process with one error: `on_bad_image`); batches mixing rows with and
+       without images work (TRL 1.16 crashes on them); under ZeRO-3 a batch with images on some ranks only
+       raises a clear error instead of hanging; a world size that accelerate failed to see is an error.
     """
 
     _tag_names = ["trl", "grpo", "trl_mdi"]
