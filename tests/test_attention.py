@@ -235,3 +235,18 @@ def test_bad_inputs_give_clear_errors(tiny_vlm_dir):
     ids = torch.randint(0, 64, (1, 6))
     with pytest.raises(ValueError, match="model type 'qwen2' has no image_token_id"):
         measure_modality_attention(text_lm, ids, torch.ones_like(ids), torch.ones_like(ids))
+
+
+def test_generated_placeholder_tokens_are_not_image_keys(tiny_vlm_dir):
+    path = tiny_vlm_dir("qwen2_5_vl")
+    processor = AutoProcessor.from_pretrained(path)
+    model = _load(path)
+    batch = _mixed_batch(processor)
+    before = measure_modality_attention(model, **batch)
+    # The policy sampled a video placeholder token inside its completion (TRL does not suppress that one).
+    ids = batch["input_ids"].clone()
+    first = int(batch["completion_mask"][0].nonzero()[0])
+    ids[0, first + 1] = model.config.video_token_id
+    res = measure_modality_attention(model, **{**batch, "input_ids": ids})
+    assert res.n_image.tolist() == before.n_image.tolist()
+    assert res.n_completion.tolist() == before.n_completion.tolist()

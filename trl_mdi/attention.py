@@ -209,8 +209,10 @@ def _layout(
     is_image = torch.isin(input_ids, torch.tensor(list(image_ids), device=input_ids.device, dtype=input_ids.dtype))
     if mm_token_type_ids is not None and mm_token_type_ids.shape == input_ids.shape:
         is_image = is_image | (mm_token_type_ids > 0)
-    is_image = is_image & valid
     completion_region = completion_region.bool() & valid
+    # Image keys live in the prompt: a generated placeholder id (TRL suppresses the image token when sampling, not
+    # the video one) is text the model wrote, not an image.
+    is_image = is_image & valid & ~completion_region
     prompt = valid & ~completion_region & ~is_image
     excluded = prompt & exclusion.bool() if exclusion is not None else torch.zeros_like(prompt)
     groups = torch.stack([is_image, prompt & ~excluded, completion_region & ~is_image, excluded], dim=-1)
