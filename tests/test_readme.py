@@ -1,0 +1,280 @@
+"""The README stays true: its config table, its commands, its metric names and its figures come from the code.
+
+1. **Config reference.** The block between ``<!-- config-reference:start -->`` and ``<!-- config-reference:end -->``
+   must equal ``python -m trl_mdi.config_doc`` (one row per field MDIGRPOConfig adds to trl.GRPOConfig). After
+   adding or changing a field, regenerate it: ``python -m trl_mdi.config_doc --update README.md``.
+2. **Runnable shell blocks.** Convention: a fenced ```` ```bash ```` block whose opening fence is on the line right
+   after a ``<!-- runnable -->`` comment (invisible when the README is rendered). Every such block is executed, in
+   README order, each by ``bash -euo pipefail`` from the repository root, with ``.venv/bin`` first on ``PATH`` and
+   the Hugging Face libraries offline; the exit status must be 0. Nothing is copied: the blocks run in the checkout
+   itself, and the one place they may write, ``/tmp/trl_mdi_readme``, is redirected to this test's temporary
+   folder (the string is replaced before the block runs), so parallel runs cannot collide. Mark as runnable only
+   commands that run offline in seconds. ``make demo`` and ``make test`` are deliberately NOT runnable: the demo
+   takes minutes and ``make test`` would run this test recursively. GPU commands are not runnable either; instead:
+3. **grpo_vlm.py command lines.** Every ``examples/scripts/grpo_vlm.py`` command anywhere in the README, runnable or
+   not, is parsed by the script's real parser (TrlParser over ScriptArguments, MDIGRPOConfig, ModelConfig and
+   DataArguments, via ``trl_mdi.cli.parse_args``), so a misspelt or removed flag fails here.
+   (tests/test_entry_point.py additionally pins the four commands of the "Training on GPUs" section.)
+4. **Metric glossary.** Every metric name listed in the glossary is logged by the code, and every
+   ``attention/*``, ``tprl/*`` and ``perf/*`` metric the code logs is listed. trl_mdi's names are computed by calling
+   the functions that build the dynamic ones (``attention_table`` + ``attention_metric_values``, ``apply_tprl``) and
+   found as literal metric keys anywhere in ``trl_mdi/``; TRL's names must appear as strings (templates such as
+   ``rewards/<name>/mean`` as f-strings) in TRL's GRPOTrainer, transformers' Trainer or ``trl_mdi/``.
+5. **Figures and links.** Every number quoted in the README's benchmark section appears in
+   benchmarks/RESULTS.md, every relative link or image in the README points to a file that exists, and every
+   in-page anchor matches a heading.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trl_mdi import cli, config_doc
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+RUNNABLE_MARK = "<!-- runnable -->"
+SCRATCH = "/tmp/trl_mdi_readme"  # the only place runnable blocks write; redirected to tmp_path
+SCRIPT = "examples/scripts/grpo_vlm.py"
+METRIC_PREFIXES = ("attention/", "tprl/", "perf/")
+
+
+def readme_text() -> str:
+    return README.read_text(encoding="utf-8")
+
+
+def section(title: str) -> str:
+    """The prose of the README section whose ``## `` heading starts with ``title`` (up to the next ``## ``).
+
+    Code blocks are left out: the log excerpts in the README hold ``## Step`` lines of their own.
+    """
+    text = outside_code_blocks(readme_text())
+    m = re.search(rf"^## {re.escape(title)}.*?$", text, re.M)
+    assert m, f"README has no section '## {title}'"
+    rest = text[m.end():]
+    end = re.search(r"^## ", rest, re.M)
+    return rest[: end.start()] if end else rest
+
+
+def bash_blocks(text: str) -> list[tuple[bool, str]]:
+    """(runnable, body) of every ```bash block, in order; runnable when the line above the fence is the mark."""
+    blocks = []
+    for m in re.finditer(r"^[ \t]*```bash[^\n]*\n(.*?)^[ \t]*```", text, re.S | re.M):  # fences may be indented
+        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
+        blocks.append((before == RUNNABLE_MARK, m.group(1)))
+    return blocks
+
+
+# ------------------------------------------------------------------------------------------------ 1. config
+
+
+def test_readme_opens_with_the_two_commands():
+    lines = readme_text().splitlines()
+    assert lines[2:6] == [
+        "```bash",
+        "make demo   # set up .venv, then run the main job on the embedded default (tiny VLM + synthetic A-OKVQA, CPU)",
+        "make test   # set up .venv, then run the whole test suite (offline, CPU)",
+        "```",
+    ]
+
+
+def test_config_reference_is_generated_from_the_dataclass():
+    embedded = config_doc.embedded_block(readme_text())
+    assert embedded == config_doc.render_table(), (
+        "README.md's config reference differs from MDIGRPOConfig: regenerate it with "
+        "`python -m trl_mdi.config_doc --update README.md`"
+    )
+    names = {f.name for f in config_doc.added_fields()}
+    assert "compute_attention_metrics" in names and "enable_perception_filtering" in names
+    assert "output_dir" not in names  # GRPOConfig's own fields are not ours to document
+
+
+def test_first_sentence_of_every_help_is_non_empty():
+    for f in config_doc.added_fields():
+        assert config_doc.first_sentence(f.metadata.get("help", "")), f"{f.name} has no help text"
+
+
+# ------------------------------------------------------------------------------------------------ 2. commands
+
+
+def test_runnable_blocks_run(tmp_path):
+    # `make demo` / `make test` are never marked runnable (minutes; recursive), see the module docstring.
+    blocks = [body for runnable, body in bash_blocks(readme_text()) if runnable]
+    assert len(blocks) >= 3, f"expected the README's runnable blocks (marked {RUNNABLE_MARK}), found {len(blocks)}"
+    for body in blocks:
+        assert "make demo" not in body and "make test" not in body, "make demo / make test must not be runnable"
+        assert "accelerate launch" not in body, "launch commands are not runnable here"
+    venv_bin = ROOT / ".venv" / "bin"
+    bin_dir = venv_bin if (venv_bin / "python").exists() else Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+           "TOKENIZERS_PARALLELISM": "false", "NO_COLOR": "1", "PYTHONWARNINGS": "ignore"}
+    scratch = str(tmp_path / "trl_mdi_readme")
+    for i, body in enumerate(blocks, 1):
+        script = body.replace(SCRATCH, scratch)
+        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, (
+            f"runnable README block {i} failed (exit {proc.returncode}):\n{body}\n--- stdout\n{proc.stdout[-3000:]}"
+            f"\n--- stderr\n{proc.stderr[-3000:]}"
+        )
+
+
+def script_command_lines() -> list[list[str]]:
+    """The flags of every grpo_vlm.py command line in the README's bash blocks (continuations joined)."""
+    commands = []
+    for _, body in bash_blocks(readme_text()):
+        for line in body.replace("\\\n", " ").splitlines():
+            tokens = shlex.split(line, comments=True)
+            at = [i for i, tok in enumerate(tokens) if tok.endswith(SCRIPT)]
+            if at:
+                commands.append(tokens[at[0] + 1:])
+    return commands
+
+
+def test_every_grpo_vlm_command_line_parses(monkeypatch):
+    monkeypatch.chdir(ROOT)  # --config examples/configs/demo.yaml is relative to the repository root
+    commands = script_command_lines()
+    assert len(commands) >= 8, commands  # demo, dry run, TPRL, the four GPU commands, --help
+    for flags in commands:
+        if "--help" in flags:
+            assert flags == ["--help"], flags
+            continue
+        try:
+            cli.parse_args(flags)  # the script's own parser: unknown flags and invalid values raise
+        except (ValueError, SystemExit) as e:
+            pytest.fail(f"README command `grpo_vlm.py {' '.join(flags)}` does not parse: {e}")
+
+
+# ------------------------------------------------------------------------------------------------ 3. metrics
+
+
+def _source(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def _library_sources() -> str:
+    import transformers
+    import trl
+
+    return "\n".join([
+        _source(Path(trl.__file__).parent / "trainer" / "grpo_trainer.py"),
+        _source(Path(transformers.__file__).parent / "trainer.py"),
+    ])
+
+
+def logged_trl_mdi_metrics() -> set[str]:
+    """attention/*, tprl/*, perf/* names trl_mdi logs: computed from the functions that build them, plus literals."""
+    from trl_mdi.attention import ModalityAttention
+    from trl_mdi.scoring import ScoringSession, apply_tprl, attention_metric_values, attention_table
+
+    # Attention: the names come from the keys of the per-rollout table (default layer segments).
+    b, layers = 2, 3
+    att = ModalityAttention(
+        image=torch.full((b, layers), 0.2), prompt_text=torch.full((b, layers), 0.5),
+        completion=torch.full((b, layers), 0.2), special=torch.full((b, layers), 0.1),
+        n_image=torch.tensor([4, 6]), n_prompt_text=torch.tensor([10, 12]), n_special=torch.tensor([2, 2]),
+        n_completion=torch.tensor([3, 3]), n_queries=torch.tensor([3, 3]),
+    )
+    table = attention_table(att, "thirds", 2.0)
+    keys = list(table)
+    names = set(attention_metric_values(keys, torch.stack([table[k].float() for k in keys], dim=1)))
+
+    # TPRL: every part on, over a batch with spread (so no branch is skipped).
+    session = ScoringSession(capture_in_trl_forward=False, measure_attention=False, need_entropy=True)
+    session.entropies = torch.tensor([[0.1, 0.9, 0.5, 0.3], [0.4, 0.2, 0.8, 0.6]])
+    session.visual_dependency = torch.tensor([[0.0, 1.0, 0.2, 0.1], [2.0, 3.0, 0.5, 0.4]])
+    session.has_image = torch.tensor([True, True])
+    out = {"completion_mask": torch.ones(2, 4, dtype=torch.long), "advantages": torch.tensor([1.0, -1.0])}
+    args = SimpleNamespace(enable_entropy_filtering=True, top_p_entropy_tokens=0.5, enable_perception_filtering=True,
+                           top_p_perception_tokens=0.5, enable_trajectory_reweighting=True,
+                           trajectory_scaling_min=0.8)
+    names |= set(apply_tprl(out, session, args, lambda t: t, 0))
+
+    # Literal names, wherever in the package they are logged: a subscript (`_metrics[mode]["perf/..."]`,
+    # `metrics["tprl/..."] = ...`) or a dict key (`{"attention/...": ...}`).
+    literal = r"""["']((?:attention|tprl|perf)/[A-Za-z0-9_/]+)["']"""
+    for path in sorted((ROOT / "trl_mdi").rglob("*.py")):
+        text = _source(path)
+        names |= set(re.findall(rf"\[\s*{literal}\s*\]", text)) | set(re.findall(rf"{literal}\s*:", text))
+    return {n for n in names if n.startswith(METRIC_PREFIXES)}
+
+
+def glossary_names() -> list[str]:
+    """Metric names in the first column of the glossary's tables."""
+    body = section("Metric glossary")
+    return re.findall(r"^\| `([^`]+)`", body, re.M)
+
+
+def test_glossary_lists_every_metric_the_trainer_logs():
+    listed = set(glossary_names())
+    missing = sorted(logged_trl_mdi_metrics() - listed)
+    assert not missing, f"metrics logged by trl_mdi but missing from the README's metric glossary: {missing}"
+    assert "rewards/<name>/zero_spread_frac" in listed
+
+
+def test_every_glossary_name_is_logged_by_the_code():
+    ours = logged_trl_mdi_metrics()
+    sources = "\n".join(_source(p) for p in sorted((ROOT / "trl_mdi").rglob("*.py"))) + _library_sources()
+    names = glossary_names()
+    assert len(names) >= 20, names
+    for name in names:
+        if name.startswith(METRIC_PREFIXES):
+            assert name in ours, f"glossary lists {name!r}, which trl_mdi does not log"
+        elif "<" in name:  # a template such as rewards/<name>/mean: an f-string in the source
+            pattern = re.escape(name).replace(re.escape("<name>"), r"\{[^}]+\}")
+            assert re.search(pattern, sources), f"glossary template {name!r} matches no f-string in the source"
+        else:
+            assert re.search(rf"""["']{re.escape(name)}["']""", sources), f"glossary lists {name!r}: not in the source"
+
+
+# ------------------------------------------------------------------------------------------------ 4. figures, links
+
+
+def test_benchmark_figures_are_quoted_from_results():
+    results = _source(ROOT / "benchmarks" / "RESULTS.md")
+    body = section("Tests and benchmarks")
+    quoted = re.findall(r"\b\d+\.\d+x\b|\b\d[\d,]*(?:\.\d+)? (?:MiB|GiB|s)\b", body)
+    assert quoted, "the benchmark section quotes no measured figure"
+    for figure in quoted:
+        number = figure.split()[0].rstrip("x")
+        assert number in results, (
+            f"README quotes {figure!r} but benchmarks/RESULTS.md has no such figure: copy the numbers from RESULTS.md"
+        )
+
+
+def outside_code_blocks(text: str) -> str:
+    """The text with fenced code blocks removed (a fence closes on a line of at least as many backticks)."""
+    kept, fence = [], None
+    for line in text.splitlines():
+        m = re.match(r"[ \t]*(`{3,})", line)
+        if fence is None and m:
+            fence = m.group(1)
+        elif fence is not None and m and line.strip() == line.strip()[0] * len(line.strip()) and len(m.group(1)) >= len(fence):
+            fence = None
+        elif fence is None:
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def test_relative_links_and_images_exist():
+    text = outside_code_blocks(readme_text())  # links inside code blocks (log excerpts) do not count
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    local = [t.split("#", 1)[0] for t in targets if not re.match(r"[a-z]+://|#|mailto:", t)]
+    assert local, "expected relative links (docs/images, benchmarks/RESULTS.md, ...)"
+    for target in local:
+        assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
+    # In-page anchors: GitHub's slug of a heading (lower case, punctuation dropped, spaces to hyphens).
+    slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+             for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+    for anchor in (t[1:] for t in targets if t.startswith("#")):
+        assert anchor in slugs, f"README links to #{anchor}, which matches no heading"

@@ -1,0 +1,127 @@
+"""The README's config reference, generated from the dataclass: every field MDIGRPOConfig adds to GRPOConfig.
+
+    python -m trl_mdi.config_doc                    # print the Markdown table
+    python -m trl_mdi.config_doc --update README.md # replace the table between the README's markers
+
+One row per field that ``trl.GRPOConfig`` does not have, in declaration order: name, type, default and the first
+sentence of the field's ``help`` metadata. tests/test_readme.py checks that the README block between
+``<!-- config-reference:start -->`` and ``<!-- config-reference:end -->`` equals this output, so a field added
+without regenerating the README fails the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+import types
+import typing
+from pathlib import Path
+
+START_MARKER = "<!-- config-reference:start -->"
+END_MARKER = "<!-- config-reference:end -->"
+
+# A sentence ends at a period that is not part of an ellipsis, followed by whitespace or the end of the text.
+_SENTENCE_END = re.compile(r"(?<!\.)\.(?!\.)(?=\s|$)")
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of a help text, on one line (an ellipsis does not end a sentence).
+
+    >>> first_sentence("Rollouts written in full. The others get one row.")
+    'Rollouts written in full.'
+    >>> first_sentence("Characters written (then '... (N more chars)').")
+    "Characters written (then '... (N more chars)')."
+    >>> first_sentence("No period here\\nsecond line")
+    'No period here'
+    """
+    text = text.strip()
+    m = _SENTENCE_END.search(text)
+    first = text[: m.end()] if m else text.splitlines()[0] if text else ""
+    return " ".join(first.split())
+
+
+def added_fields() -> list[dataclasses.Field]:
+    """MDIGRPOConfig's fields that trl.GRPOConfig does not have, in declaration order.
+
+    >>> [f.name for f in added_fields()][:2]
+    ['compute_attention_metrics', 'mdi_balance_ratio']
+    """
+    from trl import GRPOConfig
+
+    from .config import MDIGRPOConfig
+
+    base = {f.name for f in dataclasses.fields(GRPOConfig)}
+    return [f for f in dataclasses.fields(MDIGRPOConfig) if f.name not in base]
+
+
+def _type_name(tp) -> str:
+    if isinstance(tp, str):  # postponed annotations (``from __future__ import annotations``)
+        return tp
+    if isinstance(tp, type):
+        return tp.__name__
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "None"
+    return str(tp).replace("typing.", "")
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "(required)"
+    return f"`{value!r}`" if isinstance(value, str) else f"`{value}`"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_table() -> str:
+    """The Markdown table: one row per added field (name, type, default, first sentence of its help)."""
+    lines = ["| field | type | default | meaning |", "|---|---|---|---|"]
+    for f in added_fields():
+        help_text = first_sentence(f.metadata.get("help", "")) or "(no help text)"
+        lines.append(f"| `{f.name}` | `{_cell(_type_name(f.type))}` | {_cell(_default(f))} | {_cell(help_text)} |")
+    return "\n".join(lines)
+
+
+def embedded_block(readme_text: str) -> str:
+    """The text between the README's markers, stripped; ValueError when the markers are missing."""
+    if START_MARKER not in readme_text or END_MARKER not in readme_text:
+        raise ValueError(f"README lacks the markers {START_MARKER} / {END_MARKER}")
+    return readme_text.split(START_MARKER, 1)[1].split(END_MARKER, 1)[0].strip()
+
+
+def update_readme(path: str | Path) -> bool:
+    """Replace the block between the markers with the current table; True when the file changed."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    embedded_block(text)  # markers present
+    head, rest = text.split(START_MARKER, 1)
+    _, tail = rest.split(END_MARKER, 1)
+    new = f"{head}{START_MARKER}\n{render_table()}\n{END_MARKER}{tail}"
+    if new != text:
+        path.write_text(new, encoding="utf-8")
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trl_mdi.config_doc", description=__doc__.splitlines()[0])
+    parser.add_argument("--update", metavar="README", help="rewrite the table between the markers of this file")
+    args = parser.parse_args(argv)
+    if args.update:
+        changed = update_readme(args.update)
+        print(f"{args.update}: config reference {'updated' if changed else 'already up to date'}")
+    else:
+        print(render_table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
