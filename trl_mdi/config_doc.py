@@ -84,10 +84,15 @@ def _cell(text: str) -> str:
 
 def render_table() -> str:
     """The Markdown table: one row per added field (name, type, default, first sentence of its help)."""
+    from .config import MDIGRPOConfig
+
+    # The declared annotations, not field.type: HfArgumentParser rewrites field.type in place (it strips the
+    # None of `X | None`), so field.type depends on whether a parser was built earlier in the process.
+    hints = typing.get_type_hints(MDIGRPOConfig)
     lines = ["| field | type | default | meaning |", "|---|---|---|---|"]
     for f in added_fields():
         help_text = first_sentence(f.metadata.get("help", "")) or "(no help text)"
-        lines.append(f"| `{f.name}` | `{_cell(_type_name(f.type))}` | {_cell(_default(f))} | {_cell(help_text)} |")
+        lines.append(f"| `{f.name}` | `{_cell(_type_name(hints[f.name]))}` | {_cell(_default(f))} | {_cell(help_text)} |")
     return "\n".join(lines)
 
 
