@@ -1,20 +1,7 @@
-"""Exact text/vision attention mass per layer, in O(sequence length) memory, with the SDPA kernel.
+"""The registered ``trl_mdi_probe`` attention function, the probe context manager and the public measurement.
 
-How it works. Attention weights are never materialised. For every text attention layer the probe runs
-one extra ``scaled_dot_product_attention`` call on the same queries and keys whose *value* tensor holds
-indicator columns, one per key group (image, prompt text, completion, special)::
-
-    softmax(q k^T / sqrt(d) + mask) @ [1_image | 1_prompt_text | 1_completion | 1_special]
-
-which is, per query and head, exactly the attention mass on each group, computed by the same fused,
-memory-efficient kernels that compute the model's own attention. Only the rows of the measured queries
-are passed (the span that holds them), so the extra cost is a fraction of one attention call per layer.
-
-Scoping. The probe registers its attention function under its own name ("trl_mdi_probe", never
-replacing "sdpa" or another built-in), points only the *text* config at it for the duration of a
-``with`` block, and restores the previous implementation on exit, exceptions included. Inside the
-block the text attention output is computed by transformers' own SDPA path with the same mask, so the
-model's outputs are those of its SDPA implementation. The vision tower is untouched.
+Importing this module registers ``trl_mdi_probe`` with transformers' ``AttentionInterface`` and
+``AttentionMaskInterface``.
 """
 
 from __future__ import annotations
@@ -23,7 +10,6 @@ import contextlib
 import contextvars
 import inspect
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,204 +17,13 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import metrics as M
+from .layout import _forward_tensors, _Layout, _layout, image_token_ids, template_text_exclusion_mask
+from .result import _COMPLETION, _IMAGE, _PROMPT_TEXT, _SPECIAL, GROUPS, ModalityAttention
 
 PROBE_ATTN_IMPLEMENTATION = "trl_mdi_probe"
-GROUPS = ("image", "prompt_text", "completion", "special")
-_IMAGE, _PROMPT_TEXT, _COMPLETION, _SPECIAL = range(len(GROUPS))
-QUERY_PHASES = ("completion", "prompt")
 
 # The probe active in this context (thread / task); the registered attention function reads it.
 _ACTIVE: contextvars.ContextVar[_ProbeState | None] = contextvars.ContextVar("trl_mdi_probe", default=None)
-
-
-# --------------------------------------------------------------------------------------------------
-# Result
-# --------------------------------------------------------------------------------------------------
-@dataclass
-class ModalityAttention:
-    """Per-row, per-layer attention mass of the measured queries on each key group.
-
-    Masses are averaged over heads, then over the row's measured query tokens. For each layer and valid
-    row, ``image + prompt_text + completion + special == 1``. ``special`` is zero unless special tokens
-    and the system prompt were excluded from text (``text_keys="content"``).
-
-    Attributes:
-        image, prompt_text, completion, special: float32 tensors of shape (B, num_layers).
-        n_image, n_prompt_text, n_special, n_completion: key counts per row, shape (B,).
-        n_queries: measured query tokens per row, shape (B,). Rows with 0 are invalid: their masses are
-            NaN and ``valid`` is False.
-        image_token_mass: for rows listed in ``image_map_rows`` when measuring, a dict
-            row -> (num_layers, n_image) tensor of the mass on each individual image token (attention maps).
-    """
-
-    image: torch.Tensor
-    prompt_text: torch.Tensor
-    completion: torch.Tensor
-    special: torch.Tensor
-    n_image: torch.Tensor
-    n_prompt_text: torch.Tensor
-    n_special: torch.Tensor
-    n_completion: torch.Tensor
-    n_queries: torch.Tensor
-    image_token_mass: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def num_layers(self) -> int:
-        return self.image.shape[1]
-
-    @property
-    def valid(self) -> torch.Tensor:
-        """Rows that had at least one measured query token."""
-        return self.n_queries > 0
-
-    @property
-    def has_image(self) -> torch.Tensor:
-        return self.n_image > 0
-
-    def segment_metrics(self, segments: str | dict | None = None) -> dict[str, dict[str, torch.Tensor]]:
-        """MDI / AEI per layer segment (see :func:`trl_mdi.metrics.segment_metrics`); text = prompt text."""
-        seg = M.layer_segments(self.num_layers, segments)
-        return M.segment_metrics(self.prompt_text, self.image, self.n_prompt_text, self.n_image, seg)
-
-    def rows(self, segments: str | dict | None = None, balance_ratio: float = 2.0) -> list[dict[str, float | None]]:
-        """Per-row plain-Python summaries (None where undefined), the form rewards and logs consume."""
-        seg = self.segment_metrics(segments)
-        balance = M.mdi_balance(seg["all"]["mdi"], balance_ratio)
-        out = []
-        for i in range(self.image.shape[0]):
-            row: dict[str, float | None] = {}
-            for name, vals in seg.items():
-                row[f"mdi_{name}"] = _opt(vals["mdi"][i])
-                row[f"aei_text_{name}"] = _opt(vals["aei_text"][i])
-                row[f"aei_image_{name}"] = _opt(vals["aei_image"][i])
-            row["mdi"] = row["mdi_all"]
-            row["mdi_balance"] = _opt(balance[i])
-            for g in GROUPS:
-                row[f"{g}_mass"] = _opt(getattr(self, g)[i].mean())
-            row["n_image"] = int(self.n_image[i])
-            row["n_prompt_text"] = int(self.n_prompt_text[i])
-            row["n_special"] = int(self.n_special[i])
-            row["n_completion"] = int(self.n_completion[i])
-            row["n_queries"] = int(self.n_queries[i])
-            out.append(row)
-        return out
-
-    @staticmethod
-    def cat(parts: Sequence[ModalityAttention]) -> ModalityAttention:
-        """Concatenate results along the batch (row indices of attention maps are shifted)."""
-        maps: dict[int, torch.Tensor] = {}
-        offset = 0
-        for p in parts:
-            maps.update({offset + k: v for k, v in p.image_token_mass.items()})
-            offset += p.image.shape[0]
-        names = [f for f in ModalityAttention.__dataclass_fields__ if f != "image_token_mass"]
-        return ModalityAttention(
-            **{n: torch.cat([getattr(p, n) for p in parts]) for n in names}, image_token_mass=maps
-        )
-
-
-def _opt(x: torch.Tensor) -> float | None:
-    v = float(x)
-    return None if v != v else v  # NaN -> None
-
-
-# --------------------------------------------------------------------------------------------------
-# Token layout: which keys belong to which group, which queries are measured
-# --------------------------------------------------------------------------------------------------
-def image_token_ids(config) -> list[int]:
-    """Placeholder token ids of images/videos from a VLM config; ValueError if the model has none."""
-    ids = []
-    for name in ("image_token_id", "video_token_id", "image_token_index"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value >= 0 and value not in ids:
-            ids.append(value)
-    if not ids:
-        raise ValueError(
-            f"model type {getattr(config, 'model_type', type(config).__name__)!r} has no image_token_id in its "
-            "config, so image tokens cannot be located. The attention probe needs a vision-language model whose "
-            "config names its image placeholder token (Qwen2-VL/2.5-VL/3-VL, Idefics3/SmolVLM, LLaVA, ...)."
-        )
-    return ids
-
-
-def template_text_exclusion_mask(input_ids: torch.Tensor, tokenizer, image_ids: Sequence[int] = ()) -> torch.Tensor:
-    """Positions that ``text_keys="content"`` moves out of prompt text: special tokens and the system turn.
-
-    Special tokens are the tokenizer's special and added-special ids (image/video placeholders excluded:
-    they are image keys). The system turn is recognised for ChatML-style templates (Qwen, SmolVLM):
-    from an ``<|im_start|>`` followed by the token(s) of ``system`` up to and including the next
-    ``<|im_end|>``. For other templates only the special tokens are excluded.
-    """
-    special = {int(i) for i in getattr(tokenizer, "all_special_ids", [])}
-    for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
-        if getattr(tok, "special", False):
-            special.add(int(tokenizer.convert_tokens_to_ids(str(tok))))
-    special -= set(image_ids)
-    excl = torch.isin(input_ids, torch.tensor(sorted(special), dtype=input_ids.dtype, device=input_ids.device))
-    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    unk = getattr(tokenizer, "unk_token_id", None)
-    if start is None or end is None or start == unk or end == unk:
-        return excl
-    sys_ids = tokenizer.encode("system", add_special_tokens=False)
-    ids = input_ids.tolist()
-    for b, row in enumerate(ids):
-        i = 0
-        while i < len(row):
-            if row[i] == start and row[i + 1 : i + 1 + len(sys_ids)] == sys_ids:
-                j = i
-                while j < len(row) and row[j] != end:
-                    j += 1
-                excl[b, i : j + 1] = True
-                i = j
-            i += 1
-    return excl
-
-
-@dataclass
-class _Layout:
-    groups: torch.Tensor  # (B, L, G) float one-hot over valid keys
-    query_mask: torch.Tensor  # (B, L) bool
-    span: tuple[int, int]  # [q0, q1) holding every measured query
-    counts: torch.Tensor  # (B, G) long
-    n_queries: torch.Tensor  # (B,)
-
-
-def _layout(
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    completion_region: torch.Tensor,
-    image_ids: Sequence[int],
-    mm_token_type_ids: torch.Tensor | None,
-    exclusion: torch.Tensor | None,
-    phase: str,
-    completion_queries: torch.Tensor | None = None,
-) -> _Layout:
-    valid = attention_mask.bool()
-    is_image = torch.isin(input_ids, torch.tensor(list(image_ids), device=input_ids.device, dtype=input_ids.dtype))
-    if mm_token_type_ids is not None and mm_token_type_ids.shape == input_ids.shape:
-        is_image = is_image | (mm_token_type_ids > 0)
-    completion_region = completion_region.bool() & valid
-    # Image keys live in the prompt: a generated placeholder id (TRL suppresses the image token when sampling, not
-    # the video one) is text the model wrote, not an image.
-    is_image = is_image & valid & ~completion_region
-    prompt = valid & ~completion_region & ~is_image
-    excluded = prompt & exclusion.bool() if exclusion is not None else torch.zeros_like(prompt)
-    groups = torch.stack([is_image, prompt & ~excluded, completion_region & ~is_image, excluded], dim=-1)
-    if phase == "completion":
-        queries = completion_queries.bool() & valid if completion_queries is not None else completion_region
-    elif phase == "prompt":
-        # The prompt's own text after its last image token (the question, read after looking), so that
-        # prompt-phase and generation-phase attention can be compared. Rows without an image: all prompt text.
-        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-        last_img = torch.where(is_image, pos, torch.full_like(pos, -1)).amax(dim=1, keepdim=True)
-        queries = (prompt & ~excluded) & (pos > last_img)
-    else:
-        raise ValueError(f"query phase must be one of {QUERY_PHASES}, got {phase!r}")
-    cols = queries.any(dim=0).nonzero()
-    span = (int(cols.min()), int(cols.max()) + 1) if len(cols) else (0, 0)
-    return _Layout(groups.float(), queries, span, groups.sum(dim=1), queries.sum(dim=1))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -405,17 +200,6 @@ def probe_attention(
         _ACTIVE.reset(token)
         handle.remove()
 
-
-def _forward_tensors(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    input_ids = kwargs.get("input_ids")
-    if input_ids is None:
-        raise ValueError("the attention probe needs input_ids in the model call (inputs_embeds alone hide image tokens)")
-    attention_mask = kwargs.get("attention_mask")
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    if isinstance(attention_mask, dict) or attention_mask.dim() != 2:
-        raise ValueError("the attention probe needs the 2-D (batch, seq) padding mask as attention_mask")
-    return input_ids, attention_mask, kwargs.get("mm_token_type_ids")
 
 
 # --------------------------------------------------------------------------------------------------

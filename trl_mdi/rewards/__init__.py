@@ -1,0 +1,72 @@
+"""Reward functions for GRPO on vision-language models, their registry, and two pure group helpers.
+
+Every reward follows TRL's signature ``fn(completions, <named columns or trainer fields>, **kwargs)
+-> list[float | None]``; ``None`` means "not applicable to this rollout" (TRL turns it into NaN and
+leaves it out of that reward). Completions may be strings or message lists
+``[{"role": "assistant", "content": ...}]``; ``completion_text`` reads both.
+
+    name          function              needs                        returns
+    mc_idx        mc_idx_reward         dataset column label_idx     1 / 0, None without a label
+    think_format  think_format_reward   -                            1 / 0
+    mdi_balance   mdi_balance_reward    trainer field mdi_balance    2 * balance - 1 in [-1, 1]
+    mdi_group     mdi_group_reward      trainer field mdi_group_score  group-relative, in [-1, 1]
+    accuracy      accuracy_reward       dataset column solution      TRL's math-verify reward
+
+A reward states what it needs as named parameters without defaults; ``required_reward_inputs`` reads
+them from the signature, so a custom reward given by import path is checked the same way
+(``check_reward_columns``) and a plain GRPOTrainer that does not provide ``mdi_balance`` fails loudly.
+
+Pure tensor helpers the trainer calls: ``group_relative_mdi_score`` (computes ``mdi_group_score``) and
+``zero_spread_fraction`` (logged as ``rewards/<name>/zero_spread_frac``).
+
+Layout: ``parsing`` (completion text, answer letters), ``functions`` (the rewards), ``groups`` (group
+helpers), ``registry`` (names, defaults, resolution). Everything is re-exported here, so
+``trl_mdi.rewards.<name>`` and import paths such as ``"trl_mdi.rewards:mc_idx_reward"`` keep working.
+"""
+
+from .functions import (
+    accuracy_reward,
+    mc_idx_reward,
+    mdi_balance_reward,
+    mdi_group_reward,
+    think_format_reward,
+)
+from .groups import group_relative_mdi_score, zero_spread_fraction
+from .parsing import LETTERS as LETTERS
+from .parsing import completion_text, extract_choice_letter
+from .registry import (
+    DEFAULT_REWARD_WEIGHTS,
+    DEFAULT_REWARDS,
+    REQUIRED_COLUMNS,
+    REWARD_REGISTRY,
+    TRAINER_FIELDS,
+    check_reward_columns,
+    required_reward_inputs,
+    resolve_rewards,
+    reward_help,
+)
+from .registry import TRL_PROVIDED as TRL_PROVIDED
+from .registry import default_reward_stack as default_reward_stack
+from .registry import resolve_reward_funcs as resolve_reward_funcs
+from .registry import reward_name as reward_name
+
+__all__ = [
+    "DEFAULT_REWARDS",
+    "DEFAULT_REWARD_WEIGHTS",
+    "REQUIRED_COLUMNS",
+    "REWARD_REGISTRY",
+    "TRAINER_FIELDS",
+    "accuracy_reward",
+    "check_reward_columns",
+    "completion_text",
+    "extract_choice_letter",
+    "group_relative_mdi_score",
+    "mc_idx_reward",
+    "mdi_balance_reward",
+    "mdi_group_reward",
+    "required_reward_inputs",
+    "resolve_rewards",
+    "reward_help",
+    "think_format_reward",
+    "zero_spread_fraction",
+]

@@ -1,0 +1,157 @@
+"""The reward functions: ``mc_idx_reward``, ``think_format_reward``, ``mdi_balance_reward``, ``mdi_group_reward``
+and TRL's ``accuracy_reward`` (re-exported)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+from trl.rewards import accuracy_reward
+
+from .parsing import LETTERS, completion_text, extract_choice_letter
+
+__all__ = ["accuracy_reward", "mc_idx_reward", "mdi_balance_reward", "mdi_group_reward", "think_format_reward"]
+
+
+def _label_index(label: Any) -> int | None:
+    """An int label index, or None for a missing one (None or NaN)."""
+    if label is None:
+        return None
+    if isinstance(label, bool):
+        raise ValueError(f"label_idx must be an int index (0 = A), got {label!r}")
+    try:
+        value = float(label)
+    except (TypeError, ValueError):
+        raise ValueError(f"label_idx must be an int index (0 = A), got {label!r}") from None
+    if math.isnan(value):
+        return None
+    if not value.is_integer():
+        raise ValueError(f"label_idx must be an int index (0 = A), got {label!r}")
+    return int(value)
+
+
+def mc_idx_reward(
+    completions: list,
+    label_idx: list,
+    choices: list | None = None,
+    log_extra: Callable[[str, list], None] | None = None,
+    **kwargs,
+) -> list[float | None]:
+    """Multiple-choice accuracy: 1.0 when the parsed answer letter is the label's, else 0.0.
+
+    ``label_idx`` holds int indices (0 = A); a None or NaN label gives None (not applicable). When
+    the dataset has a ``choices`` column (A-OKVQA does), only its first ``len(choices)`` letters can
+    be answers, which rules out stray "E".."J"; without it, A-J. Parsing: ``extract_choice_letter``.
+    A label outside the allowed letters is a data error and raises ValueError. Inside the trainer, the
+    parsed letters go to the completions table as column "parsed_choice".
+
+    >>> mc_idx_reward(["Answer: B", [{"role": "assistant", "content": "I'd say A."}], "B"], [1, 1, None])
+    [1.0, 0.0, None]
+    """
+    if len(label_idx) != len(completions):
+        raise ValueError(f"got {len(completions)} completions but {len(label_idx)} label_idx values")
+    rewards: list[float | None] = []
+    parsed: list[str | None] = []
+    for i, (completion, raw_label) in enumerate(zip(completions, label_idx)):
+        row_choices = choices[i] if choices is not None else None
+        num_choices = len(row_choices) if row_choices is not None and len(row_choices) > 0 else 10
+        letter = extract_choice_letter(completion_text(completion), num_choices)
+        parsed.append(letter)
+        label = _label_index(raw_label)
+        if label is None:
+            rewards.append(None)
+            continue
+        if not 0 <= label < num_choices:
+            raise ValueError(
+                f"label_idx {label} of row {i} is outside 0..{num_choices - 1} ({num_choices} choices)"
+            )
+        rewards.append(1.0 if letter == LETTERS[label] else 0.0)
+    if log_extra is not None:
+        log_extra("parsed_choice", [p or "" for p in parsed])
+    return rewards
+
+
+# ---------------------------------------------------------------------------------------------------
+# Format
+# ---------------------------------------------------------------------------------------------------
+
+_THINK_FORMAT = re.compile(r"\s*<think>(.*?)</think>(.*)", re.DOTALL)
+
+
+def think_format_reward(completions: list, **kwargs) -> list[float]:
+    """Think format: 1.0 for one non-empty <think>...</think> block followed by a non-empty answer.
+
+    The completion must open with ``<think>`` (leading whitespace allowed), hold exactly one
+    ``<think>`` and one ``</think>``, some reasoning between them and some answer text after them.
+
+    Why not TRL's ``trl.rewards.think_format_reward``: it fits our templates in one respect (Qwen2.5-VL,
+    Qwen3-VL and SmolVLM do not prefill "<think>", so the model writes the opening tag), but it pays
+    1.0 for an empty ``<think></think>``, for a completion that stops right after ``</think>`` and for
+    a stray second ``</think>``: exactly the shortcuts a policy learns when format is rewarded.
+    It also reads only message lists. With a template that prefills "<think>" into the prompt
+    (Qwen3.5 thinking), every completion here scores 0; ``zero_spread_fraction`` makes that visible.
+
+    >>> think_format_reward(["<think>It is red.</think>Answer: A", "<think></think>Answer: A",
+    ...                      [{"role": "assistant", "content": "Answer: A"}]])
+    [1.0, 0.0, 0.0]
+    """
+    rewards = []
+    for completion in completions:
+        text = completion_text(completion)
+        m = _THINK_FORMAT.fullmatch(text)
+        ok = (
+            m is not None
+            and text.count("<think>") == 1
+            and text.count("</think>") == 1
+            and m.group(1).strip() != ""
+            and m.group(2).strip() != ""
+        )
+        rewards.append(1.0 if ok else 0.0)
+    return rewards
+
+
+# ---------------------------------------------------------------------------------------------------
+# MDI rewards
+# ---------------------------------------------------------------------------------------------------
+
+
+def _optional_float(value: Any) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return None if math.isnan(value) else value
+
+
+def mdi_balance_reward(completions: list, mdi_balance: list, **kwargs) -> list[float | None]:
+    """MDI balance (product brief): 2 * balance - 1, with balance = clip(1 - |log MDI| / log R, 0, 1).
+
+    ``mdi_balance`` is computed per rollout by the trainer (``trl_mdi.metrics.mdi_balance``) and
+    passed as a list of float or None; None or NaN (no image tokens, hence no MDI) stays None.
+    Balance is 0 for every MDI outside (1/R, R), so with typical MDI of 5-17 this reward is -1 for the
+    whole group and carries no GRPO signal; see ``mdi_group_reward``.
+
+    >>> mdi_balance_reward(["a", "b", "c"], [1.0, 0.0, None])
+    [1.0, -1.0, None]
+    """
+    if len(mdi_balance) != len(completions):
+        raise ValueError(f"got {len(completions)} completions but {len(mdi_balance)} mdi_balance values")
+    out = []
+    for value in mdi_balance:
+        value = _optional_float(value)
+        out.append(None if value is None else 2.0 * value - 1.0)
+    return out
+
+
+def mdi_group_reward(completions: list, mdi_group_score: list, **kwargs) -> list[float | None]:
+    """Group-relative MDI balance: the trainer's group_relative_mdi_score, in [-1, 1], None when NaN.
+
+    >>> mdi_group_reward(["a", "b", "c"], [1.0, -1.0, float("nan")])
+    [1.0, -1.0, None]
+    """
+    if len(mdi_group_score) != len(completions):
+        raise ValueError(
+            f"got {len(completions)} completions but {len(mdi_group_score)} mdi_group_score values"
+        )
+    return [_optional_float(value) for value in mdi_group_score]
