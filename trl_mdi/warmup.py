@@ -1,0 +1,385 @@
+"""Supervised warm start of a tiny VLM on the synthetic questions, and greedy held-out accuracy.
+
+GRPO only learns from groups whose rollouts get different rewards. A random tiny VLM first learns to emit a
+letter, then every rollout of a group names the same letter, the group's mc_idx reward has zero spread and it
+stops teaching anything: pure GRPO from random weights stalls near chance (benchmarks/learning_curve.py shows it).
+What a real user does instead is a short supervised warm-up on a few hundred labelled examples with TRL's
+SFTTrainer, stopped well before it solves the task, then GRPO. This module is that warm-up:
+
+1. ``synthetic_dataset`` draws synthetic A-OKVQA rows (``trl_mdi.synthetic``) and converts them with the prep
+   script's own row conversion (``trl_mdi.aokvqa.convert_row``), so prompts read exactly as in training data
+   prepared by ``data_prep/prepare_aokvqa_for_trl.py``; ``to_conversational`` adds the system prompt.
+2. ``target_completion`` is the supervised answer: ``"<think> image</think>\\nAnswer: A"``, a constant reasoning
+   text that does not reveal the answer, then the letter. ``think_format_reward`` pays 1 for it and
+   ``mc_idx_reward`` parses the letter; with the Qwen templates it is 7 tokens plus <|im_end|>, so GRPO's
+   ``max_completion_length=8`` holds it.
+3. ``warm_start`` builds the tiny model (``trl_mdi.tiny``, seeded) and trains it with ``trl.SFTTrainer``
+   (prompt-completion data, loss on the completion only). Everything is seeded, so a given recipe and thread
+   count give the same weights.
+4. ``evaluate_accuracy`` is greedy generation on held-out rows with the image placeholder token suppressed
+   (GRPOTrainer suppresses it when it samples, so the policy never learns to avoid it), scored with the same
+   parser as the reward (``score_completions``).
+
+CLI (the warm-started model for ``make demo``):
+
+    python -m trl_mdi.warmup --out demo_run/tiny-warm [--arch qwen2_vl] [--n_train 200] [--epochs 6] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .aokvqa import LETTERS, convert_row
+from .data import DEFAULT_SYSTEM_PROMPT, to_conversational
+from .rewards import completion_text, extract_choice_letter
+from .synthetic import KINDS, OPTION_ORDERS, generate_synthetic_rows
+from .tiny import TINY_ARCHS, build_tiny_vlm
+
+__all__ = [
+    "DEFAULT_MODEL_SIZE",
+    "EvalResult",
+    "WarmupRecipe",
+    "evaluate_accuracy",
+    "main",
+    "score_completions",
+    "sft_dataset",
+    "synthetic_dataset",
+    "target_completion",
+    "warm_start",
+]
+
+DEFAULT_MODEL_SIZE: dict[str, int] = dict(
+    num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=384,
+    vision_depth=2, vision_hidden_size=64, vision_num_heads=2, vision_intermediate_size=256,
+)
+"""About 1.2M parameters (Qwen2-VL): the size that learned the colour questions on 2 CPU cores in trials here."""
+
+DEFAULT_THINK = "image"
+"""The warm-up's reasoning text: a constant that does not reveal the answer, so the letter is the model's own
+reading of the image. With ``"{answer}"`` (the colour as reasoning) SFT alone solves the colour questions in
+about two epochs, and there is nothing left for GRPO to show."""
+
+
+@dataclasses.dataclass
+class WarmupRecipe:
+    """Everything that decides the warm-started weights (saved as ``warmup.json`` next to them)."""
+
+    arch: str = "qwen2_vl"
+    model_seed: int = 0
+    model_size: dict[str, int] = dataclasses.field(default_factory=lambda: dict(DEFAULT_MODEL_SIZE))
+    n_train: int = 200
+    data_seed: int = 0
+    think: str = DEFAULT_THINK
+    kinds: tuple[str, ...] = ("color",)
+    option_order: str = "fixed"
+    image_size: int = 56
+    blank_images: bool = False
+    epochs: float = 6.0
+    learning_rate: float = 1e-3
+    lr_scheduler_type: str = "linear"
+    batch_size: int = 8
+    train_seed: int = 0
+
+    def __post_init__(self):
+        if self.arch not in TINY_ARCHS:
+            raise ValueError(f"arch must be one of {TINY_ARCHS}, got {self.arch!r}")
+        if self.option_order not in OPTION_ORDERS:
+            raise ValueError(f"option_order must be one of {OPTION_ORDERS}, got {self.option_order!r}")
+        if not self.kinds or any(k not in KINDS for k in self.kinds):
+            raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {self.kinds}")
+        if self.n_train < 1 or self.epochs <= 0 or self.learning_rate <= 0 or self.batch_size < 1:
+            raise ValueError("n_train and batch_size must be >= 1, epochs and learning_rate > 0")
+        self.kinds = tuple(self.kinds)
+
+
+# ------------------------------------------------------------------------------------------------------- data
+
+
+def synthetic_dataset(n: int, *, split: str = "train", seed: int = 0, kinds: Sequence[str] = ("color",),
+                      option_order: str = "fixed", image_size: int = 56, blank_images: bool = False,
+                      system_prompt: str | None = DEFAULT_SYSTEM_PROMPT):
+    """``n`` synthetic questions as GRPO training rows: conversational ``prompt``, ``image``, ``label_idx``,
+    ``choices``, ``question_id``, plus ``answer`` (the correct choice's text).
+
+    Rows are converted with the prep script's ``convert_row``, so the prompt text is exactly what
+    ``data_prep/prepare_aokvqa_for_trl.py`` writes. Each (split, seed) is its own random stream, so "validation"
+    rows are drawn independently of "train" rows.
+    """
+    from datasets import Dataset, Image
+
+    rows = []
+    for raw in generate_synthetic_rows(n, split=split, seed=seed, kinds=tuple(kinds), option_order=option_order,
+                                       image_size=image_size, blank_images=blank_images):
+        row, why = convert_row(raw)
+        if row is None:  # cannot happen for synthetic rows; fail loudly rather than return fewer
+            raise RuntimeError(f"synthetic row {raw['question_id']} was rejected by convert_row: {why}")
+        row["answer"] = row["choices"][row["label_idx"]]
+        rows.append({**row, **to_conversational(row, system_prompt)})
+    return Dataset.from_list(rows).cast_column("image", Image())
+
+
+def target_completion(answer: str, label_idx: int, think: str = DEFAULT_THINK) -> str:
+    """The supervised completion: a think block, then the letter. ``think`` may name the answer as ``{answer}``.
+
+    >>> target_completion("red", 0)
+    '<think> image</think>\\nAnswer: A'
+    >>> target_completion("red", 2, think="{answer}")
+    '<think> red</think>\\nAnswer: C'
+    """
+    return f"<think> {think.format(answer=answer)}</think>\nAnswer: {LETTERS[label_idx]}"
+
+
+def sft_dataset(ds, think: str = DEFAULT_THINK):
+    """Prompt-completion rows for ``trl.SFTTrainer``: the GRPO prompt plus the assistant's ``target_completion``."""
+    def add(row):
+        text = target_completion(row["answer"], row["label_idx"], think)
+        return {"completion": [{"role": "assistant", "content": text}]}
+
+    keep = {"prompt", "image", "completion"}
+    ds = ds.map(add)
+    return ds.remove_columns([c for c in ds.column_names if c not in keep])
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+
+
+_CLEAN = re.compile(r"\s*<think>[^<>]*[^<>\s][^<>]*</think>\nAnswer: [A-Z]\s*")
+
+
+@dataclasses.dataclass
+class EvalResult:
+    """Greedy held-out accuracy and what the answers looked like."""
+
+    accuracy: float
+    format_rate: float  # fraction of completions think_format_reward pays for
+    answered_rate: float  # fraction with a parseable letter
+    clean_rate: float  # fraction exactly "<think>...</think>\nAnswer: X" (then end of sequence, when known)
+    letters: dict[str, int]  # parsed letter -> count ("" = none)
+    completions: list[str]
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        spread = " ".join(f"{k or '-'}:{v}" for k, v in sorted(self.letters.items()))
+        return (f"accuracy {self.accuracy:.3f}, format {self.format_rate:.2f}, clean {self.clean_rate:.2f}, "
+                f"answered {self.answered_rate:.2f}, letters {spread}")
+
+
+def score_completions(completions: Sequence[Any], labels: Sequence[int], num_choices: int | Sequence[int] = 4,
+                      ended: Sequence[bool] | None = None) -> EvalResult:
+    """Score completions against label indices with the reward's parser (``extract_choice_letter``).
+
+    ``ended`` (optional, one bool per completion) says whether generation stopped at the end-of-sequence token;
+    a completion counts as clean only if it did and its text is exactly ``<think>...</think>\\nAnswer: X``.
+
+    >>> r = score_completions(["<think> red</think>\\nAnswer: A", "Answer: C", "no idea"], [0, 1, 2])
+    >>> round(r.accuracy, 3), round(r.format_rate, 3), round(r.clean_rate, 3), r.letters
+    (0.333, 0.333, 0.333, {'A': 1, 'C': 1, '': 1})
+    """
+    from .rewards import think_format_reward
+
+    if len(completions) != len(labels):
+        raise ValueError(f"{len(completions)} completions but {len(labels)} labels")
+    if not completions:
+        raise ValueError("nothing to score: no completions")
+    counts = [num_choices] * len(labels) if isinstance(num_choices, int) else list(num_choices)
+    texts = [completion_text(c) for c in completions]
+    parsed = [extract_choice_letter(t, n) for t, n in zip(texts, counts)]
+    correct = sum(p is not None and p == LETTERS[int(y)] for p, y in zip(parsed, labels))
+    fmt = think_format_reward(texts)
+    ended = [True] * len(texts) if ended is None else list(ended)
+    clean = sum(bool(e) and _CLEAN.fullmatch(t) is not None for t, e in zip(texts, ended))
+    return EvalResult(
+        accuracy=correct / len(texts),
+        format_rate=sum(fmt) / len(texts),
+        answered_rate=sum(p is not None for p in parsed) / len(texts),
+        clean_rate=clean / len(texts),
+        letters=dict(Counter(p or "" for p in parsed)),
+        completions=texts,
+    )
+
+
+@torch.no_grad()
+def evaluate_accuracy(model, processor, ds, *, batch_size: int = 50, max_new_tokens: int = 16) -> EvalResult:
+    """Greedy held-out multiple-choice accuracy of ``model`` on ``ds`` (rows of ``synthetic_dataset``).
+
+    Prompts are rendered as GRPOTrainer renders them (``prepare_multimodal_messages`` + the processor's chat
+    template with the generation prompt); generation is greedy with ``suppress_tokens=[image_token_id]``, the one
+    departure GRPOTrainer's sampling makes from a plain ``generate``. The model's train/eval mode is restored.
+    """
+    from trl.data_utils import prepare_multimodal_messages
+
+    start = time.perf_counter()
+    was_training = model.training
+    model.eval()
+    tok = getattr(processor, "tokenizer", processor)
+    image_token_id = model.config.image_token_id
+    texts: list[str] = []
+    ended: list[bool] = []
+    try:
+        for lo in range(0, len(ds), batch_size):
+            batch = ds[lo : lo + batch_size]
+            conversations = [prepare_multimodal_messages(p, images=[img])
+                             for p, img in zip(batch["prompt"], batch["image"])]
+            inputs = processor.apply_chat_template(conversations, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True, return_tensors="pt",
+                                                   processor_kwargs={"padding": True, "padding_side": "left"})
+            inputs = inputs.to(model.device)
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                 suppress_tokens=[image_token_id], pad_token_id=tok.pad_token_id,
+                                 eos_token_id=tok.eos_token_id, temperature=None, top_p=None, top_k=None)
+            new = out[:, inputs["input_ids"].shape[1]:]
+            texts += tok.batch_decode(new, skip_special_tokens=True)
+            ended += (new == tok.eos_token_id).any(dim=1).tolist()
+    finally:
+        model.train(was_training)
+    result = score_completions(texts, ds["label_idx"], [len(c) for c in ds["choices"]], ended)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ warm start
+
+
+def warm_start(recipe: WarmupRecipe | None = None, out_dir: str | Path | None = None, *, work_dir: str | None = None,
+               overwrite: bool = False, log=print):
+    """Build the tiny VLM of ``recipe`` and SFT-warm-start it on ``recipe.n_train`` synthetic examples.
+
+    Returns ``(model, processor, info)``; ``info`` holds the recipe, SFT steps, final loss and seconds. With
+    ``out_dir`` the model, the processor and ``warmup.json`` (info) are saved there (written to a temporary
+    sibling first, then renamed into place). ``work_dir`` receives SFTTrainer's output (default: a temporary
+    folder, removed afterwards).
+    """
+    from transformers.trainer_callback import PrinterCallback
+    from trl import SFTConfig, SFTTrainer
+
+    recipe = recipe or WarmupRecipe()
+    if out_dir is not None:
+        out_dir = Path(out_dir).expanduser().resolve()
+        if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+            raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True (CLI: --overwrite)")
+    start = time.perf_counter()
+    model, processor = build_tiny_vlm(recipe.arch, seed=recipe.model_seed, **recipe.model_size)
+    train = sft_dataset(synthetic_dataset(recipe.n_train, split="train", seed=recipe.data_seed, kinds=recipe.kinds,
+                                          option_order=recipe.option_order, image_size=recipe.image_size,
+                                          blank_images=recipe.blank_images), recipe.think)
+    tmp = tempfile.mkdtemp(prefix="trl_mdi_warmup_") if work_dir is None else work_dir
+    try:
+        args = SFTConfig(
+            output_dir=tmp, use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=10,
+            num_train_epochs=recipe.epochs, learning_rate=recipe.learning_rate,
+            lr_scheduler_type=recipe.lr_scheduler_type, per_device_train_batch_size=recipe.batch_size,
+            seed=recipe.train_seed, data_seed=recipe.train_seed, max_length=None, gradient_checkpointing=False,
+            disable_tqdm=True, dataloader_num_workers=0,
+        )
+        trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=processor)
+        trainer.remove_callback(PrinterCallback)  # one summary line below instead of a dict every 10 steps
+        result = trainer.train()
+    finally:
+        if work_dir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    model = trainer.model
+    model.eval()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    info = {
+        "recipe": dataclasses.asdict(recipe),
+        "num_params": model.num_parameters(),
+        "sft_steps": trainer.state.global_step,
+        "train_loss": result.training_loss,
+        "last_logged_loss": losses[-1] if losses else None,
+        "seconds": round(time.perf_counter() - start, 2),
+        "torch_threads": torch.get_num_threads(),
+    }
+    log(f"warm-up: {info['sft_steps']} SFT steps on {recipe.n_train} examples in {info['seconds']:.1f} s, "
+        f"mean loss {info['train_loss']:.3f}")
+    if out_dir is not None:
+        _save(model, processor, info, out_dir)
+    return model, processor, info
+
+
+def _save(model, processor, info: dict, out_dir: Path) -> None:
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        tmp.chmod(0o755)
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        (tmp / "warmup.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            out_dir.rename(old / out_dir.name)
+            tmp.rename(out_dir)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+# ------------------------------------------------------------------------------------------------------- CLI
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    d = WarmupRecipe()
+    p = argparse.ArgumentParser(prog="python -m trl_mdi.warmup",
+                                description="Build a tiny VLM offline and SFT-warm-start it on synthetic questions.")
+    p.add_argument("--out", required=True, type=Path, help="output folder (model + processor + warmup.json)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--arch", choices=TINY_ARCHS, default=d.arch)
+    p.add_argument("--model_seed", type=int, default=d.model_seed)
+    p.add_argument("--n_train", type=int, default=d.n_train, help="labelled warm-up examples")
+    p.add_argument("--data_seed", type=int, default=d.data_seed)
+    p.add_argument("--think", default=d.think, help="reasoning text of the target completion ('{answer}': the answer)")
+    p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(d.kinds))
+    p.add_argument("--option_order", choices=OPTION_ORDERS, default=d.option_order)
+    p.add_argument("--image_size", type=int, default=d.image_size)
+    p.add_argument("--blank_images", action="store_true", help="warm up on blank images (the control)")
+    p.add_argument("--epochs", type=float, default=d.epochs)
+    p.add_argument("--learning_rate", type=float, default=d.learning_rate)
+    p.add_argument("--lr_scheduler_type", default=d.lr_scheduler_type)
+    p.add_argument("--batch_size", type=int, default=d.batch_size)
+    p.add_argument("--train_seed", type=int, default=d.train_seed)
+    p.add_argument("--n_eval", type=int, default=200, help="held-out validation questions to score (0: skip)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    recipe_fields = {f.name for f in dataclasses.fields(WarmupRecipe)}
+    try:
+        recipe = WarmupRecipe(**{k: v for k, v in vars(args).items() if k in recipe_fields})
+        out = args.out.expanduser().resolve()
+        if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+            raise FileExistsError(f"{out} exists and is not empty; pass --overwrite to replace it")
+    except (ValueError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    model, processor, info = warm_start(recipe, overwrite=args.overwrite)
+    if args.n_eval:
+        held_out = synthetic_dataset(args.n_eval, split="validation", seed=recipe.data_seed, kinds=recipe.kinds,
+                                     option_order=recipe.option_order, image_size=recipe.image_size,
+                                     blank_images=recipe.blank_images)
+        result = evaluate_accuracy(model, processor, held_out)
+        info["held_out"] = {"n": args.n_eval, "accuracy": result.accuracy, "format_rate": result.format_rate,
+                            "letters": result.letters}
+        print(f"held-out greedy ({args.n_eval} validation questions): {result.summary()}")
+    _save(model, processor, info, out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
