@@ -353,6 +353,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch_size", type=int, default=d.batch_size)
     p.add_argument("--train_seed", type=int, default=d.train_seed)
     p.add_argument("--n_eval", type=int, default=200, help="held-out validation questions to score (0: skip)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: a ~1M-parameter model gains little from a second thread, and "
+                   "on a machine shared with other jobs 2 threads ran the warm-up ~10x slower in trials here)")
     return p.parse_args(argv)
 
 
@@ -367,6 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    torch.set_num_threads(args.threads)
     model, processor, info = warm_start(recipe, overwrite=args.overwrite)
     if args.n_eval:
         held_out = synthetic_dataset(args.n_eval, split="validation", seed=recipe.data_seed, kinds=recipe.kinds,
