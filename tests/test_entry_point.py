@@ -84,12 +84,12 @@ def test_yaml_config_cli_override_and_provenance(base_args, tmp_path):
                                                          "--mask_truncated_completions", "false"])
     t = run.training
     assert (t.max_steps, run.source("max_steps")) == (3, cli.SOURCE_CLI)  # the command line wins over the file
-    assert (t.num_generations, run.source("num_generations")) == (4, cli.SOURCE_YAML)
+    assert (t.num_generations, run.source("num_generations")) == (8, cli.SOURCE_YAML)
     assert (t.epsilon_high, run.source("epsilon_high")) == (0.25, cli.SOURCE_YAML)  # the file wins over ours
     assert (t.mask_truncated_completions, run.source("mask_truncated_completions")) == (False, cli.SOURCE_CLI)
     assert (t.loss_type, run.source("loss_type")) == ("dapo", cli.SOURCE_OURS)
     assert t.reward_funcs == ["mc_idx", "think_format", "mdi_balance"] and t.reward_weights == [4.0, 1.0, 1.0]
-    assert run.data.dataset_train_split == "sample_200" and run.source("dataset_train_split") == cli.SOURCE_YAML
+    assert run.data.dataset_train_split == "train" and run.source("dataset_train_split") == cli.SOURCE_YAML
     assert run.source("beta") == cli.SOURCE_LIBRARY
 
 
@@ -249,7 +249,8 @@ def test_two_process_zero3_run(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path):
         str(ROOT / "accelerate_configs" / "cpu_zero3.yaml"), str(SCRIPT),
         "--config", str(DEMO_YAML), "--model_name_or_path", str(tiny_vlm_dir("qwen2_5_vl")),
         "--dataset_path", str(prepared_aokvqa_dir), "--dataset_train_split", "train", "--output_dir", str(out),
-        "--max_steps", "2", "--save_steps", "2", "--per_device_train_batch_size", "2", "--max_completion_length", "8",
+        "--max_steps", "2", "--save_steps", "2", "--per_device_train_batch_size", "2", "--num_generations", "2",
+        "--max_completion_length", "8",
         "--rollout_log_path", str(logs / "rollouts.md"), "--attention_diag_log_path", str(logs / "attention.md"),
     ]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_TELEMETRY": "1"}

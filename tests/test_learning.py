@@ -147,6 +147,22 @@ def test_warm_start_saves_a_model_that_answers(tmp_path, one_thread):
     assert sft_dataset(held_out).column_names == ["image", "prompt", "completion"]
 
 
+def test_cli_evaluate_scores_a_saved_model(tmp_path, one_thread, capsys):
+    """`--evaluate DIR` (the demo's before/after line) scores the same held-out rows as the library call."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    recipe = WarmupRecipe(model_size=SMALL, n_train=8, epochs=30, learning_rate=3e-3, batch_size=4)
+    out = tmp_path / "warm"
+    warm_start(recipe, out, log=lambda *_: None)
+    expected = evaluate_accuracy(AutoModelForImageTextToText.from_pretrained(out), AutoProcessor.from_pretrained(out),
+                                 synthetic_dataset(8, split="validation"))
+    assert main(["--evaluate", str(out), "--n_eval", "8", "--threads", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert f"held-out greedy (8 validation questions) of {out}: {expected.summary()}" in printed, printed
+    assert main(["--evaluate", str(tmp_path), "--n_eval", "8"]) == 2  # no config.json there
+    assert "no config.json" in capsys.readouterr().err
+
+
 def test_cli_refuses_non_empty_out(tmp_path, capsys):
     (tmp_path / "x").write_text("keep me")
     assert main(["--out", str(tmp_path)]) == 2

@@ -166,7 +166,12 @@ def test_sparkline_properties():
     assert list(ramp) == sorted(ramp, key=SPARKS.index) and ramp[0] == "▁" and ramp[-1] == "█"
     line = trend_line(list(range(100)), width=10, label="MDI")
     spark = re.search(r"`(.*)`", line).group(1)
-    assert len(spark) == 10 and "min 90" in line and "max 99" in line and "last 99" in line and "100 points" in line
+    # The whole run, binned (10 steps per character), not a window of the last 10: the rise from step 0 shows.
+    assert len(spark) == 10 and spark[0] == "▁" and spark[-1] == "█" and list(spark) == sorted(spark, key=SPARKS.index)
+    assert "min 0 · max 99 · last 99 (100 points, 10 per character)" in line, line
+    assert line.endswith("first 10% mean 4.5 → last 10% mean 94.5"), line
+    uneven = trend_line([1.0] * 7 + [None] * 3 + [5.0] * 5, width=4)  # bins of 3-4; missing values are skipped
+    assert "(15 points, 3-4 per character)" in uneven and "last 5" in uneven, uneven
 
 
 def test_prompt_text_image_placeholders():
@@ -231,6 +236,20 @@ def test_rollout_log_round_trip_and_growth(tmp_path):
         assert math.isclose(float(summary["reward (weighted) mean"]), mean, rel_tol=1e-3)
         assert float(summary["accuracy"]) == 0.5 and summary["groups with zero reward spread"] == "0 / 2"
         assert summary["completions/clipped_ratio"] == "0.25"
+
+
+def test_rollout_groups_from_num_generations(tmp_path):
+    """Without a ``group`` key the group is the rollout's block of num_generations (TRL's order), never "—"."""
+    rollouts = make_rollouts(1, n=6)
+    for r in rollouts:
+        del r["group"]
+    w = RolloutLogWriter(tmp_path / "g.md", full_rollouts_per_step=2, num_generations=3, colorize=False)
+    assert w.write_step(1, 0.0, rollouts)
+    text = (tmp_path / "g.md").read_text()
+    assert "### Rollout 0 · group 0 ·" in text and "### Rollout 1 · group 0 ·" in text
+    table = text.split("### Other rollouts (4)\n\n", 1)[1].split("\n\n", 1)[0].split("\n")
+    assert [cells(row)[:2] for row in table[2:]] == [["2", "0"], ["3", "1"], ["4", "1"], ["5", "1"]]
+    assert "| groups with zero reward spread | 0 / 2 |" in text
 
 
 HOSTILE = [

@@ -20,9 +20,10 @@ SFTTrainer, stopped well before it solves the task, then GRPO. This module is th
    (GRPOTrainer suppresses it when it samples, so the policy never learns to avoid it), scored with the same
    parser as the reward (``score_completions``).
 
-CLI (the warm-started model for ``make demo``):
+CLI (the warm-started model for ``make demo``, and the demo's before/after score of the trained model):
 
     python -m trl_mdi.warmup --out demo_run/tiny-warm [--arch qwen2_vl] [--n_train 200] [--epochs 6] ...
+    python -m trl_mdi.warmup --evaluate demo_run/grpo [--n_eval 200]
 """
 
 from __future__ import annotations
@@ -336,7 +337,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     d = WarmupRecipe()
     p = argparse.ArgumentParser(prog="python -m trl_mdi.warmup",
                                 description="Build a tiny VLM offline and SFT-warm-start it on synthetic questions.")
-    p.add_argument("--out", required=True, type=Path, help="output folder (model + processor + warmup.json)")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--out", type=Path, help="output folder (model + processor + warmup.json)")
+    mode.add_argument("--evaluate", type=Path, metavar="MODEL_DIR",
+                      help="train nothing: score a saved model (e.g. a GRPO output_dir) on --n_eval held-out "
+                      "questions drawn as the warm-up draws them (same --data_seed, --kinds, --option_order, "
+                      "--image_size), greedy, so its accuracy compares with the warm-up's")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--arch", choices=TINY_ARCHS, default=d.arch)
     p.add_argument("--model_seed", type=int, default=d.model_seed)
@@ -359,24 +365,46 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _held_out(recipe: WarmupRecipe, n: int):
+    """The ``n`` held-out validation questions of ``recipe``'s data (the same rows for the warm-up and later)."""
+    return synthetic_dataset(n, split="validation", seed=recipe.data_seed, kinds=recipe.kinds,
+                             option_order=recipe.option_order, image_size=recipe.image_size,
+                             blank_images=recipe.blank_images)
+
+
+def _evaluate_saved(model_dir: Path, recipe: WarmupRecipe, n_eval: int) -> int:
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    result = evaluate_accuracy(model, processor, _held_out(recipe, n_eval))
+    print(f"held-out greedy ({n_eval} validation questions) of {model_dir}: {result.summary()}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     recipe_fields = {f.name for f in dataclasses.fields(WarmupRecipe)}
     try:
         recipe = WarmupRecipe(**{k: v for k, v in vars(args).items() if k in recipe_fields})
-        out = args.out.expanduser().resolve()
-        if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        if args.evaluate is not None:
+            if not (args.evaluate / "config.json").is_file():
+                raise ValueError(f"--evaluate {args.evaluate}: no config.json there; give a folder written by "
+                                 "save_pretrained (a warm-up --out, a GRPO output_dir or one of its checkpoints)")
+            if args.n_eval < 1:
+                raise ValueError("--evaluate needs --n_eval >= 1")
+        out = args.out.expanduser().resolve() if args.out is not None else None
+        if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
             raise FileExistsError(f"{out} exists and is not empty; pass --overwrite to replace it")
     except (ValueError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    if args.evaluate is not None:
+        return _evaluate_saved(args.evaluate, recipe, args.n_eval)
     model, processor, info = warm_start(recipe, overwrite=args.overwrite)
     if args.n_eval:
-        held_out = synthetic_dataset(args.n_eval, split="validation", seed=recipe.data_seed, kinds=recipe.kinds,
-                                     option_order=recipe.option_order, image_size=recipe.image_size,
-                                     blank_images=recipe.blank_images)
-        result = evaluate_accuracy(model, processor, held_out)
+        result = evaluate_accuracy(model, processor, _held_out(recipe, args.n_eval))
         info["held_out"] = {"n": args.n_eval, "accuracy": result.accuracy, "format_rate": result.format_rate,
                             "letters": result.letters}
         print(f"held-out greedy ({args.n_eval} validation questions): {result.summary()}")

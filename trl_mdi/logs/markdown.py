@@ -173,25 +173,44 @@ def sparkline(values: Iterable[Any]) -> str:
 
 
 def trend_line(values: Sequence[Any], width: int = 60, label: str = "") -> str:
-    """A one-line trend: sparkline of the last ``width`` values with min / max / last of those shown.
+    """A one-line trend of the whole series: a sparkline of at most ``width`` characters, min / max / last.
+
+    Up to ``width`` values get one character each. A longer series is cut into ``width`` consecutive bins of
+    near-equal size and each character is the mean of its bin's finite values, so the line always spans the whole
+    run (a window of the last ``width`` steps would hide the rise from step 1 a user is looking for); the line then
+    also gives the mean of the first and of the last tenth of the run. min / max / last are of the raw values.
 
     >>> trend_line([1.0, 2.0, 1.5], label="MDI")
     'MDI `▁█▅` min 1 · max 2 · last 1.5 (3 points)'
+    >>> trend_line([1, 1, 3, 3, 5, 5, 7, 7, 9, 9], width=5)
+    '`▁▃▅▆█` min 1 · max 9 · last 9 (10 points, 2 per character) · first 10% mean 1 → last 10% mean 9'
     >>> trend_line([None], label="MDI")
     'MDI (no data yet)'
     """
-    shown = list(values)[-width:] if width > 0 else []
-    present = [v for v in (_finite(x) for x in shown) if v is not None]
+    vals = [_finite(x) for x in values]
+    present = [v for v in vals if v is not None]
     prefix = f"{label} " if label else ""
-    if not present:
+    if not present or width <= 0:
         return f"{prefix}(no data yet)"
-    last = _finite(shown[-1])
-    n = len(shown)
-    span = f"last {n} of {len(values)} points" if len(values) > n else f"{n} point{'s' if n != 1 else ''}"
+    n = len(vals)
+    line = f"min {format_value(min(present))} · max {format_value(max(present))} · last {format_value(vals[-1])}"
+    if n <= width:
+        return f"{prefix}`{sparkline(vals)}` {line} ({n} point{'s' if n != 1 else ''})"
+    bounds = [round(i * n / width) for i in range(width + 1)]
+    shown = [_mean_finite(vals[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+    per = {hi - lo for lo, hi in zip(bounds, bounds[1:])}
+    per_text = f"{min(per)}" if len(per) == 1 else f"{min(per)}-{max(per)}"
+    edge = max(1, n // 10)
+    first, last = _mean_finite(vals[:edge]), _mean_finite(vals[-edge:])
     return (
-        f"{prefix}`{sparkline(shown)}` min {format_value(min(present))} · max {format_value(max(present))}"
-        f" · last {format_value(last)} ({span})"
+        f"{prefix}`{sparkline(shown)}` {line} ({n} points, {per_text} per character)"
+        f" · first 10% mean {format_value(first)} → last 10% mean {format_value(last)}"
     )
+
+
+def _mean_finite(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
 
 
 def iter_lines_outside_fences(text: str) -> Iterator[tuple[int, str]]:

@@ -131,6 +131,13 @@ class RolloutLogWriter(StepLogFile):
             return "✅" if correct else "❌"
         return "correct" if correct else "wrong"
 
+    def _group_of(self, r: dict, pos: int) -> Any:
+        """The rollout's prompt group: its ``group``, else its block of ``num_generations`` (rollouts arrive in
+        TRL's order, each prompt's generations consecutive), else unknown."""
+        if r.get("group") is not None:
+            return r["group"]
+        return pos // self.num_generations if self.num_generations else None
+
     def _groups(self, rollouts: list[dict]) -> list[list[float | None]] | None:
         if all("group" in r for r in rollouts):
             groups: dict[Any, list] = {}
@@ -153,7 +160,7 @@ class RolloutLogWriter(StepLogFile):
         parts = []
         full, rest = rollouts[: self.full_rollouts_per_step], rollouts[self.full_rollouts_per_step :]
         for pos, r in enumerate(full):
-            parts.append(self._full(r, pos, names))
+            parts.append(self._full(r, pos, names, self._group_of(r, pos)))
         if rest:
             parts.append(f"### Other rollouts ({len(rest)})\n")
             header = ["#", "group", *names, "total", "advantage", "correct", "length", "answer", "completion"]
@@ -162,7 +169,7 @@ class RolloutLogWriter(StepLogFile):
                 text = clean(message_text(r.get("completion")))
                 preview = clean(text, self.row_preview_chars)
                 rewards = r.get("rewards") or {}
-                rows.append([r.get("index", pos), r.get("group"), *[rewards.get(n) for n in names], r.get("reward"),
+                rows.append([r.get("index", pos), self._group_of(r, pos), *[rewards.get(n) for n in names], r.get("reward"),
                              r.get("advantage"), self._mark(self._correct(r)), r.get("completion_length", len(text)),
                              None if r.get("answer") is None else str(r["answer"]), preview])
             parts.append(md_table(header, rows))
@@ -176,11 +183,11 @@ class RolloutLogWriter(StepLogFile):
         parts.append(trend_line([d.get("accuracy") for d in history], self.trend_width, "Accuracy trend:"))
         return self._write_block(step, epoch, "\n".join(parts), data)
 
-    def _full(self, r: dict, pos: int, names: list[str]) -> str:
+    def _full(self, r: dict, pos: int, names: list[str], group: Any = None) -> str:
         idx = r.get("index", pos)
         title = f"### Rollout {idx}"
-        if r.get("group") is not None:
-            title += f" · group {escape_inline(r['group'])}"
+        if group is not None:
+            title += f" · group {escape_inline(group)}"
         title += f" · reward {format_value(r.get('reward'))} · advantage {format_value(r.get('advantage'))}"
         correct = self._correct(r)
         if correct is not None:
