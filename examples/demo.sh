@@ -47,8 +47,8 @@ echo "== 5/5 held-out accuracy after GRPO (step 1 printed it after the warm-up)"
 "$PY" -m trl_mdi.warmup --evaluate "$OUT/grpo"
 
 CKPT=$(ls -d "$OUT"/grpo/checkpoint-* 2>/dev/null | sort -t- -k2 -n | tail -1 || true)
-LOGS=$(find training_logs "$OUT/grpo" -name '*.md' ! -name README.md -newer "$OUT/grpo/.started" 2>/dev/null | sort || true)
-MAPS=$(find training_logs "$OUT/grpo" -type d -name '*_maps' -newer "$OUT/grpo/.started" 2>/dev/null | sort || true)
+LOGS=$(find "${TRL_MDI_LOG_DIR:-training_logs}" "$OUT/grpo" -name '*.md' ! -name README.md -newer "$OUT/grpo/.started" 2>/dev/null | sort || true)
+MAPS=$(find "${TRL_MDI_LOG_DIR:-training_logs}" "$OUT/grpo" -type d -name '*_maps' -newer "$OUT/grpo/.started" 2>/dev/null | sort || true)
 echo
 echo "demo done in $((SECONDS - START)) s"
 echo "model:          $OUT/tiny-warm (warm-up recipe and accuracy: warmup.json)"
