@@ -209,6 +209,22 @@ def test_describe_outputs_lists_what_the_run_wrote(tmp_path):
     assert f"1 PNG files in {logs / 'a_maps'}" in text
 
 
+def test_describe_outputs_finds_logs_in_the_default_folder(tmp_path, monkeypatch):
+    """Logs at their default paths (no *_path flag) are found in $TRL_MDI_LOG_DIR, where diagnostics put them."""
+    import time
+    from types import SimpleNamespace
+
+    start = time.time() - 1
+    logs = tmp_path / "default_logs"
+    (logs / "run_maps").mkdir(parents=True)
+    (logs / "rollout_results_run.md").write_text("x")
+    (logs / "run_maps" / "step1.png").write_text("x")
+    monkeypatch.setenv("TRL_MDI_LOG_DIR", str(logs))
+    text = cli.describe_outputs(SimpleNamespace(output_dir=str(tmp_path / "out")), start)
+    assert f"Markdown log:            {logs / 'rollout_results_run.md'}" in text, text
+    assert f"1 PNG files in {logs / 'run_maps'}" in text, text
+
+
 # ------------------------------------------------------------------------------------------ accelerate configs
 
 GPU_CONFIGS = ["single_gpu.yaml", "multi_gpu.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml",

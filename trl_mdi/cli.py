@@ -407,10 +407,12 @@ def describe_outputs(training_args, since: float) -> str:
         lines.append(f"  metrics (log_history):   {os.path.join(checkpoints[-1], 'trainer_state.json')}")
     if os.path.isdir(os.path.join(out, "completions")):
         lines.append(f"  completions (TRL):       {os.path.join(out, 'completions')}/")
-    # Where trl_mdi's logs may be: output_dir, training_logs/ (the default), and the folder of any *_dir / *_path
-    # field of the config (e.g. rollout_log_path); a log's attention maps sit in a folder beside it.
-    md_patterns = [os.path.join(out, "**", "*.md"), os.path.join("training_logs", "**", "*.md")]
-    png_patterns = [os.path.join(out, "**", "*.png"), os.path.join("training_logs", "**", "*.png")]
+    # Where trl_mdi's logs may be: output_dir, training_logs/ (the default; $TRL_MDI_LOG_DIR moves it), and the
+    # folder of any *_dir / *_path field of the config (e.g. rollout_log_path); a log's attention maps sit in a
+    # folder beside it.
+    log_dir = os.environ.get("TRL_MDI_LOG_DIR", "training_logs")  # the default folder, as trl_mdi.diagnostics
+    md_patterns = [os.path.join(out, "**", "*.md"), os.path.join(log_dir, "**", "*.md")]
+    png_patterns = [os.path.join(out, "**", "*.png"), os.path.join(log_dir, "**", "*.png")]
     for name in added_fields():
         value = getattr(training_args, name, None)
         if isinstance(value, str) and name.endswith(("_dir", "_path")):

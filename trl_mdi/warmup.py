@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import re
 import shutil
 import sys
@@ -47,7 +46,7 @@ from .aokvqa import LETTERS, convert_row
 from .data import DEFAULT_SYSTEM_PROMPT, to_conversational
 from .rewards import completion_text, extract_choice_letter
 from .synthetic import KINDS, OPTION_ORDERS, generate_synthetic_rows
-from .tiny import TINY_ARCHS, build_tiny_vlm
+from .tiny import TINY_ARCHS, build_tiny_vlm, save_model_atomically
 
 __all__ = [
     "DEFAULT_MODEL_SIZE",
@@ -311,23 +310,7 @@ def warm_start(recipe: WarmupRecipe | None = None, out_dir: str | Path | None = 
 
 
 def _save(model, processor, info: dict, out_dir: Path) -> None:
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        tmp.chmod(0o755)
-        model.save_pretrained(tmp)
-        processor.save_pretrained(tmp)
-        (tmp / "warmup.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            out_dir.rename(old / out_dir.name)
-            tmp.rename(out_dir)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+    save_model_atomically(model, processor, out_dir, {"warmup.json": info})
 
 
 # ------------------------------------------------------------------------------------------------------- CLI

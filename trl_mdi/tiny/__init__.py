@@ -46,7 +46,7 @@ from .tokenizer import SHAPES as SHAPES
 from .tokenizer import SINGLE_TOKEN_STRINGS as SINGLE_TOKEN_STRINGS
 from .tokenizer import SYSTEM_PROMPT, _build_tokenizer, _chat_template
 
-__all__ = ["TINY_ARCHS", "SYSTEM_PROMPT", "TinyVLMSize", "build_tiny_vlm", "save_tiny_vlm", "main"]
+__all__ = ["TINY_ARCHS", "SYSTEM_PROMPT", "TinyVLMSize", "build_tiny_vlm", "save_model_atomically", "save_tiny_vlm", "main"]
 
 
 def build_tiny_vlm(arch: str, *, seed: int = 0, **size_overrides: Any):
@@ -130,22 +130,27 @@ def save_tiny_vlm(
 
     size = _resolve_size(arch, size_overrides)  # before touching the disk: bad sizes fail fast
     model, processor = _build(arch, seed, size)
+    meta = {"arch": arch, "seed": seed, "num_params": model.num_parameters(), "size": dataclasses.asdict(size)}
+    save_model_atomically(model, processor, out_dir, {"tiny_vlm.json": meta})
+    return out_dir
+
+
+def save_model_atomically(model, processor, out_dir: Path, extra_json: dict[str, Any] | None = None) -> None:
+    """``save_pretrained`` model and processor (plus ``{file name: JSON-able}`` files) into ``out_dir`` atomically.
+
+    Everything is written to a temporary sibling first and renamed into place; an existing ``out_dir`` is moved
+    aside before it is deleted. So a crash never leaves a half-written model where a loader would find it, and
+    ``out_dir`` is never half-deleted. The caller decides whether replacing ``out_dir`` is allowed.
+    """
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it owner-only; other users' jobs may load the model
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
-        meta = {
-            "arch": arch,
-            "seed": seed,
-            "num_params": model.num_parameters(),
-            "size": dataclasses.asdict(size),
-        }
-        (tmp / "tiny_vlm.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        for name, data in (extra_json or {}).items():
+            (tmp / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
         if out_dir.exists():
-            # Move the old folder aside before deleting it, so out_dir is never missing for long
-            # and never half-deleted.
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
             out_dir.rename(old / out_dir.name)
             tmp.rename(out_dir)
@@ -155,7 +160,6 @@ def save_tiny_vlm(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-    return out_dir
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
