@@ -1,6 +1,6 @@
 """Step-time overhead of MDIGRPOTrainer over stock GRPOTrainer, measured side by side in one process.
 
-    .venv/bin/python benchmarks/overhead.py            # ~5 min on 2 CPU cores
+    .venv/bin/python benchmarks/overhead.py            # completions of 32 and 128 tokens, a few min on 2 cores
     .venv/bin/python benchmarks/overhead.py --quick    # fewer rounds
 
 Same tiny Qwen2.5-VL (built offline, deeper and wider than the test one), same synthetic A-OKVQA data, same seed
@@ -11,7 +11,8 @@ and the same rewards (mc_idx + think_format, which need no attention) for every 
     full       MDIGRPOTrainer, compute_attention_metrics=True, live Markdown logs on (maps every 10 steps)
 
 Variants run in alternating rounds (stock, attention, full, stock, ...) so that machine load hits them alike; the
-figure is the median per-step wall time (first step of each run dropped as warm-up), and the ratio to stock.
+figure is the median per-step wall time (first step of each run dropped as warm-up), and the ratio to stock, for
+each completion length (the extra forward's share of a step depends on how long generation takes).
 The section "Trainer overhead" of benchmarks/RESULTS.md is replaced with the table.
 """
 
@@ -62,10 +63,10 @@ class StepTimer(TrainerCallback):
         self.times.append(time.perf_counter() - self._t)
 
 
-def run(variant: str, model_dir: Path, dataset, work: Path, steps: int) -> list[float]:
+def run(variant: str, model_dir: Path, dataset, work: Path, steps: int, completion_length: int) -> list[float]:
     common = dict(
         output_dir=str(work / variant), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=8,
-        num_generations=4, max_completion_length=32, max_steps=steps, logging_steps=1, save_strategy="no", seed=0,
+        num_generations=4, max_completion_length=completion_length, max_steps=steps, logging_steps=1, save_strategy="no", seed=0,
         learning_rate=1e-5, disable_tqdm=True, gradient_checkpointing=False,
     )
     rewards = [mc_idx_reward, think_format_reward]
@@ -99,6 +100,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--completion_lengths", type=int, nargs="+", default=[32, 128],
+                        help="max_completion_length values to measure (the random model always writes all of them)")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 5 steps")
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     a = parser.parse_args()
@@ -106,6 +109,8 @@ def main() -> None:
         a.rounds, a.steps = 2, 5
     torch.set_num_threads(2)
     started = time.time()
+    variants = ("stock", "attention", "full")
+    times: dict[tuple[int, str], list[float]] = {(c, v): [] for c in a.completion_lengths for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model_dir = save_tiny_vlm("qwen2_5_vl", work / "model", **MODEL)
@@ -113,38 +118,53 @@ def main() -> None:
         prepare_aokvqa(work / "src", work / "prepared", log=lambda *x: None)
         dataset = load_dataset("parquet", data_files=str(work / "prepared" / "train.parquet"), split="train")
         dataset = dataset.map(to_conversational)
-        times: dict[str, list[float]] = {"stock": [], "attention": [], "full": []}
         for r in range(a.rounds):
-            for variant in times:
-                t = run(variant, model_dir, dataset, work / f"r{r}", a.steps)
-                times[variant].extend(t)
-                print(f"round {r} {variant:9s} median step {statistics.median(t):.3f} s", flush=True)
+            for c in a.completion_lengths:
+                for variant in variants:
+                    t = run(variant, model_dir, dataset, work / f"r{r}_c{c}", a.steps, c)
+                    times[(c, variant)].extend(t)
+                    print(f"round {r} completion {c} {variant:9s} median step {statistics.median(t):.3f} s", flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
+
+    def mark(c: int, v: str) -> str:
+        if v == "stock":
+            return ""
+        return " ✓" if med[(c, v)] / med[(c, "stock")] <= 1.15 else " ✗"
+
     rows = [
-        f"| {k} | {len(v)} | {med[k]:.3f} | {min(v):.3f} | {max(v):.3f} | {med[k] / med['stock']:.3f}"
-        f"{' ✓' if k != 'stock' and med[k] / med['stock'] <= 1.15 else (' ✗' if k != 'stock' else '')} |"
-        for k, v in times.items()
+        f"| {c} | {v} | {len(times[(c, v)])} | {med[(c, v)]:.3f} | {min(times[(c, v)]):.3f} | {max(times[(c, v)]):.3f} "
+        f"| {med[(c, v)] / med[(c, 'stock')]:.3f}{mark(c, v)} |"
+        for c in a.completion_lengths for v in variants
     ]
+    lengths = " ".join(str(c) for c in a.completion_lengths)
+    default_lengths = a.completion_lengths == [32, 128]
     body = "\n".join([
         SECTION,
         "",
-        f"Reproduce: `.venv/bin/python benchmarks/overhead.py{' --quick' if a.quick else ''}` (from the repository "
-        f"root; {(time.time() - started) / 60:.1f} min).",
+        f"Reproduce: `.venv/bin/python benchmarks/overhead.py{' --quick' if a.quick else ''}"
+        f"{'' if default_lengths else ' --completion_lengths ' + lengths}` (from the repository root; "
+        f"{(time.time() - started) / 60:.1f} min).",
         "",
-        f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, torch {torch.__version__}, `torch.set_num_threads(2)`, Python {platform.python_version()}.",
+        f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"`torch.set_num_threads(2)`, Python {platform.python_version()}; load average (1 min) at the end "
+        f"{os.getloadavg()[0]:.2f}.",
         f"- Model: tiny Qwen2.5-VL built offline ({', '.join(f'{k}={v}' for k, v in MODEL.items())}), float32, CPU.",
-        "- Run: per_device_train_batch_size 8, num_generations 4, max_completion_length 32, lr 1e-5, no gradient "
-        "checkpointing; rewards mc_idx + think_format for every variant (they need no attention).",
-        f"- {a.rounds} alternating rounds x {a.steps} steps per variant; first step of each run dropped; median step "
-        "wall time. Target: attention / stock <= 1.15.",
+        f"- Run: per_device_train_batch_size 8, num_generations 4, max_completion_length {lengths} (the random model "
+        "never stops early, so every completion has that length), lr 1e-5, no gradient checkpointing; rewards "
+        "mc_idx + think_format for every variant (they need no attention).",
+        f"- {a.rounds} alternating rounds x {a.steps} steps per variant and length; first step of each run dropped; "
+        "median step wall time. Target: attention / stock <= 1.15.",
         "",
-        "| variant | steps | median s | min s | max s | ratio to stock |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| completion tokens | variant | steps | median s | min s | max s | ratio to stock |",
+        "|---:|---|---:|---:|---:|---:|---:|",
         *rows,
         "",
-        "`attention`: MDIGRPOTrainer with the probe on (one extra no-grad forward per generation batch, whose "
-        "log-probs TPRL reuses), Markdown logs off. `full`: the same plus the live Markdown logs and attention maps.",
+        "`attention`: MDIGRPOTrainer with the probe on, Markdown logs off: one extra no-grad forward per generation "
+        "batch (its LM head scores one position per row; with TPRL on it scores the completion, whose log-probs "
+        "TPRL reuses). `full`: the same plus the live Markdown logs and attention maps. The extra forward costs "
+        "about what the training forward does, so its share of a step falls as generation grows with the "
+        "completion length.",
         "",
     ])
     print(body)

@@ -45,6 +45,7 @@ class ForwardCounter:
 
     def __init__(self, monkeypatch):
         self.per_generation: list[int] = []
+        self.scored_positions: list[int] = []  # logits_to_keep of each counted forward: what the LM head scores
         original_gen = GRPOTrainer._generate_and_score_completions
         original_fwd = GRPOTrainer._get_per_token_logps_and_entropies
         counter = self
@@ -56,6 +57,7 @@ class ForwardCounter:
         def fwd(trainer, model, *args, **kwargs):
             if not torch.is_grad_enabled() and model is trainer.model and counter.per_generation:
                 counter.per_generation[-1] += 1
+                counter.scored_positions.append(args[2] if len(args) > 2 else kwargs["logits_to_keep"])
             return original_fwd(trainer, model, *args, **kwargs)
 
         monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", gen)
@@ -127,6 +129,10 @@ def test_at_most_one_extra_forward_per_generation(model_dir, grpo_train_dataset,
         trainer.train()
         assert counter.per_generation, "no generation happened"
         counts[attention] = counter.per_generation
+        if attention and expected_extra:
+            # Our own forward only measures attention: the LM head scores one position per row, not the completion
+            # (the probe still measures every completion token: test_trains_logs_attention... checks the counts).
+            assert set(counter.scored_positions) == {1}, counter.scored_positions
         monkeypatch.undo()
     stock, ours = counts[False], counts[True]
     assert len(stock) == len(ours)
@@ -242,3 +248,33 @@ def test_world_size_that_accelerate_missed_is_a_clear_error(model_dir, grpo_trai
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match="WORLD_SIZE=2 but accelerate sees 1 process.*ddp_backend='gloo'"):
         MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=args, train_dataset=grpo_train_dataset)
+
+
+def test_trainer_measurement_equals_the_probe_on_the_same_rollouts(model_dir, grpo_train_dataset, tmp_path,
+                                                                    monkeypatch):
+    """What the trainer logs is `measure_modality_attention` (checked against eager attention in test_attention) on
+    the very prompt + completion tokens it trained on, every completion token a query, although its own forward
+    asks the LM head for a single position."""
+    from trl_mdi.attention import measure_modality_attention
+
+    checked = []
+    original = MDIGRPOTrainer._scoring_forward
+
+    def scoring_forward(trainer, session, fwd):
+        original(trainer, session, fwd)
+        c_len = fwd["logits_to_keep"]
+        completion_mask = torch.zeros_like(fwd["attention_mask"])
+        completion_mask[:, -c_len:] = fwd["attention_mask"][:, -c_len:]
+        mm = {k: fwd[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if fwd.get(k) is not None}
+        ref = measure_modality_attention(trainer.model, fwd["input_ids"], fwd["attention_mask"], completion_mask, **mm)
+        got = session.attention
+        assert got.n_queries.tolist() == completion_mask.sum(1).tolist() == ref.n_queries.tolist()
+        for group in ("image", "prompt_text", "completion", "special"):
+            torch.testing.assert_close(getattr(got, group), getattr(ref, group), atol=1e-6, rtol=0)
+        checked.append(len(fwd["input_ids"]))
+
+    monkeypatch.setattr(MDIGRPOTrainer, "_scoring_forward", scoring_forward)
+    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=make_args(tmp_path, max_steps=2),
+                             train_dataset=grpo_train_dataset)
+    trainer.train()
+    assert checked == [4, 4], checked

@@ -56,9 +56,11 @@ class ScoringSession:
     bad_rows: list[int] = field(default_factory=list)  # local rows whose image could not be decoded
     bad_global: torch.Tensor | None = None  # (N_global,) bool
 
+    forward_done: bool = False  # the policy forward of this batch ran (TRL's or ours): never run a second one
+
     @property
     def scored(self) -> bool:
-        return self.policy_logps is not None
+        return self.forward_done
 
 
 # ------------------------------------------------------------------------------------------------ small helpers

@@ -306,7 +306,7 @@ class MDIGRPOTrainer(GRPOTrainer):
             out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                              *args, **kwargs)
         session.scoring_seconds += time.perf_counter() - start
-        session.policy_logps, session.entropies = out[0], out[1]
+        session.policy_logps, session.entropies, session.forward_done = out[0], out[1], True
         session.attention = state.result() if state is not None else None
         return out
 
@@ -393,9 +393,18 @@ class MDIGRPOTrainer(GRPOTrainer):
         return logps, entropies
 
     def _scoring_forward(self, session: ScoringSession, fwd: dict[str, Any]) -> None:
-        """The one extra no-grad forward: attention probe, log-probs under the real image, entropies."""
-        with self._maybe_probe(session, fwd["logits_to_keep"]) as state:
-            session.policy_logps, session.entropies = self._policy_logps(fwd, compute_entropy=session.need_entropy)
+        """The one extra no-grad forward: attention probe and, for TPRL, log-probs under the real image, entropies."""
+        completion_length = fwd["logits_to_keep"]
+        if not self.args.uses_tprl:
+            # Only the attention masses are wanted: let the LM head score one position per row instead of the whole
+            # completion (TRL's fused head skips positions whose label is -100). At Qwen's 152k vocabulary the head
+            # is about a tenth of the forward's FLOPs; the probe still measures every completion token.
+            fwd = {**fwd, "logits_to_keep": 1}
+        with self._maybe_probe(session, completion_length) as state:
+            logps, entropies = self._policy_logps(fwd, compute_entropy=session.need_entropy)
+        if self.args.uses_tprl:
+            session.policy_logps, session.entropies = logps, entropies
+        session.forward_done = True
         session.attention = state.result() if state is not None else None
 
     def _visual_dependency(self, session: ScoringSession, inputs, prompts, completion_ids_list) -> None:
