@@ -90,6 +90,11 @@ def test_logs_hold_every_step_and_the_rewards_the_trainer_computed(model_dir, gr
     att = _outside_fences(attention_log.read_text())
     assert [int(s) for s in STEP_HEADER.findall(att)] == [1, 2, 3]
     assert "Mean MDI trend" in att and "![attention map, step 1" in att
+    # Attention rows carry the rollout log's # and prompt group (consecutive blocks of num_generations).
+    first_table = att.split("### Rollouts (4)\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert first_table[0].startswith("| # | group | MDI early |"), first_table[0]
+    cols = [[c.strip() for c in row.strip("|").split("|")][:2] for row in first_table[2:]]
+    assert cols == [[str(i), str(i // trainer.num_generations)] for i in range(4)], cols
     pngs = sorted((attention_log.parent).rglob("*.png"))
     assert pngs and all(p.stat().st_size > 0 for p in pngs)
 

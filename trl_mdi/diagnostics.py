@@ -48,6 +48,7 @@ class LiveDiagnostics:
         self.args = args
         self.is_main = is_main_process
         self.reward_names = reward_names
+        self.num_generations = num_generations
         self.started = time.time()
         run = args.run_name if args.run_name and args.run_name != args.output_dir else None
         # TRL_MDI_LOG_DIR moves the default folder (the test suite points it at a temporary directory).
@@ -111,7 +112,10 @@ class LiveDiagnostics:
                 links.append((m["index"], rel))
             except (OSError, ValueError) as e:  # a map is a nicety: never stop training for one
                 summary.setdefault("attention", {})["map error"] = str(e)[:200]
-        rows = [r["attention"] for r in records if r.get("attention") is not None]
+        # Records arrive in TRL's order (each prompt's generations consecutive): the same # and group as the rollout log.
+        ng = self.num_generations or 0
+        rows = [{"index": i, **({"group": i // ng} if ng else {}), **r["attention"]}
+                for i, r in enumerate(records) if r.get("attention") is not None]
         self.attention.write_step(step, epoch, rows, summary.get("attention"), maps=links)
 
     def close(self) -> None:
