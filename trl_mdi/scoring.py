@@ -1,8 +1,8 @@
 """What the trainer does with each generation batch between TRL's steps, as functions of explicit inputs.
 
 The trainer (trl_mdi/trainer.py) only decides *when* these run; this module holds *what* they compute:
-rebuilding TRL's forward inputs, the per-rollout attention fields handed to rewards, and the TPRL update of
-TRL's output. ``gather`` arguments are ``accelerator.gather`` (identity in a single process).
+rebuilding TRL's forward inputs, the per-rollout attention fields handed to rewards (and the check, at
+construction, that every reward's inputs will exist), and the TPRL update of TRL's output. ``gather`` arguments are ``accelerator.gather`` (identity in a single process).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from trl.data_utils import apply_chat_template
 
 from . import metrics as M
 from .attention import ModalityAttention
+from .rewards import check_reward_columns, required_reward_inputs, reward_name
 from .tprl import combine_masks, sequence_mean, top_p_token_mask, trajectory_scaling
 
 # Per-rollout fields handed to reward functions (named keyword arguments) when attention metrics are on, besides
@@ -89,6 +90,33 @@ def segment_names(spec: str) -> list[str]:
 
 def is_attention_field(name: str) -> bool:
     return name in ATTENTION_FIELDS or name.startswith("mdi_")
+
+
+def check_reward_inputs(funcs, args, train_dataset, eval_dataset) -> None:
+    """Fail at construction, not at the first reward call, when a reward's inputs cannot exist."""
+    funcs = [f for f in funcs if callable(f) and not isinstance(f, torch.nn.Module)]
+    datasets = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
+    for split, ds in [("train_dataset", train_dataset), *datasets]:
+        cols = getattr(ds, "column_names", None)
+        if not isinstance(cols, list):
+            continue  # iterable datasets may not know their columns up front
+        # Segment names are configurable, so every mdi_<name> counts as a trainer field here.
+        trainer_fields = [*ATTENTION_FIELDS, *(f"mdi_{n}" for n in segment_names(args.attention_layer_segments))]
+        try:
+            check_reward_columns(funcs, [*cols, *trainer_fields] if args.compute_attention_metrics else cols)
+        except ValueError as e:
+            raise ValueError(f"{split}: {e} Add the column (data_prep/prepare_aokvqa_for_trl.py writes "
+                             "label_idx) or drop the reward.") from None
+        clash = [c for c in cols if is_attention_field(c)]
+        if clash and args.compute_attention_metrics:
+            raise ValueError(f"{split} has columns {clash} that the trainer fills with attention metrics: "
+                             "rename them")
+    if not args.compute_attention_metrics:
+        for f in funcs:
+            needed = [n for n in required_reward_inputs(f) if is_attention_field(n)]
+            if needed:
+                raise ValueError(f"reward {reward_name(f)!r} reads {needed}, which the trainer computes only "
+                                 "with compute_attention_metrics=True")
 
 
 def _decode(value):

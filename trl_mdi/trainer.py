@@ -32,10 +32,8 @@ from .diagnostics import (
 )
 from .perturb import perturb_images
 from .rewards import (
-    check_reward_columns,
     default_reward_stack,
     group_relative_mdi_score,
-    required_reward_inputs,
     resolve_reward_funcs,
     reward_name,
     zero_spread_fraction,
@@ -47,11 +45,11 @@ from .scoring import (
     apply_tprl,
     attention_metric_values,
     attention_table,
+    check_reward_inputs,
     decode_row_images,
     fit_width,
     float_or_none,
     group_filter_keep,
-    is_attention_field,
     lazy_images,
     rebuild_forward_inputs,
     row_images,
@@ -113,7 +111,7 @@ class MDIGRPOTrainer(GRPOTrainer):
             reward_funcs if reward_funcs is not None else args.reward_funcs, args.reward_weights
         )
         funcs = resolve_reward_funcs(list(names), args.reward_weights)
-        self._check_reward_inputs(funcs, args, train_dataset, eval_dataset)
+        check_reward_inputs(funcs, args, train_dataset, eval_dataset)
         if args.uses_visual_dependency:
             for split, ds in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
                 cols = getattr(ds, "column_names", None)
@@ -156,34 +154,6 @@ class MDIGRPOTrainer(GRPOTrainer):
                 "On a machine without a GPU set ddp_backend='gloo' (and use_cpu=True for plain DDP; use_cpu=False "
                 "with DeepSpeed); examples/scripts/grpo_vlm.py does this for you."
             )
-
-    # ------------------------------------------------------------------------------------------------ checks
-    @staticmethod
-    def _check_reward_inputs(funcs, args, train_dataset, eval_dataset) -> None:
-        """Fail at construction, not at the first reward call, when a reward's inputs cannot exist."""
-        funcs = [f for f in funcs if callable(f) and not isinstance(f, torch.nn.Module)]
-        datasets = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
-        for split, ds in [("train_dataset", train_dataset), *datasets]:
-            cols = getattr(ds, "column_names", None)
-            if not isinstance(cols, list):
-                continue  # iterable datasets may not know their columns up front
-            # Segment names are configurable, so every mdi_<name> counts as a trainer field here.
-            trainer_fields = [*ATTENTION_FIELDS, *(f"mdi_{n}" for n in segment_names(args.attention_layer_segments))]
-            try:
-                check_reward_columns(funcs, [*cols, *trainer_fields] if args.compute_attention_metrics else cols)
-            except ValueError as e:
-                raise ValueError(f"{split}: {e} Add the column (data_prep/prepare_aokvqa_for_trl.py writes "
-                                 "label_idx) or drop the reward.") from None
-            clash = [c for c in cols if is_attention_field(c)]
-            if clash and args.compute_attention_metrics:
-                raise ValueError(f"{split} has columns {clash} that the trainer fills with attention metrics: "
-                                 "rename them")
-        if not args.compute_attention_metrics:
-            for f in funcs:
-                needed = [n for n in required_reward_inputs(f) if is_attention_field(n)]
-                if needed:
-                    raise ValueError(f"reward {reward_name(f)!r} reads {needed}, which the trainer computes only "
-                                     "with compute_attention_metrics=True")
 
     # --------------------------------------------------------------------------------------------- overrides
     def _generate(self, prompts):
