@@ -44,7 +44,6 @@ import json
 import math
 import os
 import platform
-import re
 import resource
 import shlex
 import shutil
@@ -56,10 +55,9 @@ import time
 from pathlib import Path
 
 # Offline, as the test-suite: nothing may come from the Hub. Set before any HF import.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from _results import replace_section, set_offline_env
+
+set_offline_env()
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -607,7 +605,7 @@ def orchestrate(args) -> int:
         Path(args.json).write_text(json.dumps({"machine": machine, "model": info, "rows": rows, "vocab_rows": vocab_rows,
                                                "kernels": kernels, "total_s": total}, indent=2, default=str))
     if not args.no_write:
-        _write_results(report)
+        replace_section(SECTION, report)
         _ensure_readme()
         _log(f"updated {ROOT / 'benchmarks' / 'RESULTS.md'}")
     return 0
@@ -748,17 +746,6 @@ def render(args, machine, info, rows, vocab_rows, kernels, total) -> str:
         out.append(f"\n(bool mask slice {kernels['bool_mask_bytes'] / MIB:,.1f} MiB; torch converts a bool mask to a "
                    f"float one of {kernels['float_mask_bytes'] / MIB:,.1f} MiB inside every such call.)")
     return "\n".join(out) + "\n"
-
-
-def _write_results(section: str) -> None:
-    path = ROOT / "benchmarks" / "RESULTS.md"
-    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmark results\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text.rstrip("\n") + "\n", encoding="utf-8")
 
 
 def _ensure_readme() -> None:

@@ -47,11 +47,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from _results import replace_section, set_offline_env
+
+set_offline_env()
 os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
 # Idle OpenMP threads sleep instead of spinning: with --threads 2 on a shared machine, spinning threads that lose
 # their core to another job made steps up to 35x slower in trials here.
@@ -360,17 +358,6 @@ def _rolling(ys: list[float], w: int) -> list[float]:
     return out
 
 
-def replace_section(path: Path, body: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    start = text.find(SECTION + "\n")
-    if start == -1:
-        text = text.rstrip() + "\n\n" + body
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + body.rstrip() + "\n" + (text[end:] if end != -1 else "")
-    path.write_text(text.rstrip() + "\n")
-
-
 def report(runs: list[Run], s: Settings, recipe: WarmupRecipe, argv: list[str], started: float, png: Path,
            loads: tuple[float, float]) -> str:
     size = ", ".join(f"{k}={v}" for k, v in recipe.model_size.items())
@@ -554,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
                                             "runs": [dataclasses.asdict(r) for r in runs]}, indent=1, default=str))
     if write:
         plot(runs, Path(a.png), s.reward_weights)
-        replace_section(Path(a.results), body)
+        replace_section(SECTION, body, Path(a.results))
         print(f"wrote {a.png} and the section '{SECTION}' of {a.results}")
     return 0
 

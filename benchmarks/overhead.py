@@ -28,11 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from _results import replace_section, set_offline_env
+
+set_offline_env()
 
 import torch  # noqa: E402
 from datasets import load_dataset  # noqa: E402
@@ -83,17 +81,6 @@ def run(variant: str, model_dir: Path, dataset, work: Path, steps: int, completi
     trainer.add_callback(timer)
     trainer.train()
     return timer.times[1:]  # the first step pays one-off costs (allocator, kernel selection)
-
-
-def replace_section(path: Path, body: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    start = text.find(SECTION)
-    if start == -1:
-        text = text.rstrip() + "\n\n" + body
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + body + (text[end + 1:] if end != -1 else "")
-    path.write_text(text.rstrip() + "\n")
 
 
 def main() -> None:
@@ -169,7 +156,7 @@ def main() -> None:
     ])
     print(body)
     if not a.no_write:
-        replace_section(ROOT / "benchmarks" / "RESULTS.md", body)
+        replace_section(SECTION, body)
 
 
 if __name__ == "__main__":
