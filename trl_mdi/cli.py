@@ -20,6 +20,7 @@ What it adds to a bare ``TrlParser`` + ``MDIGRPOTrainer`` script, and why:
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import os
 import sys
@@ -240,6 +241,23 @@ def check_vlm(model_name_or_path: str | None, *, revision: str | None = None, tr
     return config
 
 
+def check_segments(training_args, config) -> None:
+    """--attention_layer_segments against the model's real layers (ranges, softmax-attention layers), as the trainer
+    will check them, so that --dry_run catches 'early:0-99' on a 3-layer model."""
+    from .attention.model_facts import model_facts
+    from .drop_in import model_segment_names
+
+    facts = model_facts(config)
+    if not facts.is_vlm or training_args.compute_attention_metrics is False:
+        return
+    probe = copy.copy(training_args)  # the check must not decide the flag for the trainer
+    probe.compute_attention_metrics = True
+    try:
+        model_segment_names(probe, facts)
+    except ValueError as e:
+        raise UsageError(f"--{e}") from None
+
+
 def check_peft(model_args, config) -> None:
     """--use_peft without target modules fails deep inside PEFT for VLMs it has no default for: say so up front."""
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULT_TARGETS
@@ -309,7 +327,7 @@ def _check_reward_data(run: ParsedRun, data: TrainingData) -> None:
     except (ValueError, TypeError) as e:
         raise UsageError(f"--reward_funcs / --reward_weights: {e}") from None
     computed = []
-    if run.training.compute_attention_metrics:
+    if run.training.compute_attention_metrics is not False:  # None = on: the entry point only takes VLMs
         computed = [n for f in funcs for n in required_reward_inputs(f) if is_attention_field(n)]
     for name, ds in (("train", data.train), ("eval", data.eval)):
         if ds is not None:
@@ -371,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_config = check_vlm(m.model_name_or_path, revision=m.model_revision,
                                  trust_remote_code=t.trust_remote_code)
         check_peft(m, model_config)
+        check_segments(t, model_config)
         processor = load_processor(m.model_name_or_path, revision=m.model_revision,
                                    trust_remote_code=t.trust_remote_code, min_pixels=s.min_pixels,
                                    max_pixels=s.max_pixels)

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
+from transformers.utils import logging
 from trl import GRPOConfig
 
-from .metrics import layer_segments
+from .metrics import check_segment_spec
 from .perturb import check_perturbation
 from .tprl import validate_scaling_min, validate_top_p
 
 TEXT_KEY_CHOICES = ("all", "content")
+
+logger = logging.get_logger(__name__)
 
 
 def _reward_names_help() -> str:
@@ -33,16 +37,22 @@ class MDIGRPOConfig(GRPOConfig):
     Parameters:
         > Attention probe (MDI / AEI)
 
-        compute_attention_metrics (`bool`, *optional*, defaults to `True`):
+        compute_attention_metrics (`bool` or `None`, *optional*, defaults to `None`):
             Measure, after each generation, the attention of the generated tokens on image vs text keys for every
             rollout (exact, O(L) memory; one no-grad forward of the policy per generation batch, or none when TRL
             already runs one for the old log-probs). Feeds the `mdi*` reward fields and the `attention/*` metrics.
+            `None` (default): on for a vision-language model, off (with one warning) for a text-only one. `True` on
+            a model without an image token is an error at construction.
         mdi_balance_ratio (`float`, *optional*, defaults to `2.0`):
             R in `balance = clip(1 - |log MDI| / log R, 0, 1)`. Must be > 1. Balance is non-zero only for MDI in
             (1/R, R).
         attention_layer_segments (`str`, *optional*, defaults to `"thirds"`):
-            How text layers are grouped for per-segment MDI / AEI: `"thirds"` (early / middle / late) or explicit
-            inclusive ranges such as `"early:0-3,middle:4-7,late:8-11"` (negative indices count from the end).
+            How text layers are grouped for per-segment MDI / AEI: `"thirds"` (early / middle / late thirds of the
+            measured layers; on a 1- or 2-layer model only the thirds that exist) or explicit inclusive ranges in the
+            model's layer numbering such as `"early:0-3,middle:4-7,late:8-11"` (negative indices count from the
+            end). Only softmax-attention layers are measured: a hybrid model's linear-attention layers inside a
+            range are skipped (and counted in the log header). Names `all`, `balance` and `group_score` are
+            reserved.
         attention_text_keys (`str`, *optional*, defaults to `"all"`):
             Which prompt keys count as text: `"all"` (every non-image prompt token, chat-template special tokens and
             system prompt included) or `"content"` (special tokens and the system turn are reported separately).
@@ -118,11 +128,12 @@ class MDIGRPOConfig(GRPOConfig):
             `reward_weights` 4 1 1 when neither is given.
     """
 
-    compute_attention_metrics: bool = field(
-        default=True,
+    compute_attention_metrics: bool | None = field(
+        default=None,
         metadata={
             "help": "Measure per-rollout attention of generated tokens on image vs text (MDI, AEI) after each "
-            "generation: exact, O(L) memory, at most one extra no-grad forward per generation batch."
+            "generation: exact, O(L) memory, at most one extra no-grad forward per generation batch. Default "
+            "(unset): on for vision-language models, off for text-only ones."
         },
     )
     mdi_balance_ratio: float = field(
@@ -132,8 +143,8 @@ class MDIGRPOConfig(GRPOConfig):
     attention_layer_segments: str = field(
         default="thirds",
         metadata={
-            "help": "Layer segments for per-segment MDI/AEI: 'thirds' (early/middle/late) or inclusive ranges "
-            "like 'early:0-3,middle:4-7,late:8-11' (negative indices count from the end)."
+            "help": "Layer segments for per-segment MDI/AEI: 'thirds' (early/middle/late of the measured layers) "
+            "or inclusive ranges like 'early:0-3,middle:4-7,late:8-11' (negative indices count from the end)."
         },
     )
     attention_text_keys: str = field(
@@ -226,16 +237,22 @@ class MDIGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        # Validate here, at construction, so a bad flag fails before any model is loaded.
+        self._validate_mdi_fields()
+
+    def _validate_mdi_fields(self) -> None:
+        """Validate (and fill defaults of) the fields this class adds, so a bad flag fails before any model loads."""
         if not self.mdi_balance_ratio > 1.0:
             raise ValueError(f"mdi_balance_ratio must be > 1 (balance uses log R), got {self.mdi_balance_ratio}")
+        if self.compute_attention_metrics not in (None, True, False):
+            raise ValueError(f"compute_attention_metrics must be True, False or None (auto), got "
+                             f"{self.compute_attention_metrics!r}")
         if self.attention_text_keys not in TEXT_KEY_CHOICES:
             raise ValueError(
                 f"attention_text_keys must be one of {TEXT_KEY_CHOICES}, got {self.attention_text_keys!r}"
             )
         try:
-            # Syntax only: the layer count is known once the model is, where ranges are checked again.
-            layer_segments(10_000, self.attention_layer_segments)
+            # Syntax and names only: the layer count is known once the model is, where ranges are checked again.
+            check_segment_spec(self.attention_layer_segments)
         except ValueError as e:
             raise ValueError(f"attention_layer_segments: {e}") from None
         validate_top_p(self.top_p_entropy_tokens, "top_p_entropy_tokens")
@@ -264,3 +281,31 @@ class MDIGRPOConfig(GRPOConfig):
 
             # Resolve now so that unknown names, failing imports and weight-count mismatches fail at construction.
             resolve_rewards(list(self.reward_funcs), self.reward_weights)
+
+    @classmethod
+    def from_grpo_config(cls, args: GRPOConfig) -> MDIGRPOConfig:
+        """An MDIGRPOConfig holding ``args``' initialised state, with every field this class adds at its default.
+
+        GRPOConfig.__post_init__ is not re-run: it derives ``generation_batch_size`` and ``steps_per_generation``
+        from each other and refuses to see both set, so re-validating the copied values would fail. Only the
+        added fields are validated.
+        """
+        if isinstance(args, cls):
+            return args
+        if not isinstance(args, GRPOConfig):
+            raise TypeError(
+                f"args must be a trl.GRPOConfig or an MDIGRPOConfig, got {type(args).__name__}. Build one with "
+                "MDIGRPOConfig(output_dir=..., ...) (every GRPOConfig field is accepted)."
+            )
+        new = cls.__new__(cls)
+        new.__dict__.update(args.__dict__)
+        inherited = {f.name for f in dataclasses.fields(GRPOConfig)}
+        for f in dataclasses.fields(cls):
+            if f.name in inherited:
+                continue
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            setattr(new, f.name, default)
+        new._validate_mdi_fields()
+        logger.info("MDIGRPOTrainer: upgraded the %s to an MDIGRPOConfig (added fields at their defaults)",
+                    type(args).__name__)
+        return new

@@ -59,12 +59,12 @@ def added_fields() -> list[dataclasses.Field]:
 def _type_name(tp) -> str:
     if isinstance(tp, str):  # postponed annotations (``from __future__ import annotations``)
         return tp
+    if tp is type(None):
+        return "None"
     if isinstance(tp, type):
         return tp.__name__
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "None"
     return str(tp).replace("typing.", "")
 
 

@@ -44,7 +44,7 @@ class LiveDiagnostics:
     """Owns the rollout log, the attention log and the attention-map folder of one run."""
 
     def __init__(self, args, *, is_main_process: bool, reward_names: list[str], num_generations: int,
-                 model_name: str = ""):
+                 model_name: str = "", layers: str | None = None):
         self.args = args
         self.is_main = is_main_process
         self.reward_names = reward_names
@@ -74,8 +74,11 @@ class LiveDiagnostics:
             full_rollouts_per_step=args.log_full_rollouts_per_step, row_preview_chars=args.log_prompt_preview_chars,
             num_generations=num_generations, accuracy_rewards=accuracy, colorize=args.colorize_output,
         )
+        # The attention log's header says which layers are measured (a hybrid model's linear-attention layers are not).
+        attention_config = {**config, "segments": args.attention_layer_segments,
+                            **({"measured layers": layers} if layers else {})}
         self.attention = (
-            AttentionLogWriter(self.attention_path, run_name=run, config=config)
+            AttentionLogWriter(self.attention_path, run_name=run, config=attention_config)
             if args.compute_attention_metrics else None
         )
 
@@ -214,7 +217,6 @@ def gather_rollout_records(session, args, reward_names: list[str], reward_weight
 
 def attention_map_records(session, args, processing_class) -> list[dict]:
     """Per-segment attention over the image tokens of the selected local rows (main process, Qwen grids)."""
-    from .metrics import layer_segments
     from .scoring import row_images
 
     att, images = session.attention, [row_images(x) for x in session.batch["inputs"]]
@@ -222,7 +224,7 @@ def attention_map_records(session, args, processing_class) -> list[dict]:
     merge = getattr(image_processor, "merge_size", None)
     if att is None or merge is None:
         return []  # maps need the Qwen-style image grid; other families are logged without maps
-    segments = layer_segments(att.num_layers, args.attention_layer_segments)
+    segments = att.segments(args.attention_layer_segments)
     maps = []
     for row in session.map_rows:
         mass = att.image_token_mass.get(row)

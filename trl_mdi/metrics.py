@@ -12,9 +12,12 @@ Definitions (Wu et al., "When Language Overrules", arXiv 2508.10552), per rollou
     MDI   = (A_T / n_T) / (A_O / n_O) = AEI_T / AEI_O
             > 1: text dominates, < 1: vision dominates
 
-Layer segments: masses are averaged over the layers of a segment first, then the ratios are taken
-(a ratio of means is stable; a mean of per-layer ratios is dominated by the layer with the least image
-attention). Rows without image tokens have no MDI: NaN, never a made-up 1.0.
+Layer segments: masses are averaged over the measured layers of a segment first, then the ratios are
+taken (a ratio of means is stable; a mean of per-layer ratios is dominated by the layer with the least
+image attention). Only softmax-attention layers are measured: a hybrid model's linear-attention layers
+have no attention weights and are left out of every segment. Rows without image tokens have no MDI: NaN,
+never a made-up 1.0. A segment whose image mass is exactly 0 (a sliding window that hides every image key)
+has MDI = +inf, which the balance reward scores as fully unbalanced.
 
 Everything here works on tensors of any leading shape and never reads a model.
 """
@@ -30,34 +33,21 @@ DEFAULT_SEGMENTS = "thirds"
 SEGMENT_NAMES_THIRDS = ("early", "middle", "late")
 
 
-def layer_segments(num_layers: int, spec: str | dict[str, list[int]] | None = None) -> dict[str, list[int]]:
-    """Map segment names to layer indices, always including ``"all"``.
+# Per-rollout fields the trainer hands to reward functions, besides one ``mdi_<segment>`` per layer segment.
+PER_ROLLOUT_FIELDS = ("mdi", "mdi_balance", "mdi_group_score", "aei_text", "aei_image")
+# A segment called "balance" would write ``mdi_balance`` over the balance field (likewise "group_score"); "all" is
+# the segment of every measured layer.
+RESERVED_SEGMENT_NAMES = ("all", *(f[len("mdi_"):] for f in PER_ROLLOUT_FIELDS if f.startswith("mdi_")))
 
-    ``spec`` is one of:
-      * ``"thirds"`` (default): early / middle / late as three contiguous, near-equal blocks
-        (sizes differ by at most one; with fewer than 3 layers a segment may be empty and is dropped);
-      * a string ``"early:0-3,middle:4-7,late:8-11"`` of inclusive layer ranges (negative indices count
-        from the end, ``"late:-4--1"``) or single layers (``"first:0"``);
-      * a dict ``{name: [layer indices]}``.
 
-    Raises ValueError naming the bad part when an index is out of range or a segment is empty.
-
-    >>> layer_segments(7)
-    {'early': [0, 1], 'middle': [2, 3, 4], 'late': [5, 6], 'all': [0, 1, 2, 3, 4, 5, 6]}
-    >>> layer_segments(12, "early:0-1,late:-2--1")["late"]
-    [10, 11]
-    """
-    if num_layers < 1:
-        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+def _parse_segments(num_layers: int, spec: str | dict[str, list[int]] | None) -> dict[str, list[int]] | None:
+    """Explicit segments in the model's layer numbering; None for ``"thirds"`` (formed over measured layers)."""
     spec = DEFAULT_SEGMENTS if spec is None else spec
     segments: dict[str, list[int]] = {}
     if isinstance(spec, dict):
         segments = {str(k): [int(i) for i in v] for k, v in spec.items()}
     elif spec == "thirds":
-        bounds = [round(num_layers * k / 3) for k in range(4)]
-        for name, lo, hi in zip(SEGMENT_NAMES_THIRDS, bounds[:-1], bounds[1:]):
-            if hi > lo:
-                segments[name] = list(range(lo, hi))
+        return None
     elif isinstance(spec, str):
         for part in filter(None, (p.strip() for p in spec.split(","))):
             m = re.fullmatch(r"([A-Za-z_][\w]*):(-?\d+)(?:-(-?\d+))?", part)
@@ -69,12 +59,13 @@ def layer_segments(num_layers: int, spec: str | dict[str, list[int]] | None = No
             lo = int(m.group(2))
             hi = int(m.group(3)) if m.group(3) is not None else lo
             lo, hi = (lo + num_layers if lo < 0 else lo), (hi + num_layers if hi < 0 else hi)
+            if m.group(1) in segments:
+                raise ValueError(f"layer segment {m.group(1)!r} appears twice in {spec!r}")
             segments[m.group(1)] = list(range(lo, hi + 1))
     else:
         raise TypeError(f"layer segment spec must be 'thirds', a string or a dict, got {type(spec).__name__}")
     for name, layers in segments.items():
-        if name == "all":
-            raise ValueError("segment name 'all' is reserved: it always covers every layer")
+        check_segment_name(name)
         if not layers:
             raise ValueError(f"layer segment {name!r} is empty (model has {num_layers} layers)")
         bad = [i for i in layers if not 0 <= i < num_layers]
@@ -82,8 +73,114 @@ def layer_segments(num_layers: int, spec: str | dict[str, list[int]] | None = No
             raise ValueError(
                 f"layer segment {name!r} names layers {bad} but the model has {num_layers} layers (0-{num_layers - 1})"
             )
-    segments["all"] = list(range(num_layers))
     return segments
+
+
+def check_segment_name(name: str) -> None:
+    """ValueError for a segment name whose ``mdi_<name>`` field would collide with another per-rollout field.
+
+    >>> check_segment_name("late")
+    >>> check_segment_name("balance")
+    Traceback (most recent call last):
+    ...
+    ValueError: segment name 'balance' is reserved: its field mdi_balance is already a per-rollout field (reserved: all, balance, group_score); rename the segment
+    """
+    if name == "all":
+        raise ValueError("segment name 'all' is reserved: it always covers every measured layer")
+    if name in RESERVED_SEGMENT_NAMES:
+        raise ValueError(
+            f"segment name {name!r} is reserved: its field mdi_{name} is already a per-rollout field (reserved: "
+            f"{', '.join(RESERVED_SEGMENT_NAMES)}); rename the segment"
+        )
+
+
+def layer_segments(
+    num_layers: int, spec: str | dict[str, list[int]] | None = None, measured: list[int] | None = None
+) -> dict[str, list[int]]:
+    """Map segment names to the *measured* layer indices they average over, always including ``"all"``.
+
+    ``measured`` lists the layers that carry a measurement (softmax-attention layers: a hybrid model's
+    linear-attention layers have none); ``None`` means every layer. Indices are always the model's own.
+
+    ``spec`` is one of:
+      * ``"thirds"`` (default): early / middle / late as three contiguous, near-equal blocks *of the measured
+        layers* (sizes differ by at most one). With 1 or 2 measured layers some thirds are empty and are
+        left out (2 layers: early, late; 1 layer: middle), so only segments that exist are named;
+      * a string ``"early:0-3,middle:4-7,late:8-11"`` of inclusive ranges in the model's layer numbering
+        (negative indices count from the end, ``"late:-4--1"``) or single layers (``"first:0"``); unmeasured
+        layers inside a range are skipped (``skipped_layers`` lists them);
+      * a dict ``{name: [layer indices]}``.
+
+    Raises ValueError naming the bad part when an index is out of range, a segment is empty, names only
+    unmeasured layers, or its name is reserved (``RESERVED_SEGMENT_NAMES``).
+
+    >>> layer_segments(7)
+    {'early': [0, 1], 'middle': [2, 3, 4], 'late': [5, 6], 'all': [0, 1, 2, 3, 4, 5, 6]}
+    >>> layer_segments(12, "early:0-1,late:-2--1")["late"]
+    [10, 11]
+    >>> layer_segments(2)
+    {'early': [0], 'late': [1], 'all': [0, 1]}
+    >>> layer_segments(8, measured=[3, 7])  # hybrid: full attention on every 4th layer
+    {'early': [3], 'late': [7], 'all': [3, 7]}
+    >>> layer_segments(8, "early:0-3,late:4-7", measured=[1, 3, 5, 7])
+    {'early': [1, 3], 'late': [5, 7], 'all': [1, 3, 5, 7]}
+    """
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    measured = list(range(num_layers)) if measured is None else sorted(int(i) for i in measured)
+    if not measured:
+        raise ValueError(
+            f"none of the model's {num_layers} text layers runs softmax attention, so no layer can be measured "
+            "(a model made of linear-attention / recurrent layers only); turn compute_attention_metrics off"
+        )
+    explicit = _parse_segments(num_layers, spec)
+    segments: dict[str, list[int]] = {}
+    if explicit is None:  # thirds of the measured layers
+        n = len(measured)
+        bounds = [round(n * k / 3) for k in range(4)]
+        for name, lo, hi in zip(SEGMENT_NAMES_THIRDS, bounds[:-1], bounds[1:]):
+            if hi > lo:
+                segments[name] = measured[lo:hi]
+    else:
+        keep = set(measured)
+        for name, layers in explicit.items():
+            kept = [i for i in layers if i in keep]
+            if not kept:
+                raise ValueError(
+                    f"layer segment {name!r} names layers {layers}, none of which runs softmax attention (measured "
+                    f"layers: {measured}); choose ranges that include some of them"
+                )
+            segments[name] = kept
+    segments["all"] = measured
+    return segments
+
+
+def skipped_layers(num_layers: int, spec: str | dict[str, list[int]] | None, measured: list[int]) -> dict[str, list[int]]:
+    """Per explicit segment, the unmeasured (e.g. linear-attention) layers its range names but cannot average.
+
+    >>> skipped_layers(8, "early:0-3,late:4-7", measured=[1, 3, 5, 7])
+    {'early': [0, 2], 'late': [4, 6]}
+    >>> skipped_layers(8, "thirds", measured=[1, 3, 5, 7])
+    {}
+    """
+    explicit = _parse_segments(num_layers, spec) or {}
+    keep = set(measured)
+    return {name: [i for i in layers if i not in keep] for name, layers in explicit.items()
+            if any(i not in keep for i in layers)}
+
+
+def segment_names(num_layers: int, spec: str | dict[str, list[int]] | None, measured: list[int] | None = None) -> list[str]:
+    """The segment names a model really has (``"all"`` excluded): the one list metrics, reward fields and logs use.
+
+    >>> segment_names(2, "thirds"), segment_names(1, "thirds"), segment_names(12, "thirds")
+    (['early', 'late'], ['middle'], ['early', 'middle', 'late'])
+    """
+    return [n for n in layer_segments(num_layers, spec, measured) if n != "all"]
+
+
+def check_segment_spec(spec: str | dict[str, list[int]] | None) -> None:
+    """Syntax and names only, before the model is known (ranges are checked against the model later)."""
+    _parse_segments(10**6, spec)
 
 
 def segment_mean(per_layer: torch.Tensor, layers: list[int]) -> torch.Tensor:

@@ -22,7 +22,7 @@ from .tprl import combine_masks, sequence_mean, top_p_token_mask, trajectory_sca
 
 # Per-rollout fields handed to reward functions (named keyword arguments) when attention metrics are on, besides
 # one mdi_<segment> per layer segment.
-ATTENTION_FIELDS = ("mdi", "mdi_balance", "mdi_group_score", "aei_text", "aei_image")
+ATTENTION_FIELDS = M.PER_ROLLOUT_FIELDS
 
 # Keys of the processor output that TRL's log-prob forward accepts (its keyword arguments).
 FORWARD_KEYS = (
@@ -84,24 +84,29 @@ def float_or_none(x: torch.Tensor) -> float | None:
     return None if math.isnan(v) else v
 
 
-def segment_names(spec: str) -> list[str]:
-    return [n for n in M.layer_segments(10_000, spec) if n != "all"]
-
-
 def is_attention_field(name: str) -> bool:
-    return name in ATTENTION_FIELDS or name.startswith("mdi_")
+    """Whether a reward input is computed by the attention probe (``mdi*`` / ``aei*``), not read from the data."""
+    return name in ATTENTION_FIELDS or name.startswith(("mdi_", "aei_"))
 
 
-def check_reward_inputs(funcs, args, train_dataset, eval_dataset) -> None:
-    """Fail at construction, not at the first reward call, when a reward's inputs cannot exist."""
+def attention_fields(segment_names: list[str]) -> list[str]:
+    """Every per-rollout field the trainer adds to input rows: the fixed ones and ``mdi_<segment>`` per segment."""
+    return [*ATTENTION_FIELDS, *(f"mdi_{n}" for n in segment_names)]
+
+
+def check_reward_inputs(funcs, args, train_dataset, eval_dataset, segment_names: list[str]) -> None:
+    """Fail at construction, not at the first reward call, when a reward's inputs cannot exist.
+
+    ``segment_names`` are the model's real segments (``trl_mdi.metrics.segment_names``): a reward may read
+    ``mdi_<segment>`` for those only.
+    """
     funcs = [f for f in funcs if callable(f) and not isinstance(f, torch.nn.Module)]
     datasets = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
     for split, ds in [("train_dataset", train_dataset), *datasets]:
         cols = getattr(ds, "column_names", None)
         if not isinstance(cols, list):
             continue  # iterable datasets may not know their columns up front
-        # Segment names are configurable, so every mdi_<name> counts as a trainer field here.
-        trainer_fields = [*ATTENTION_FIELDS, *(f"mdi_{n}" for n in segment_names(args.attention_layer_segments))]
+        trainer_fields = attention_fields(segment_names)
         try:
             check_reward_columns(funcs, [*cols, *trainer_fields] if args.compute_attention_metrics else cols)
         except ValueError as e:
@@ -201,7 +206,8 @@ def rebuild_forward_inputs(processing_class, pad_token_id: int, chat_template_kw
 
 # ------------------------------------------------------------------------------------------------ attention fields
 def attention_table(attention: ModalityAttention, segments: str, ratio: float) -> dict[str, torch.Tensor]:
-    """Per-rollout (B,) values: MDI (all and per segment), balance, AEI, mass shares, has_image, measured."""
+    """Per-rollout (B,) values: MDI (all and per segment), balance, AEI, mass shares, image-blind layers, has_image,
+    measured. Masses and segments cover the measured (softmax-attention) layers only."""
     seg = attention.segment_metrics(segments)
     table = {
         "mdi": seg["all"]["mdi"],
@@ -211,18 +217,29 @@ def attention_table(attention: ModalityAttention, segments: str, ratio: float) -
         **{f"mdi_{name}": vals["mdi"] for name, vals in seg.items() if name != "all"},
     }
     for g in ("image", "prompt_text", "completion", "special"):
-        table[f"{g}_mass"] = getattr(attention, g).mean(dim=1)
+        table[f"{g}_mass"] = getattr(attention, g)[:, attention.layers].mean(dim=1)
+    table["image_blind_layers"] = attention.image_blind_layers().float()
     table["has_image"] = attention.has_image.float()
     table["measured"] = attention.valid.float()
     return table
 
 
 def attention_metric_values(keys: list[str], gathered: torch.Tensor) -> dict[str, float]:
-    """attention/* metrics from the gathered (N_global, K) table: means over rollouts where finite."""
+    """attention/* metrics from the gathered (N_global, K) table: means over rollouts where finite.
+
+    MDI is NaN without an image (counted in ``rows_without_image``) and +inf where a segment's layers give the image
+    exactly zero attention (a sliding window hiding every image key): such rows leave the mean and are counted in
+    ``attention/rows_mdi_inf`` (a row with +inf in any segment) so no mean is silently inf or NaN.
+    """
     col = {k: gathered[:, i] for i, k in enumerate(keys)}
     values = {
         "attention/rows_without_image": float((col["has_image"] == 0).float().mean()),
         "attention/rows_unmeasured": float((col["measured"] == 0).float().mean()),
+        # A row counts when any segment (or all layers) gives the image exactly zero attention: that MDI is +inf
+        # and leaves its segment's mean.
+        "attention/rows_mdi_inf": float(torch.stack([torch.isinf(col[k]) for k in keys if k.startswith("mdi")
+                                                     and k not in ("mdi_balance", "mdi_group_score")]).any(0)
+                                        .float().mean()),
     }
     for k in keys:
         if k in ("has_image", "measured"):

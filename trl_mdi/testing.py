@@ -42,10 +42,11 @@ def grpo_batch(
     multimodal tensors (mm_token_type_ids extended with zeros over the completion, as TRL does).
     """
     texts = [chat_prompt(processor, p, img is not None) for p, img in zip(prompts, images)]
-    imgs = [img for img in images if img is not None]
+    # One image list per row, as TRL passes them: processors that pair images with rows (Gemma 3) need the nesting.
+    imgs = [[img] if img is not None else [] for img in images]
     tok = processor.tokenizer
     tok.padding_side = "left"
-    enc = processor(text=texts, images=imgs or None, return_tensors="pt", padding=True)
+    enc = processor(text=texts, images=imgs if any(imgs) else None, return_tensors="pt", padding=True)
     prompt_ids, prompt_mask = enc.pop("input_ids"), enc.pop("attention_mask")
     g = torch.Generator().manual_seed(seed)
     c_len = max(completion_lengths)

@@ -13,16 +13,14 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
-from . import metrics as M
 from .attention import (
     ModalityAttention,
     _forward_tensors,
     _layout,
-    image_token_ids,
     probe_attention,
     template_text_exclusion_mask,
-    unwrap_model,
 )
+from .attention.model_facts import load_model_config, model_facts
 from .config import MDIGRPOConfig
 from .diagnostics import (
     ConsoleSummaryCallback,
@@ -30,19 +28,19 @@ from .diagnostics import (
     attention_map_records,
     gather_rollout_records,
 )
+from .drop_in import model_segment_names, resolve_attention_metrics, reward_stack_for_model
 from .perturb import perturb_images
 from .rewards import (
-    default_reward_stack,
     group_relative_mdi_score,
     resolve_reward_funcs,
     reward_name,
     zero_spread_fraction,
 )
 from .scoring import (
-    ATTENTION_FIELDS,
     ScoringSession,
     apply_group_filter,
     apply_tprl,
+    attention_fields,
     attention_metric_values,
     attention_table,
     check_reward_inputs,
@@ -53,11 +51,22 @@ from .scoring import (
     lazy_images,
     rebuild_forward_inputs,
     row_images,
-    segment_names,
 )
 from .tprl import token_visual_dependency
 
 logger = logging.get_logger(__name__)
+
+
+@contextlib.contextmanager
+def rng_untouched(device: torch.device):
+    """Fork the CPU RNG (and the device's, on an accelerator) so a forward inside consumes no random numbers."""
+    if device.type == "cpu":
+        with torch.random.fork_rng(devices=[]):
+            yield
+        return
+    index = device.index if device.index is not None else getattr(torch, device.type).current_device()
+    with torch.random.fork_rng(devices=[index], device_type=device.type):
+        yield
 
 
 class MDIGRPOTrainer(GRPOTrainer):
@@ -103,15 +112,18 @@ class MDIGRPOTrainer(GRPOTrainer):
         if args is None:
             name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
             args = MDIGRPOConfig(f"{str(name).split('/')[-1]}-MDI-GRPO")
-        elif not isinstance(args, MDIGRPOConfig):
-            raise TypeError(f"args must be an MDIGRPOConfig, got {type(args).__name__}")
+        else:
+            args = MDIGRPOConfig.from_grpo_config(args)  # a plain GRPOConfig works: the added fields take defaults
+        # What the probe can measure on this model, from its config alone: the weights load inside super().__init__.
+        facts = model_facts(load_model_config(model, args.model_init_kwargs))
         if reward_funcs is not None and not isinstance(reward_funcs, (list, tuple)):
             reward_funcs = [reward_funcs]
-        names, args.reward_weights = default_reward_stack(
-            reward_funcs if reward_funcs is not None else args.reward_funcs, args.reward_weights
-        )
+        named = reward_funcs if reward_funcs is not None else args.reward_funcs
+        names, args.reward_weights = reward_stack_for_model(named, args.reward_weights, facts)
         funcs = resolve_reward_funcs(list(names), args.reward_weights)
-        check_reward_inputs(funcs, args, train_dataset, eval_dataset)
+        resolve_attention_metrics(args, facts, funcs, user_named_rewards=named is not None)
+        segment_names = model_segment_names(args, facts)
+        check_reward_inputs(funcs, args, train_dataset, eval_dataset, segment_names)
         if args.uses_visual_dependency:
             for split, ds in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
                 cols = getattr(ds, "column_names", None)
@@ -122,12 +134,15 @@ class MDIGRPOTrainer(GRPOTrainer):
                         "Turn them off for text-only data."
                     )
         train_dataset, eval_dataset = lazy_images(train_dataset), lazy_images(eval_dataset)
+        self._model_facts = facts  # fixed for the run: which layers the probe must find, the image token ids
+        self._image_ids = list(facts.image_token_ids)
         self._probe_session: ScoringSession | None = None
         self._perf: dict[str, float] = {}
         self._diagnostics = (
             LiveDiagnostics(args, is_main_process=args.process_index == 0,
                             reward_names=[reward_name(f) for f in funcs], num_generations=args.num_generations,
-                            model_name=model if isinstance(model, str) else getattr(model.config, "_name_or_path", ""))
+                            model_name=model if isinstance(model, str) else getattr(model.config, "_name_or_path", ""),
+                            layers=facts.describe_layers() if args.compute_attention_metrics else None)
             if args.realtime_rollout_logging else None
         )
         super().__init__(model, reward_funcs=funcs, args=args, train_dataset=train_dataset,
@@ -136,14 +151,6 @@ class MDIGRPOTrainer(GRPOTrainer):
             if not any(n in (args.filter_key, f"{args.filter_key}_reward") for n in self.reward_func_names):
                 raise ValueError(f"filter_key {args.filter_key!r} is not one of the rewards {self.reward_func_names} "
                                  "(or 'reward' for the weighted total)")
-        if args.compute_attention_metrics or args.uses_visual_dependency:
-            base = unwrap_model(self.model)
-            self._image_ids = image_token_ids(base.config)  # clear error for a model without an image token
-            num_layers = base.config.get_text_config().num_hidden_layers
-            try:
-                M.layer_segments(num_layers, args.attention_layer_segments)  # ranges checked against the model
-            except ValueError as e:
-                raise ValueError(f"attention_layer_segments: {e}") from None
 
         self.add_callback(ConsoleSummaryCallback(args.colorize_output))
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -349,13 +356,19 @@ class MDIGRPOTrainer(GRPOTrainer):
             yield state
 
     def _policy_logps(self, fwd: dict[str, Any], compute_entropy: bool = False, probe=None):
-        """One no-grad policy forward through TRL's own log-prob path (same chunking, fused head)."""
+        """One no-grad policy forward through TRL's own log-prob path (same chunking, fused head).
+
+        It runs in the model's current mode, as TRL's own old-log-prob forward does (so with dropout > 0 it draws
+        dropout masks), inside a forked RNG: the random stream the training step sees afterwards is the one it would
+        have seen without this forward, so observing never changes the run.
+        """
         fwd = dict(fwd)
         mode = "train" if self.model.training else "eval"
         batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
         input_ids, attention_mask, c_len = fwd.pop("input_ids"), fwd.pop("attention_mask"), fwd.pop("logits_to_keep")
         # Every rank runs this forward (same number of chunks): ZeRO-3 needs all ranks in every gather.
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
+                rng_untouched(self.accelerator.device):
             logps, entropies, _ = super()._get_per_token_logps_and_entropies(
                 self.model, input_ids, attention_mask, c_len, batch_size=batch_size, compute_entropy=compute_entropy,
                 **fwd,
@@ -397,6 +410,13 @@ class MDIGRPOTrainer(GRPOTrainer):
 
     def _attach_attention_fields(self, attention: ModalityAttention, inputs: list[dict]) -> None:
         """Add per-rollout attention fields to every input row (TRL passes row keys to rewards) and log metrics."""
+        expected = list(self._model_facts.measured_layers)
+        if attention.layers != expected:  # the config's layer_types told us which layers would run softmax attention
+            raise RuntimeError(
+                f"the attention probe measured layers {attention.layers} but this {self._model_facts.model_type} "
+                f"model's config predicts softmax attention in layers {expected}: its layer_types are not understood "
+                "(please report it with the model id); set compute_attention_metrics=False to train without metrics"
+            )
         local = attention_table(attention, self.args.attention_layer_segments, self.args.mdi_balance_ratio)
         keys = list(local)
         table = torch.stack([local[k].float() for k in keys], dim=1).to(self.accelerator.device)
@@ -406,7 +426,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         group_score = group_relative_mdi_score(gathered[:, keys.index("mdi")].cpu(), num_generations)
         start = self.accelerator.process_index * len(inputs)
         local["mdi_group_score"] = group_score[start : start + len(inputs)]
-        fields = [*ATTENTION_FIELDS, *(f"mdi_{n}" for n in segment_names(self.args.attention_layer_segments))]
+        fields = attention_fields([n for n in attention.segments(self.args.attention_layer_segments) if n != "all"])
         for i, row in enumerate(inputs):
             for k in fields:
                 row[k] = float_or_none(local[k][i])

@@ -37,6 +37,9 @@ class _ProbeState:
         self.layout_fn = layout_fn
         self.image_map_rows = list(image_map_rows)
         self.calls: list[tuple[_Layout, torch.Tensor, dict[int, torch.Tensor]]] = []
+        # Layers whose attention function ran: softmax-attention layers only (a hybrid model's linear-attention
+        # layers never call it, so their masses stay NaN and they are left out of every segment).
+        self.recorded_layers: set[int] = set()
         self._rows_seen = 0
         self._layer_counter = 0
 
@@ -60,6 +63,7 @@ class _ProbeState:
         if layer is None:
             layer = self._layer_counter
         self._layer_counter += 1
+        self.recorded_layers.add(int(layer))
         q0, q1 = layout.span
         if q1 <= q0:
             return  # no measured query in this call: masses stay NaN and rows are flagged invalid
@@ -108,6 +112,12 @@ class _ProbeState:
             maps[local_row][layer] = (o[qm].sum(dim=0) / qm.sum().clamp(min=1)).cpu()
 
     def result(self) -> ModalityAttention:
+        if self.calls and not self.recorded_layers:
+            raise ValueError(
+                f"the model ran none of its {self.num_layers} text layers through softmax attention (e.g. a hybrid "
+                "model made of linear-attention layers only), so there is no attention to measure"
+            )
+        measured = tuple(sorted(self.recorded_layers))
         parts = []
         for layout, masses, maps in self.calls:
             counts = layout.counts.cpu()
@@ -123,6 +133,7 @@ class _ProbeState:
                     n_completion=counts[:, _COMPLETION],
                     n_queries=layout.n_queries.cpu(),
                     image_token_mass=maps,
+                    measured_layers=measured,
                 )
             )
         if not parts:
@@ -181,13 +192,15 @@ def probe_attention(
     text_config = _text_config(base)
     num_layers = int(text_config.num_hidden_layers)
     state = _ProbeState(num_layers, layout_fn, image_map_rows)
-    # The backbone (``base.model`` for *ForConditionalGeneration) receives input_ids and the 2-D mask as
-    # keyword arguments on every path (plain, PEFT, DDP, DeepSpeed).
+    # The backbone (``base.model`` for *ForConditionalGeneration) receives input_ids and the 2-D mask on every path
+    # (plain, PEFT, DDP, DeepSpeed); some families pass input_ids positionally (LLaVA-NeXT), so positional
+    # arguments are bound to the forward's parameter names.
     core = getattr(base, "base_model", base)
+    signature = inspect.signature(core.forward)
 
     def pre_hook(_module, args, kwargs):
         if _ACTIVE.get() is state:
-            state.begin_call(kwargs)
+            state.begin_call(signature.bind_partial(*args, **kwargs).arguments if args else kwargs)
 
     previous = text_config._attn_implementation
     handle = core.register_forward_pre_hook(pre_hook, with_kwargs=True)

@@ -31,6 +31,10 @@ class ModalityAttention:
             NaN and ``valid`` is False.
         image_token_mass: for rows listed in ``image_map_rows`` when measuring, a dict
             row -> (num_layers, n_image) tensor of the mass on each individual image token (attention maps).
+        measured_layers: indices of the layers that were measured (their attention function ran): every
+            softmax-attention layer. A hybrid model's linear-attention layers have no attention weights: their
+            masses are NaN and every segment, ``"all"`` included, is formed over the measured layers only.
+            ``None`` (a result built by hand) means every layer.
     """
 
     image: torch.Tensor
@@ -43,10 +47,30 @@ class ModalityAttention:
     n_completion: torch.Tensor
     n_queries: torch.Tensor
     image_token_mass: dict[int, torch.Tensor] = field(default_factory=dict)
+    measured_layers: tuple[int, ...] | None = None
 
     @property
     def num_layers(self) -> int:
         return self.image.shape[1]
+
+    @property
+    def layers(self) -> list[int]:
+        """The measured layer indices (every layer when ``measured_layers`` is None)."""
+        return list(range(self.num_layers)) if self.measured_layers is None else list(self.measured_layers)
+
+    def segments(self, spec: str | dict | None = None) -> dict[str, list[int]]:
+        """``{segment: measured layers}`` for this result (see :func:`trl_mdi.metrics.layer_segments`)."""
+        return M.layer_segments(self.num_layers, spec, self.layers)
+
+    def image_blind_layers(self) -> torch.Tensor:
+        """Per row, measured layers where the image gets exactly zero attention though the row has image keys.
+
+        A sliding-window layer whose window hides every image key from the measured queries (long prompts, Gemma 3)
+        has image mass 0 by construction; a segment made of such layers only has MDI = +inf. (B,) long.
+        """
+        image = self.image[:, self.layers]
+        blind = (image == 0) & self.has_image[:, None] & self.valid[:, None]
+        return blind.sum(dim=1)
 
     @property
     def valid(self) -> torch.Tensor:
@@ -59,13 +83,14 @@ class ModalityAttention:
 
     def segment_metrics(self, segments: str | dict | None = None) -> dict[str, dict[str, torch.Tensor]]:
         """MDI / AEI per layer segment (see :func:`trl_mdi.metrics.segment_metrics`); text = prompt text."""
-        seg = M.layer_segments(self.num_layers, segments)
+        seg = self.segments(segments)
         return M.segment_metrics(self.prompt_text, self.image, self.n_prompt_text, self.n_image, seg)
 
     def rows(self, segments: str | dict | None = None, balance_ratio: float = 2.0) -> list[dict[str, float | None]]:
         """Per-row plain-Python summaries (None where undefined), the form rewards and logs consume."""
         seg = self.segment_metrics(segments)
         balance = M.mdi_balance(seg["all"]["mdi"], balance_ratio)
+        blind = self.image_blind_layers()
         out = []
         for i in range(self.image.shape[0]):
             row: dict[str, float | None] = {}
@@ -76,7 +101,8 @@ class ModalityAttention:
             row["mdi"] = row["mdi_all"]
             row["mdi_balance"] = _opt(balance[i])
             for g in GROUPS:
-                row[f"{g}_mass"] = _opt(getattr(self, g)[i].mean())
+                row[f"{g}_mass"] = _opt(getattr(self, g)[i, self.layers].mean())
+            row["n_image_blind_layers"] = int(blind[i])
             row["n_image"] = int(self.n_image[i])
             row["n_prompt_text"] = int(self.n_prompt_text[i])
             row["n_special"] = int(self.n_special[i])
@@ -93,9 +119,13 @@ class ModalityAttention:
         for p in parts:
             maps.update({offset + k: v for k, v in p.image_token_mass.items()})
             offset += p.image.shape[0]
-        names = [f for f in ModalityAttention.__dataclass_fields__ if f != "image_token_mass"]
+        measured = {p.measured_layers for p in parts}
+        if len(measured) > 1:
+            raise ValueError(f"cannot concatenate results measured on different layers: {sorted(measured, key=str)}")
+        names = [f for f in ModalityAttention.__dataclass_fields__ if f not in ("image_token_mass", "measured_layers")]
         return ModalityAttention(
-            **{n: torch.cat([getattr(p, n) for p in parts]) for n in names}, image_token_mass=maps
+            **{n: torch.cat([getattr(p, n) for p in parts]) for n in names}, image_token_mass=maps,
+            measured_layers=measured.pop(),
         )
 
 

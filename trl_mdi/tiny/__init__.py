@@ -1,4 +1,4 @@
-"""Tiny random-weight vision-language models, built fully offline.
+"""Tiny random-weight vision-language (and text-only) models, built fully offline.
 
 Tests and CPU benchmarks need real model classes (the trainer and the attention probe touch their
 internals), but the Hub is out of reach, so we assemble each model from parts:
@@ -8,18 +8,28 @@ internals), but the Hub is out of reach, so we assemble each model from parts:
    those words cost one token each; special tokens come first, as in the real tokenizers;
 2. the official chat template, read from trl's installed `chat_templates/` folder;
 3. the real processor class (image processor + video processor for Qwen, Idefics3Processor for
-   SmolVLM) sized so that a 56x56 or 64x64 image costs 4 image tokens by default;
+   SmolVLM, Gemma3Processor, LlavaNextProcessor) sized so that a 56x56 or 64x64 image costs 4 image
+   tokens by default (10 for LLaVA-NeXT);
 4. the real `*ForConditionalGeneration` class with random weights drawn from a fixed seed.
+
+Archs (`TINY_ARCHS`): qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm (Idefics3), qwen3_5 (hybrid linear /
+full attention), gemma3 (hybrid sliding-window / full attention, SigLIP tower), llava_next (CLIP tower,
+Llama decoder). `build_tiny_text_model` / `save_tiny_text_model` build text-only Qwen2 models (a causal
+LM, or a one-logit sequence classifier to serve as a reward model).
 
 Everything is deterministic for a given seed: two builds give identical weights and identical
 tokenizer files, also across processes. Saved folders reload with
-`AutoModelForImageTextToText.from_pretrained(dir)` and `AutoProcessor.from_pretrained(dir)`.
+`AutoModelForImageTextToText.from_pretrained(dir)` and `AutoProcessor.from_pretrained(dir)` (text
+models: `AutoModelForCausalLM` / `AutoModelForSequenceClassification` and `AutoTokenizer`).
 
 CLI:
     python -m trl_mdi.tiny --arch qwen2_5_vl --out /tmp/tiny-qwen2_5_vl [--seed 0] [--num_layers 8] ...
+    python -m trl_mdi.tiny --arch gemma3 --out /tmp/tiny-gemma3 --sliding_window 8
+    python -m trl_mdi.tiny --text_task sequence_classification --out /tmp/tiny-reward [--num_layers 2]
 
-Layout: `tokenizer` builds parts 1 and 2, `archs` parts 3 and 4, `sizes` holds the size knobs and their
-checks; building, saving and the CLI are here.
+Layout: `tokenizer` builds parts 1 and 2, `archs` (the first four archs) and `families` (Qwen3.5,
+Gemma 3, LLaVA-NeXT) parts 3 and 4, `sizes` holds the size knobs and their checks, `text` the text-only
+models, `saving` the atomic save; building, saving and the CLI of the VLMs are here.
 """
 
 from __future__ import annotations
@@ -27,9 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -37,16 +45,36 @@ from typing import Any
 import torch
 
 from ..data import DEFAULT_SYSTEM_PROMPT as DEFAULT_SYSTEM_PROMPT  # importable from here, as before
-from .archs import _MODEL_CLASSES, _qwen_config, _qwen_processor, _smolvlm_config, _smolvlm_processor
+from . import archs, families
 from .archs import _mrope_section as _mrope_section  # tests call it as tiny._mrope_section
-from .sizes import TINY_ARCHS, TinyVLMSize, _check_arch, _resolve_size
+from .saving import check_out_dir, save_model_atomically
+from .sizes import TEXT_TASKS, TINY_ARCHS, TinyTextSize, TinyVLMSize, check_arch, resolve_size
+from .text import TEXT_MODEL_META_FILE, build_tiny_text_model, save_tiny_text_model
 from .tokenizer import COLOURS as COLOURS
 from .tokenizer import LETTERS as LETTERS
 from .tokenizer import SHAPES as SHAPES
 from .tokenizer import SINGLE_TOKEN_STRINGS as SINGLE_TOKEN_STRINGS
-from .tokenizer import SYSTEM_PROMPT, _build_tokenizer, _chat_template
+from .tokenizer import SYSTEM_PROMPT, build_tokenizer, official_chat_template
 
-__all__ = ["TINY_ARCHS", "SYSTEM_PROMPT", "TinyVLMSize", "build_tiny_vlm", "save_model_atomically", "save_tiny_vlm", "main"]
+# The tokenizer helpers' former private names (tests call tiny._build_tokenizer / tiny._chat_template).
+_build_tokenizer = build_tokenizer
+_chat_template = official_chat_template
+
+__all__ = [
+    "TEXT_TASKS",
+    "TINY_ARCHS",
+    "SYSTEM_PROMPT",
+    "TinyTextSize",
+    "TinyVLMSize",
+    "build_tiny_text_model",
+    "build_tiny_vlm",
+    "save_model_atomically",
+    "save_tiny_text_model",
+    "save_tiny_vlm",
+    "main",
+]
+
+_MODEL_CLASSES = {**archs.MODEL_CLASSES, **families.MODEL_CLASSES}
 
 
 def build_tiny_vlm(arch: str, *, seed: int = 0, **size_overrides: Any):
@@ -54,38 +82,40 @@ def build_tiny_vlm(arch: str, *, seed: int = 0, **size_overrides: Any):
 
     Args:
         arch: one of `TINY_ARCHS`: "qwen2_5_vl" (Qwen2_5_VLForConditionalGeneration), "qwen2_vl",
-            "qwen3_vl", or "smolvlm" (Idefics3ForConditionalGeneration).
+            "qwen3_vl", "smolvlm" (Idefics3ForConditionalGeneration), "qwen3_5"
+            (Qwen3_5ForConditionalGeneration), "gemma3" (Gemma3ForConditionalGeneration) or
+            "llava_next" (LlavaNextForConditionalGeneration).
         seed: seeds the weight initialisation; the same seed gives identical weights. The global
             torch RNG state is left untouched.
         **size_overrides: any field of `TinyVLMSize`: num_layers, hidden_size, num_heads,
             num_kv_heads, intermediate_size (text); vision_depth, vision_hidden_size,
             vision_num_heads, vision_intermediate_size (vision); max_position_embeddings;
-            min_pixels/max_pixels (Qwen: image area bounds, hence image tokens per image);
-            image_size/image_patch_size (SmolVLM).
+            min_pixels/max_pixels (Qwen archs: image area bounds, hence image tokens per image);
+            image_size/image_patch_size (smolvlm, gemma3, llava_next); full_attention_interval
+            (qwen3_5, gemma3: which text layers use full attention, default 2); sliding_window
+            (gemma3, default 512). num_layers defaults to 3 (4 for qwen3_5 and gemma3).
 
     Returns:
         (model, processor): the model in eval mode, float32, default (sdpa) attention; the real
         processor class with the tiny tokenizer and the official chat template. The config carries
-        the tokenizer's image/video/vision-start/vision-end token ids.
+        the tokenizer's image token id as `config.image_token_id`: the placeholder the processor
+        repeats once per image token (Gemma 3: <image_soft_token>, not the processor's
+        image_token_id, which is the begin-of-image token), and for Qwen the video/vision-start/
+        vision-end ids too.
 
     Raises:
         ValueError: unknown arch, unknown knob, or sizes that do not fit together (the message
             names the fix).
     """
-    _check_arch(arch)
-    return _build(arch, seed, _resolve_size(arch, size_overrides))
+    check_arch(arch)
+    return _build(arch, seed, resolve_size(arch, size_overrides))
 
 
 def _build(arch: str, seed: int, size: TinyVLMSize):
-    chat_template = _chat_template(arch)
-    tok = _build_tokenizer(arch, chat_template, size.max_position_embeddings)
-
-    if arch == "smolvlm":
-        config = _smolvlm_config(size, tok)
-        processor = _smolvlm_processor(size, tok, chat_template)
-    else:
-        config = _qwen_config(arch, size, tok)
-        processor = _qwen_processor(arch, size, tok, chat_template)
+    chat_template = official_chat_template(arch)
+    tok = build_tokenizer(arch, chat_template, size.max_position_embeddings)
+    builder = families if arch in families.MODEL_CLASSES else archs
+    config, processor = builder.config_and_processor(arch, size, tok, chat_template)
 
     # fork_rng: seeding must not perturb the caller's RNG stream (tests and trainers seed their own).
     with torch.random.fork_rng(devices=[]):
@@ -121,53 +151,35 @@ def save_tiny_vlm(
         FileExistsError: `out_dir` exists, is not empty, and `overwrite` is False.
         ValueError: as for `build_tiny_vlm`.
     """
-    _check_arch(arch)
-    out_dir = Path(out_dir).expanduser().resolve()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise FileExistsError(f"{out_dir} exists and is not a directory; choose another --out")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} is not empty; pass overwrite=True (CLI: --overwrite) to replace it")
-
-    size = _resolve_size(arch, size_overrides)  # before touching the disk: bad sizes fail fast
+    check_arch(arch)
+    out_dir = check_out_dir(out_dir, overwrite)
+    size = resolve_size(arch, size_overrides)  # before touching the disk: bad sizes fail fast
     model, processor = _build(arch, seed, size)
-    meta = {"arch": arch, "seed": seed, "num_params": model.num_parameters(), "size": dataclasses.asdict(size)}
+    meta = {
+        "arch": arch,
+        "seed": seed,
+        "num_params": model.num_parameters(),
+        "size": dataclasses.asdict(size),
+    }
     save_model_atomically(model, processor, out_dir, {"tiny_vlm.json": meta})
     return out_dir
-
-
-def save_model_atomically(model, processor, out_dir: Path, extra_json: dict[str, Any] | None = None) -> None:
-    """``save_pretrained`` model and processor (plus ``{file name: JSON-able}`` files) into ``out_dir`` atomically.
-
-    Everything is written to a temporary sibling first and renamed into place; an existing ``out_dir`` is moved
-    aside before it is deleted. So a crash never leaves a half-written model where a loader would find it, and
-    ``out_dir`` is never half-deleted. The caller decides whether replacing ``out_dir`` is allowed.
-    """
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it owner-only; other users' jobs may load the model
-        model.save_pretrained(tmp)
-        processor.save_pretrained(tmp)
-        for name, data in (extra_json or {}).items():
-            (tmp / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            out_dir.rename(old / out_dir.name)
-            tmp.rename(out_dir)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m trl_mdi.tiny",
-        description="Build a tiny random-weight vision-language model offline and save it with save_pretrained.",
+        description="Build a tiny random-weight vision-language model (or text-only model) offline and save it "
+        "with save_pretrained.",
     )
-    parser.add_argument("--arch", required=True, choices=TINY_ARCHS, help="Architecture to build.")
+    kind = parser.add_mutually_exclusive_group(required=True)
+    kind.add_argument("--arch", choices=TINY_ARCHS, help="Vision-language architecture to build.")
+    kind.add_argument(
+        "--text_task",
+        choices=TEXT_TASKS,
+        help="Build a text-only Qwen2 model instead: causal_lm (Qwen2ForCausalLM) or sequence_classification "
+        "(Qwen2ForSequenceClassification, 1 label: a reward model). Takes the text size flags only "
+        f"({', '.join(f.name for f in dataclasses.fields(TinyTextSize))}); num_layers defaults to 2.",
+    )
     parser.add_argument(
         "--out", required=True, type=Path, help="Output folder (missing or empty unless --overwrite)."
     )
@@ -192,14 +204,23 @@ def main(argv: list[str] | None = None) -> int:
     }
     start = time.perf_counter()
     try:
-        out = save_tiny_vlm(args.arch, args.out, seed=args.seed, overwrite=args.overwrite, **overrides)
+        if args.text_task is not None:
+            what = f"text model {args.text_task}"
+            out = save_tiny_text_model(
+                args.out, args.text_task, seed=args.seed, overwrite=args.overwrite, **overrides
+            )
+            meta_file = TEXT_MODEL_META_FILE
+        else:
+            what = args.arch
+            out = save_tiny_vlm(args.arch, args.out, seed=args.seed, overwrite=args.overwrite, **overrides)
+            meta_file = "tiny_vlm.json"
     except (ValueError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    meta = json.loads((out / "tiny_vlm.json").read_text(encoding="utf-8"))
+    meta = json.loads((out / meta_file).read_text(encoding="utf-8"))
     files = sorted(p.name for p in out.iterdir())
     print(
-        f"wrote {args.arch} (seed {args.seed}, {meta['num_params']:,} parameters) to {out} "
+        f"wrote {what} (seed {args.seed}, {meta['num_params']:,} parameters) to {out} "
         f"in {time.perf_counter() - start:.1f} s\nfiles: {', '.join(files)}"
     )
     return 0

@@ -1,8 +1,9 @@
-"""Per-architecture configs and processors of the tiny VLMs: parts 3 and 4 of the build described in
-`trl_mdi.tiny`.
+"""Per-architecture configs and processors of the first four tiny VLMs: parts 3 and 4 of the build
+described in `trl_mdi.tiny` (Qwen3.5, Gemma 3 and LLaVA-NeXT are in `families`).
 
-The three Qwen archs share one config builder and one processor builder; SmolVLM (an Idefics3 model)
-has its own. Sizes come from a validated `TinyVLMSize`, token ids from the tiny tokenizer.
+The three Qwen archs share one config builder and one processor builder (Qwen3.5 reuses the
+processor one); SmolVLM (an Idefics3 model) has its own. Sizes come from a validated `TinyVLMSize`,
+token ids from the tiny tokenizer.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from transformers import (
     Qwen3VLVideoProcessor,
 )
 
-from .sizes import _QWEN_MERGE_SIZE, _QWEN_PATCH_SIZE, _SMOLVLM_SCALE_FACTOR, TinyVLMSize
+from .sizes import QWEN_MERGE_SIZE, QWEN_PATCH_SIZE, SMOLVLM_SCALE_FACTOR, TinyVLMSize
 
-_MODEL_CLASSES = {
+MODEL_CLASSES = {
     "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
     "qwen2_vl": Qwen2VLForConditionalGeneration,
     "qwen3_vl": Qwen3VLForConditionalGeneration,
@@ -51,7 +52,7 @@ def _mrope_section(arch: str, head_dim: int) -> list[int]:
     return [half - 2 * spatial, spatial, spatial]
 
 
-def _qwen_token_ids(tok: PreTrainedTokenizerFast) -> dict[str, int]:
+def qwen_token_ids(tok: PreTrainedTokenizerFast) -> dict[str, int]:
     ids = {
         "image_token_id": "<|image_pad|>",
         "video_token_id": "<|video_pad|>",
@@ -61,7 +62,7 @@ def _qwen_token_ids(tok: PreTrainedTokenizerFast) -> dict[str, int]:
     return {key: tok.convert_tokens_to_ids(token) for key, token in ids.items()}
 
 
-def _text_sizes(size: TinyVLMSize, tok: PreTrainedTokenizerFast) -> dict[str, Any]:
+def text_config_sizes(size: TinyVLMSize, tok: PreTrainedTokenizerFast) -> dict[str, Any]:
     """The text-decoder entries that every arch's config spells the same way."""
     return {
         "vocab_size": len(tok),
@@ -77,7 +78,7 @@ def _text_sizes(size: TinyVLMSize, tok: PreTrainedTokenizerFast) -> dict[str, An
 def _qwen_config(arch: str, size: TinyVLMSize, tok: PreTrainedTokenizerFast):
     head_dim = size.hidden_size // size.num_heads
     text = {
-        **_text_sizes(size, tok),
+        **text_config_sizes(size, tok),
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": 1_000_000.0 if arch != "qwen3_vl" else 5_000_000.0,
@@ -93,8 +94,8 @@ def _qwen_config(arch: str, size: TinyVLMSize, tok: PreTrainedTokenizerFast):
     vision: dict[str, Any] = {
         "depth": size.vision_depth,
         "num_heads": size.vision_num_heads,
-        "patch_size": _QWEN_PATCH_SIZE[arch],
-        "spatial_merge_size": _QWEN_MERGE_SIZE,
+        "patch_size": QWEN_PATCH_SIZE[arch],
+        "spatial_merge_size": QWEN_MERGE_SIZE,
         "temporal_patch_size": 2,
         "dtype": "float32",
     }
@@ -130,25 +131,25 @@ def _qwen_config(arch: str, size: TinyVLMSize, tok: PreTrainedTokenizerFast):
             "deepstack_visual_indexes": [(k + 1) * size.vision_depth // (taps + 1) - 1 for k in range(taps)],
         }
         config_cls = Qwen3VLConfig
-    return config_cls(text_config=text, vision_config=vision, dtype="float32", **_qwen_token_ids(tok))
+    return config_cls(text_config=text, vision_config=vision, dtype="float32", **qwen_token_ids(tok))
 
 
-def _qwen_processor(arch: str, size: TinyVLMSize, tok: PreTrainedTokenizerFast, chat_template: str):
-    patch = _QWEN_PATCH_SIZE[arch]
+def qwen_processor(arch: str, size: TinyVLMSize, tok: PreTrainedTokenizerFast, chat_template: str):
+    patch = QWEN_PATCH_SIZE[arch]
     pixels = {"shortest_edge": size.min_pixels, "longest_edge": size.max_pixels}
     image_processor = Qwen2VLImageProcessor(
-        size=pixels, patch_size=patch, merge_size=_QWEN_MERGE_SIZE, temporal_patch_size=2
+        size=pixels, patch_size=patch, merge_size=QWEN_MERGE_SIZE, temporal_patch_size=2
     )
     # The processors refuse to be built without a video processor, even if we never pass videos.
-    if arch == "qwen3_vl":
+    if arch in ("qwen3_vl", "qwen3_5"):  # Qwen3.5 checkpoints ship Qwen3-VL's processor classes
         video_processor = Qwen3VLVideoProcessor(
-            size=pixels, patch_size=patch, merge_size=_QWEN_MERGE_SIZE, temporal_patch_size=2,
+            size=pixels, patch_size=patch, merge_size=QWEN_MERGE_SIZE, temporal_patch_size=2,
             cap_pixels_per_frame=True,  # the announced future default; silences a warning per call
         )  # fmt: skip
         processor_cls = Qwen3VLProcessor
     else:
         video_processor = Qwen2VLVideoProcessor(
-            size=pixels, patch_size=patch, merge_size=_QWEN_MERGE_SIZE, temporal_patch_size=2
+            size=pixels, patch_size=patch, merge_size=QWEN_MERGE_SIZE, temporal_patch_size=2
         )
         processor_cls = Qwen2_5_VLProcessor if arch == "qwen2_5_vl" else Qwen2VLProcessor
     return processor_cls(
@@ -162,7 +163,7 @@ def _qwen_processor(arch: str, size: TinyVLMSize, tok: PreTrainedTokenizerFast, 
 def _smolvlm_config(size: TinyVLMSize, tok: PreTrainedTokenizerFast):
     text = {
         "model_type": "llama",
-        **_text_sizes(size, tok),
+        **text_config_sizes(size, tok),
         "rms_norm_eps": 1e-5,
         "bos_token_id": tok.bos_token_id,
         "eos_token_id": tok.eos_token_id,
@@ -182,7 +183,7 @@ def _smolvlm_config(size: TinyVLMSize, tok: PreTrainedTokenizerFast):
     return Idefics3Config(
         text_config=text,
         vision_config=vision,
-        scale_factor=_SMOLVLM_SCALE_FACTOR,
+        scale_factor=SMOLVLM_SCALE_FACTOR,
         image_token_id=tok.convert_tokens_to_ids("<image>"),
         pad_token_id=tok.pad_token_id,
         dtype="float32",
@@ -197,10 +198,17 @@ def _smolvlm_processor(size: TinyVLMSize, tok: PreTrainedTokenizerFast, chat_tem
         size={"longest_edge": size.image_size},
         max_image_size={"longest_edge": size.image_size},
     )
-    image_seq_len = (size.image_size // size.image_patch_size // _SMOLVLM_SCALE_FACTOR) ** 2
+    image_seq_len = (size.image_size // size.image_patch_size // SMOLVLM_SCALE_FACTOR) ** 2
     return Idefics3Processor(
         image_processor=image_processor,
         tokenizer=tok,
         image_seq_len=image_seq_len,
         chat_template=chat_template,
     )
+
+
+def config_and_processor(arch: str, size: TinyVLMSize, tok: PreTrainedTokenizerFast, chat_template: str):
+    """(config, processor) of one of the archs in `MODEL_CLASSES`."""
+    if arch == "smolvlm":
+        return _smolvlm_config(size, tok), _smolvlm_processor(size, tok, chat_template)
+    return _qwen_config(arch, size, tok), qwen_processor(arch, size, tok, chat_template)

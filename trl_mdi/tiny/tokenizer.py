@@ -1,14 +1,22 @@
-"""The tiny VLMs' tokenizer and chat template: parts 1 and 2 of the build described in `trl_mdi.tiny`.
+"""The tiny models' tokenizer and chat template: parts 1 and 2 of the build described in `trl_mdi.tiny`.
 
 The tokenizer is trained on a fixed synthetic corpus, so a given arch always gets the same tokenizer
-files; the chat template is the official one shipped inside trl.
+files; the chat template is the official one shipped inside trl. Keys are the VLM archs plus "qwen2",
+the text-only models' family.
+
+Qwen3.5 and Qwen2 checkpoints are reloaded by `AutoTokenizer` as their own tokenizer classes
+(transformers overrides the saved class for these model types), which rebuild the pre-tokenizer from
+scratch; so for them the trained tokenizer is passed through that class once at build time, and the
+tokenizer the model is built with is the one every later load gives.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 from pathlib import Path
 
+import transformers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -52,6 +60,30 @@ _SMOLVLM_SPECIAL_TOKENS = (
     *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)),
 )
 
+# Gemma3Processor looks up boi_token (<start_of_image>, what the template writes), eoi_token and
+# image_token (<image_soft_token>, the placeholder the model replaces) on the tokenizer by name.
+_GEMMA3_SPECIAL_TOKENS = (
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+)
+# Llama-2 / Mistral style, as in the llava-v1.6-mistral checkpoints; <image> is the placeholder.
+_LLAVA_NEXT_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "<image>")
+# Scaffolding words of the families' templates, trained in so rendered prompts stay short. Only the
+# families that need them get them: the corpus (hence the tokenizer) of the older archs is unchanged.
+_EXTRA_CORPUS = {
+    "gemma3": ("model\n", "model:", "Picture 1: model") * 10,
+    "llava_next": ("[INST] What", " [/INST]", " [/INST] Answer", "<<SYS>>\n", "\n<</SYS>>\n\n") * 10,
+}
+# The tokenizer class AutoTokenizer loads for these families whatever the saved tokenizer_config says.
+_FAMILY_TOKENIZER_CLASSES = {"qwen3_5": "Qwen3_5Tokenizer", "qwen2": "Qwen2Tokenizer"}
+
 # Official templates shipped inside trl. Qwen2-VL has no file of its own: trl's README says Qwen2-VL
 # ships a byte-identical template to Qwen2.5-VL, so it reuses qwen2_5_vl.jinja. SmolVLM (an
 # Idefics3 model) uses smolvlm.jinja, the template SmolVLM checkpoints ship; idefics3.jinja is the
@@ -61,6 +93,10 @@ _CHAT_TEMPLATE_FILES = {
     "qwen2_vl": "qwen2_5_vl.jinja",
     "qwen3_vl": "qwen3_vl.jinja",
     "smolvlm": "smolvlm.jinja",
+    "qwen3_5": "qwen3_5_nothink.jinja",  # what Qwen3.5-2B and smaller ship: thinking off by default
+    "gemma3": "gemma3.jinja",
+    "llava_next": "llava_next.jinja",
+    "qwen2": "qwen2_5.jinja",  # the text-only models
 }
 
 
@@ -91,7 +127,7 @@ def _synthetic_corpus() -> list[str]:
     return lines
 
 
-def _train_bpe(special_tokens: tuple[str, ...]) -> Tokenizer:
+def _train_bpe(special_tokens: tuple[str, ...], extra_corpus: tuple[str, ...] = ()) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     # GPT-2 style byte-level pre-tokenization: every byte has a token, so nothing is ever unknown.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -102,13 +138,13 @@ def _train_bpe(special_tokens: tuple[str, ...]) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_synthetic_corpus(), trainer)
+    tok.train_from_iterator(_synthetic_corpus() + list(extra_corpus), trainer)
     # Not special: decode(skip_special_tokens=True) must keep them, the format reward reads them.
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in ("<think>", "</think>")])
     return tok
 
 
-def _build_tokenizer(arch: str, chat_template: str, model_max_length: int) -> PreTrainedTokenizerFast:
+def build_tokenizer(arch: str, chat_template: str, model_max_length: int) -> PreTrainedTokenizerFast:
     if arch == "smolvlm":
         tok = PreTrainedTokenizerFast(
             tokenizer_object=_train_bpe(_SMOLVLM_SPECIAL_TOKENS),
@@ -120,6 +156,33 @@ def _build_tokenizer(arch: str, chat_template: str, model_max_length: int) -> Pr
             clean_up_tokenization_spaces=False,
             # Idefics3Processor registers <fake_token_around_image>, <image> and <end_of_utterance>
             # as the extra special tokens itself (replacing any list given here).
+        )
+    elif arch == "gemma3":
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=_train_bpe(_GEMMA3_SPECIAL_TOKENS, _EXTRA_CORPUS["gemma3"]),
+            bos_token="<bos>",  # the template writes it, so nothing adds it automatically
+            eos_token="<end_of_turn>",  # what ends a model turn; <eos> stays in the vocabulary
+            pad_token="<pad>",
+            unk_token="<unk>",
+            padding_side="left",
+            clean_up_tokenization_spaces=False,
+            extra_special_tokens={
+                "boi_token": "<start_of_image>",
+                "eoi_token": "<end_of_image>",
+                "image_token": "<image_soft_token>",
+            },
+        )
+    elif arch == "llava_next":
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=_train_bpe(_LLAVA_NEXT_SPECIAL_TOKENS, _EXTRA_CORPUS["llava_next"]),
+            bos_token="<s>",
+            eos_token="</s>",
+            pad_token="<pad>",
+            unk_token="<unk>",
+            add_bos_token=True,  # as the Llama/Mistral tokenizers do: the template does not write <s>
+            padding_side="left",
+            clean_up_tokenization_spaces=False,
+            extra_special_tokens={"image_token": "<image>"},  # LlavaNextProcessor reads tokenizer.image_token
         )
     else:
         tok = PreTrainedTokenizerFast(
@@ -143,6 +206,8 @@ def _build_tokenizer(arch: str, chat_template: str, model_max_length: int) -> Pr
         )
     tok.chat_template = chat_template
     tok.model_max_length = model_max_length
+    if arch in _FAMILY_TOKENIZER_CLASSES:
+        tok = _as_family_class(tok, _FAMILY_TOKENIZER_CLASSES[arch])
     for text in SINGLE_TOKEN_STRINGS:
         ids = tok.encode(text, add_special_tokens=False)
         if len(ids) != 1:  # a corpus edit broke the invariant: fail at build time, not in training
@@ -152,7 +217,14 @@ def _build_tokenizer(arch: str, chat_template: str, model_max_length: int) -> Pr
     return tok
 
 
-def _chat_template(arch: str) -> str:
+def _as_family_class(tok: PreTrainedTokenizerFast, class_name: str):
+    """Save `tok` and load it back as `class_name`, exactly as `AutoTokenizer` will load the saved model."""
+    with tempfile.TemporaryDirectory(prefix="tiny-tokenizer-") as tmp:
+        tok.save_pretrained(tmp)
+        return getattr(transformers, class_name).from_pretrained(tmp)
+
+
+def official_chat_template(arch: str) -> str:
     # Located without importing trl (a multi-second import) so the CLI stays quick.
     spec = importlib.util.find_spec("trl")
     if spec is None or not spec.submodule_search_locations:

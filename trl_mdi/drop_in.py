@@ -1,0 +1,119 @@
+"""What MDIGRPOTrainer decides at construction from the model and the config, before any weight is loaded.
+
+Each function reads explicit inputs (the config, the model's :class:`~trl_mdi.attention.model_facts.ModelFacts`,
+the reward functions) and either returns a decision or raises one clear error, so that a TRL script that works
+with ``GRPOTrainer`` works unchanged and only a request that cannot be met stops the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers.utils import logging
+
+from . import metrics as M
+from .attention.model_facts import ModelFacts
+from .rewards import DEFAULT_REWARDS, default_reward_stack, required_reward_inputs, reward_name
+from .scoring import is_attention_field
+
+logger = logging.get_logger(__name__)
+
+
+def reward_stack_for_model(named: Sequence | None, weights: Sequence[float] | None,
+                           facts: ModelFacts) -> tuple[list, list[float] | None]:
+    """The rewards and weights a run uses (``default_reward_stack``), minus ``mdi_balance`` on a text-only model.
+
+    Only the default stack is changed, with one warning: a text-only model has no MDI, and the 4:1:1 stack's
+    balance term would be None for every rollout. Rewards the user named are never dropped.
+
+    >>> from trl_mdi.attention.model_facts import ModelFacts
+    >>> text = ModelFacts("qwen2", (), 2, (0, 1), None, None)
+    >>> reward_stack_for_model(None, None, text)
+    (['mc_idx', 'think_format'], [4.0, 1.0])
+    """
+    names, weights = default_reward_stack(named, weights)
+    if named is None and not facts.is_vlm and "mdi_balance" in names:
+        logger.warning("MDIGRPOTrainer: %s is a text-only model (no image token): the default reward stack leaves "
+                       "out mdi_balance", facts.model_type)
+        keep = [i for i, n in enumerate(names) if n != "mdi_balance"]
+        names = [names[i] for i in keep]
+        weights = [weights[i] for i in keep] if weights is not None else None
+    return names, weights
+
+
+def resolve_attention_metrics(args, facts: ModelFacts, funcs: Sequence, user_named_rewards: bool) -> bool:
+    """Decide ``args.compute_attention_metrics`` (None = auto) for this model; write it back and return it.
+
+    A vision-language model: on unless set False. A text-only model: off, with one warning, unless something
+    explicitly asks for attention, which is then an error naming the request: ``compute_attention_metrics=True``,
+    a reward the user named that reads an ``mdi*`` / ``aei*`` field, perception filtering or trajectory
+    reweighting (both measure how tokens depend on the image).
+    """
+    if facts.is_vlm:
+        args.compute_attention_metrics = args.compute_attention_metrics is not False
+        return args.compute_attention_metrics
+    requests = []
+    if args.compute_attention_metrics:
+        requests.append("compute_attention_metrics=True")
+    if user_named_rewards:
+        for f in funcs:
+            fields = [n for n in required_reward_inputs(f) if is_attention_field(n)] if callable(f) else []
+            if fields:
+                requests.append(f"reward {reward_name(f)!r} (reads {', '.join(fields)})")
+    for flag in ("enable_perception_filtering", "enable_trajectory_reweighting"):
+        if getattr(args, flag):
+            requests.append(f"{flag}=True")
+    if requests:
+        raise ValueError(
+            f"the model ({facts.model_type}) is text-only: its config names no image token, so there is no image "
+            f"attention to measure, but {'; '.join(requests)} need(s) it. Use a vision-language model, or drop "
+            "those settings (compute_attention_metrics unset or False, rewards without mdi*/aei* inputs, perception "
+            "filtering and trajectory reweighting off)."
+        )
+    if args.compute_attention_metrics is None:
+        logger.warning("MDIGRPOTrainer: %s is a text-only model (no image token): attention metrics are off; the "
+                       "trainer behaves as GRPOTrainer", facts.model_type)
+    args.compute_attention_metrics = False
+    return False
+
+
+def model_segment_names(args, facts: ModelFacts) -> list[str]:
+    """The layer segments this model really has under ``args.attention_layer_segments``; [] with metrics off.
+
+    Checks the spec against the model (ranges in its layer numbering, at least one softmax-attention layer per
+    segment, at least one in the model) and logs which layers are measured and which a range skips.
+    """
+    if not args.compute_attention_metrics:
+        return []
+    spec = args.attention_layer_segments
+    try:
+        segments = M.layer_segments(facts.num_layers, spec, list(facts.measured_layers))
+    except ValueError as e:
+        raise ValueError(f"attention_layer_segments={spec!r} on this model ({facts.describe_layers()}): {e}") from None
+    skipped = M.skipped_layers(facts.num_layers, spec, list(facts.measured_layers))
+    logger.info("MDIGRPOTrainer: %s; segments: %s%s", facts.describe_layers(), describe_segments(segments),
+                f"; skipped in ranges: {skipped}" if skipped else "")
+    return [n for n in segments if n != "all"]
+
+
+def describe_segments(segments: dict[str, list[int]]) -> str:
+    """'early 0-1 · middle 2 · late 3 · all 0-3' (runs of consecutive layers compressed).
+
+    >>> describe_segments({"early": [0, 1], "late": [3, 7], "all": [0, 1, 3, 7]})
+    'early 0-1 · late 3, 7 · all 0-1, 3, 7'
+    """
+    def runs(layers: list[int]) -> str:
+        out, start = [], None
+        for i, layer in enumerate(layers):
+            if start is None:
+                start = layer
+            if i + 1 == len(layers) or layers[i + 1] != layer + 1:
+                out.append(str(start) if start == layer else f"{start}-{layer}")
+                start = None
+        return ", ".join(out)
+
+    return " · ".join(f"{name} {runs(layers)}" for name, layers in segments.items())
+
+
+__all__ = ["DEFAULT_REWARDS", "describe_segments", "model_segment_names", "resolve_attention_metrics",
+           "reward_stack_for_model"]
