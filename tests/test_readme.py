@@ -278,3 +278,39 @@ def test_relative_links_and_images_exist():
              for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
     for anchor in (t[1:] for t in targets if t.startswith("#")):
         assert anchor in slugs, f"README links to #{anchor}, which matches no heading"
+
+
+# ------------------------------------------------------------------------------------------------ 6. Python example
+PYTHON_MARK = "<!-- python-example -->"
+
+
+def python_example() -> str:
+    m = re.search(rf"{re.escape(PYTHON_MARK)}\n```python\n(.*?)^```", readme_text(), re.S | re.M)
+    assert m, f"README has no ```python block right after {PYTHON_MARK}"
+    return m.group(1)
+
+
+def test_python_example_runs_on_a_tiny_model(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path, monkeypatch):
+    """The README's "Use it from Python" script, as written, with only the production-scale values swapped for
+    offline ones: the Hub id for a tiny local Qwen2.5-VL, the data folder for synthetic A-OKVQA, GPU settings and
+    the step count for one CPU step."""
+    code = python_example()
+    swaps = {
+        '"Qwen/Qwen2.5-VL-3B-Instruct"': repr(str(tiny_vlm_dir("qwen2_5_vl"))),
+        '"./aokvqa_trl_data_simple/train.parquet"': repr(str(prepared_aokvqa_dir / "train.parquet")),
+        '"qwen2.5-vl-3b-mdi-grpo"': repr(str(tmp_path / "out")),
+        "bf16=True": "bf16=False, use_cpu=True",
+        "max_steps=500": "max_steps=1, logging_steps=1",
+        "max_completion_length=256": "max_completion_length=8",
+        'report_to="trackio"': 'report_to="none"',
+    }
+    for old, new in swaps.items():
+        assert old in code, f"the README's Python example no longer contains {old!r}: update this test"
+        code = code.replace(old, new)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code, "README.md:python-example", "exec"), namespace)  # noqa: S102
+    trainer = namespace["trainer"]
+    assert trainer.state.global_step == 1
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs and "attention/mdi_late" in logs[0] and "rewards/mdi_balance_reward/mean" in logs[0]

@@ -88,3 +88,27 @@ def test_zero3_batch_with_images_on_one_rank_only_fails_clearly(tiny_vlm_dir, pr
     assert proc.returncode != 0
     # Both ranks raise the same error (neither is left waiting in a collective).
     assert proc.stderr.count("has images on some processes and none on others") >= 2, proc.stderr[-3000:]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_every_family_under_zero3_in_one_launch(tiny_vlm_dir, tmp_path):
+    """A plain GRPOConfig and default attention settings, 2 steps per family, weights sharded over 2 processes."""
+    from trl_mdi.tiny import TINY_ARCHS
+
+    dirs = [str(tiny_vlm_dir(arch)) for arch in TINY_ARCHS]
+    out = tmp_path / "families.jsonl"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "cpu_zero3.yaml"), str(ROOT / "tests" / "dist" / "train_families.py"),
+           str(out), *dirs]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    for arch, path in zip(TINY_ARCHS, dirs):
+        ranks = sorted((r for r in records if r["model"] == path), key=lambda r: r["rank"])
+        assert [r["rank"] for r in ranks] == [0, 1], arch
+        for r in ranks:
+            assert r["world_size"] == 2 and r["distributed_type"].endswith("DEEPSPEED"), (arch, r)
+            assert 0.4 < r["local_param_fraction"] < 0.6, (arch, r["local_param_fraction"])  # really sharded
+        logs = ranks[0]["logs"]
+        assert len(logs) == 2 and all(0 < h["attention/mdi"] < float("inf") for h in logs), (arch, logs)

@@ -85,3 +85,25 @@ def eager_group_masses(attentions: Sequence[torch.Tensor], groups: torch.Tensor,
         per_q = torch.einsum("bhqk,bkg->bqg", a.double(), groups.double()) / a.shape[1]
         out.append(torch.einsum("bqg,bq->bg", per_q, q) / q.sum(dim=1, keepdim=True).clamp(min=1))
     return torch.stack(out, dim=1)
+
+
+def zen_image_dataset(n: int = 12, *, images_per_row: Sequence[int] | None = None, seed: int = 0):
+    """A prompt-only conversational dataset shaped like TRL's test sets ``zen-image`` / ``zen-multi-image``.
+
+    Each row has a user message (plain-string content, as TRL's sets have; TRL inserts the image blocks) and either
+    an ``image`` column (``images_per_row`` None) or an ``images`` column of lists with ``images_per_row[i % len]``
+    images each (0 = a text-only row).
+    """
+    from datasets import Dataset
+
+    questions = ["What colour is the shape?", "Describe the picture.", "Is the shape round?", "What is in the image?",
+                 "Which colour dominates?", "How big is the shape?"]
+    rows: dict[str, list] = {"prompt": []}
+    for i in range(n):
+        rows["prompt"].append([{"role": "user", "content": questions[i % len(questions)]}])
+        if images_per_row is None:
+            rows.setdefault("image", []).append(shape_image(56, seed + i))
+        else:
+            k = images_per_row[i % len(images_per_row)]
+            rows.setdefault("images", []).append([shape_image(56, seed + 10 * i + j) for j in range(k)])
+    return Dataset.from_dict(rows)

@@ -85,7 +85,8 @@ class MDIGRPOTrainer(GRPOTrainer):
        declares the field as a named argument (and fails loudly on a plain GRPOTrainer). Rollouts without image
        tokens get None. `mdi_group_score` is computed over whole groups gathered from all processes.
     3. **Rewards by name.** `reward_funcs` may be registry names or `pkg.module:function` paths; with none given,
-       the 4:1:1 stack (mc_idx, think_format, mdi_balance). Required dataset columns are checked at construction.
+       the 4:1:1 stack (mc_idx, think_format, mdi_balance; without mdi_balance on a text-only model). Required
+       dataset columns are checked at construction.
     4. **Metrics.** `attention/*` (mean MDI per segment, AEI, mass shares, rows without image),
        `rewards/<name>/zero_spread_frac` (fraction of groups in which a reward has no spread, hence no signal),
        `perf/*` (generation / scoring / update seconds, tokens and samples per second), `tprl/*`, `filter/*` and
@@ -103,6 +104,12 @@ class MDIGRPOTrainer(GRPOTrainer):
        and counted (or stops every process with one error: `on_bad_image`); batches mixing rows with and
        without images work (TRL 1.16 crashes on them); under ZeRO-3 a batch with images on some ranks only
        raises a clear error instead of hanging; a world size that accelerate failed to see is an error.
+    9. **Drop-in for any model.** A plain `trl.GRPOConfig` is upgraded to an `MDIGRPOConfig`. What the probe can
+       measure is read from the model's config before loading (`trl_mdi.attention.model_facts`): a text-only model
+       trains as under GRPOTrainer (metrics off unless explicitly asked for, which is an error); a hybrid model is
+       measured on its softmax-attention layers only, and segments are formed over those (`trl_mdi.drop_in`).
+    10. **Observing changes nothing.** The probe's extra forwards run in a forked RNG: with dropout they draw masks,
+       but the training step sees the random stream it would have seen without them.
     """
 
     _tag_names = ["trl", "grpo", "trl_mdi"]

@@ -1,0 +1,48 @@
+"""Several VLM families, one after another, each trained 2 steps by MDIGRPOTrainer in ONE 2-process launch.
+
+argv: out_jsonl model_dir [model_dir ...]. A plain trl.GRPOConfig (as a TRL user's script has it), the default
+attention settings, a zen-image-like dataset. Each rank appends one JSON record per model: world view, how much of
+the weights it holds (ZeRO-3 sharding), and (rank 0) the logged metrics. One launch for all families keeps the
+suite fast: importing trl + transformers and starting DeepSpeed cost more than the training.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from trl import GRPOConfig
+
+from trl_mdi import MDIGRPOTrainer
+from trl_mdi.testing import zen_image_dataset
+
+
+def spread_reward(completions, **kwargs):
+    return [float(len(c[0]["content"]) % 7) for c in completions]
+
+
+def main():
+    out_path, model_dirs = sys.argv[1], sys.argv[2:]
+    data = zen_image_dataset(16)
+    for i, model_dir in enumerate(model_dirs):
+        out_dir = Path(out_path).parent / f"run{i}"
+        args = GRPOConfig(output_dir=str(out_dir), bf16=False, report_to="none", per_device_train_batch_size=2,
+                          num_generations=4, max_completion_length=6, max_steps=2, logging_steps=1,
+                          save_strategy="no", seed=0, learning_rate=1e-2, disable_tqdm=True, ddp_backend="gloo")
+        trainer = MDIGRPOTrainer(model_dir, reward_funcs=spread_reward, args=args, train_dataset=data)
+        trainer.train()
+        acc = trainer.accelerator
+        record = {"model": model_dir, "rank": acc.process_index, "world_size": acc.num_processes,
+                  "distributed_type": str(acc.distributed_type),
+                  "logs": [h for h in trainer.state.log_history if "loss" in h] if acc.is_main_process else []}
+        ds_params = [p for p in trainer.model.parameters() if hasattr(p, "ds_numel")]
+        if ds_params:
+            record["local_param_fraction"] = (sum(p.ds_tensor.numel() for p in ds_params)
+                                              / sum(p.ds_numel for p in ds_params))
+        with open(out_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        del trainer
+        acc.free_memory()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The probe on every supported VLM family against materialised eager attention, including the families whose
+layers are not all alike: Qwen3.5 (hybrid: linear-attention layers have no attention weights) and Gemma 3 (sliding
+windows that can hide every image key)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+from trl_mdi.attention import image_token_ids, measure_modality_attention
+from trl_mdi.attention.model_facts import model_facts
+from trl_mdi.scoring import attention_metric_values, attention_table
+from trl_mdi.testing import eager_group_masses, grpo_batch, shape_image
+from trl_mdi.tiny import TINY_ARCHS
+
+MODEL_KEYS = ("input_ids", "attention_mask", "completion_mask")
+
+
+def _load(path, attn="sdpa"):
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation=attn).eval()
+
+
+def _batch(processor):
+    # image + long prompt, text only, image + short prompt; completions of 5, 2, 7 tokens (both paddings vary)
+    return grpo_batch(processor, ["What colour is the shape in the image? Answer with a letter.", "How many shapes?",
+                                  "Shape?"], [shape_image(56, 1), None, shape_image(56, 2)], [5, 2, 7], seed=3)
+
+
+def _eager_masses(path, batch):
+    """(B, n_softmax_layers, 4) masses from eager attention weights (Qwen3.5 returns maps for its softmax layers only)."""
+    eager = _load(path, "eager")
+    with torch.no_grad():
+        out = eager(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_attentions=True,
+                    **{k: v for k, v in batch.items() if k not in MODEL_KEYS})
+    ids, am, cm = batch["input_ids"], batch["attention_mask"].bool(), batch["completion_mask"].bool()
+    img = torch.isin(ids, torch.tensor(image_token_ids(eager.config))) & am
+    pos = torch.arange(ids.shape[1])
+    comp = (pos >= torch.where(cm, pos, ids.shape[1]).amin(dim=1, keepdim=True)) & am
+    groups = torch.stack([img, am & ~comp & ~img, comp & ~img, torch.zeros_like(img)], dim=-1)
+    maps = [a for a in out.attentions if a is not None]
+    return eager_group_masses(maps, groups, cm), groups
+
+
+@pytest.fixture(scope="module")
+def family(request, tiny_vlm_dir):
+    arch, kwargs = request.param
+    path = tiny_vlm_dir(arch, **kwargs)
+    return arch, path, _load(path), AutoProcessor.from_pretrained(path)
+
+
+FAMILIES = [(a, {}) for a in TINY_ARCHS] + [("gemma3", {"sliding_window": 8})]
+
+
+@pytest.mark.parametrize("family", FAMILIES, indirect=True, ids=[f"{a}{'-window8' if k else ''}" for a, k in FAMILIES])
+def test_probe_equals_eager_on_every_family(family):
+    arch, path, model, processor = family
+    batch = _batch(processor)
+    res = measure_modality_attention(model, **batch)
+    ref, groups = _eager_masses(path, batch)
+    facts = model_facts(AutoConfig.from_pretrained(path))
+    # The layers predicted from the config are the layers the probe really measured, and eager has a map for each.
+    assert res.layers == list(facts.measured_layers) and len(res.layers) == ref.shape[1]
+    got = torch.stack([res.image, res.prompt_text, res.completion, res.special], dim=-1)[:, res.layers]
+    err = (got.double() - ref).abs().max().item()
+    assert err < 1e-5, f"{arch}: max |probe - eager| = {err:.2e}"
+    print(f"\n{arch}: max |probe - eager| = {err:.1e} over layers {res.layers}")
+    unmeasured = [i for i in range(res.num_layers) if i not in res.layers]
+    assert torch.isnan(res.image[:, unmeasured]).all()  # linear-attention layers carry no (made-up) mass
+    assert res.n_image.tolist() == groups[..., 0].sum(1).tolist() and res.n_image[1] == 0 and res.n_image[0] > 0
+    assert res.n_queries.tolist() == [5, 2, 7]
+    rows = res.rows()
+    assert rows[1]["mdi"] is None and all(r["mdi"] is not None and r["mdi"] > 0 for r in (rows[0], rows[2]))
+    # Every segment has a finite value wherever a row has image and generated tokens, hybrid models included (only
+    # a window that hides the image, tested below, makes a segment +inf).
+    if not res.image_blind_layers().any():
+        for name, vals in res.segment_metrics().items():
+            assert torch.isfinite(vals["mdi"][[0, 2]]).all(), (arch, name)
+
+
+def test_hybrid_model_is_measured_on_its_softmax_layers_only(tiny_vlm_dir):
+    path = tiny_vlm_dir("qwen3_5")  # layer_types: linear, full, linear, full
+    facts = model_facts(AutoConfig.from_pretrained(path))
+    assert facts.layer_types == ("linear_attention", "full_attention") * 2 and facts.measured_layers == (1, 3)
+    res = measure_modality_attention(_load(path), **_batch(AutoProcessor.from_pretrained(path)))
+    assert res.segments() == {"early": [1], "late": [3], "all": [1, 3]}
+    assert res.segments("first:0-1,second:2-3") == {"first": [1], "second": [3], "all": [1, 3]}
+    with pytest.raises(ValueError, match=r"layer segment 'lin' names layers \[0\], none of which runs softmax"):
+        res.segments("lin:0")
+    table = attention_table(res, "thirds", 2.0)
+    assert torch.isfinite(table["mdi"][[0, 2]]).all() and torch.isfinite(table["image_mass"][[0, 2]]).all()
+    values = attention_metric_values(list(table), torch.stack([table[k].float() for k in table], dim=1))
+    assert math.isfinite(values["attention/mdi"]) and values["attention/rows_unmeasured"] == 0.0
+
+
+def test_a_model_without_softmax_layers_is_a_clear_error(tiny_vlm_dir):
+    path = tiny_vlm_dir("qwen3_5", num_layers=2, full_attention_interval=3)  # linear, linear
+    facts = model_facts(AutoConfig.from_pretrained(path))
+    assert facts.measured_layers == ()
+    with pytest.raises(ValueError, match="none of its 2 text layers through softmax attention"):
+        measure_modality_attention(_load(path), **_batch(AutoProcessor.from_pretrained(path)))
+
+
+def test_a_sliding_window_that_hides_the_image_gives_inf_counted_not_silent(tiny_vlm_dir):
+    """Gemma 3 with an 8-token window: the sliding layers (0 and 2) cannot see the image from any generated token."""
+    path = tiny_vlm_dir("gemma3", sliding_window=8)
+    facts = model_facts(AutoConfig.from_pretrained(path))
+    assert facts.sliding_window == 8 and facts.layer_types[0] == "sliding_attention"
+    res = measure_modality_attention(_load(path), **_batch(AutoProcessor.from_pretrained(path)))
+    assert (res.image[[0, 2]][:, [0, 2]] == 0).all() and (res.image[[0, 2]][:, [1, 3]] > 0).all()
+    assert res.image_blind_layers().tolist() == [2, 0, 2]
+    seg = res.segment_metrics()  # thirds of 4 layers: early [0] (sliding), middle [1, 2], late [3]
+    assert torch.isinf(seg["early"]["mdi"][[0, 2]]).all()
+    assert torch.isfinite(seg["late"]["mdi"][[0, 2]]).all() and torch.isfinite(seg["all"]["mdi"][[0, 2]]).all()
+    table = attention_table(res, "thirds", 2.0)
+    values = attention_metric_values(list(table), torch.stack([table[k].float() for k in table], dim=1))
+    assert all(math.isfinite(v) for v in values.values()), values  # means leave inf rows out ...
+    assert values["attention/rows_mdi_inf"] == pytest.approx(2 / 3)  # ... and count them
+    assert values["attention/image_blind_layers"] == pytest.approx(4 / 3)
+    assert res.rows()[0]["n_image_blind_layers"] == 2
+
+
+def test_llava_next_measures_directly(tiny_vlm_dir):
+    """LLaVA-NeXT passes input_ids positionally to its backbone: measure_modality_attention must still see them."""
+    path = tiny_vlm_dir("llava_next")
+    res = measure_modality_attention(_load(path), **_batch(AutoProcessor.from_pretrained(path)))
+    assert res.n_image[0] > 0 and res.valid.all()

@@ -1,0 +1,188 @@
+"""TRL's own GRPOTrainer tests (huggingface/trl tests/test_grpo_trainer.py), with MDIGRPOTrainer put in place of
+GRPOTrainer and a plain ``trl.GRPOConfig``, on offline tiny models of every family.
+
+Each test mirrors one of TRL's: ``test_training_vlm`` (every family), ``..._vlm_peft``, ``..._vlm_multi_image``,
+``..._vlm_beta_non_zero``, ``..._vlm_and_importance_sampling``, ``log_multimodal=False``, a reward model given by
+id as the reward, and a text-only causal LM. TRL's checks are kept (loss logged, every trainable parameter moved
+except the vision parts its tiny models leave without gradient); ours are added (finite ``attention/mdi`` on VLMs,
+no attention on text-only models). TRL's length reward is replaced by one with spread inside every group: a random
+tiny model rarely stops early, so every completion has the same length and the policy gradient is exactly zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText
+from trl import GRPOConfig
+
+from trl_mdi import MDIGRPOTrainer
+from trl_mdi.testing import zen_image_dataset
+from trl_mdi.tiny import TINY_ARCHS
+
+# TRL's list, plus Qwen3.5's multimodal merger and the vision weights LLaVA-NeXT leaves unused (it reads the
+# features of the second-to-last CLIP layer, so the last layer and post_layernorm never get a gradient).
+VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "model.vision_model.", "model.visual.",
+                   "model.image_newline", "model.connector.")
+
+
+def spread_reward(completions, **kwargs):
+    return [float(len(c[0]["content"] if isinstance(c, list) else c) % 7) for c in completions]
+
+
+def grpo_args(tmp_path, **overrides):
+    # TRL's test settings (lr 0.1, 3 x 3, 8 tokens), on CPU, 2 steps.
+    kw = dict(output_dir=str(tmp_path), learning_rate=0.1, per_device_train_batch_size=3, num_generations=3,
+              max_completion_length=8, report_to="none", use_cpu=True, bf16=False, max_steps=2, logging_steps=1,
+              save_strategy="no", disable_tqdm=True, seed=0)
+    kw.update(overrides)
+    return GRPOConfig(**kw)
+
+
+def train_and_check(trainer, skip=VISION_PREFIXES):
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    unchanged = [n for n, p in before.items() if not n.startswith(skip) and torch.equal(p, trainer.model.get_parameter(n))]
+    assert not unchanged, f"parameters that did not change: {unchanged[:8]}"
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def finite_mdi(logs):
+    values = [h["attention/mdi"] for h in logs if "attention/mdi" in h]
+    return bool(values) and all(math.isfinite(v) and v > 0 for v in values)
+
+
+@pytest.fixture(scope="module")
+def image_data():
+    return zen_image_dataset(12)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_training_vlm(arch, tiny_vlm_dir, image_data, tmp_path):
+    trainer = MDIGRPOTrainer(model=str(tiny_vlm_dir(arch)), reward_funcs=spread_reward, args=grpo_args(tmp_path),
+                             train_dataset=image_data)
+    logs = train_and_check(trainer)
+    assert finite_mdi(logs), [h.get("attention/mdi") for h in logs]
+    assert logs[0]["attention/rows_unmeasured"] == 0.0 and logs[0]["attention/rows_without_image"] == 0.0
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_training_vlm_peft(arch, tiny_vlm_dir, image_data, tmp_path):
+    from peft import LoraConfig
+
+    path = str(tiny_vlm_dir(arch))
+    base_names = {f"base_model.model.{n}" for n, _ in AutoModelForImageTextToText.from_pretrained(path).named_parameters()}
+    trainer = MDIGRPOTrainer(model=path, reward_funcs=spread_reward, args=grpo_args(tmp_path), train_dataset=image_data,
+                             peft_config=LoraConfig(target_modules=["q_proj", "v_proj"]))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    lora_moved = 0
+    for n, p in before.items():
+        new = trainer.model.get_parameter(n)
+        if n in base_names:
+            assert torch.allclose(p, new), f"base parameter {n} changed"
+        elif "base_layer" not in n and not n.removeprefix("base_model.model.").startswith(VISION_PREFIXES):
+            assert not torch.allclose(p, new), f"LoRA parameter {n} did not change"
+            lora_moved += 1
+    assert lora_moved > 0
+    assert finite_mdi([h for h in trainer.state.log_history if "loss" in h])
+
+
+def test_training_vlm_multi_image(tiny_vlm_dir, tmp_path):
+    # As TRL's zen-multi-image: rows with 0, 1 and 2 images, mixed inside a batch.
+    data = zen_image_dataset(12, images_per_row=[2, 1, 0])
+    trainer = MDIGRPOTrainer(model=str(tiny_vlm_dir("qwen2_5_vl")), reward_funcs=spread_reward,
+                             args=grpo_args(tmp_path, max_steps=3), train_dataset=data)
+    logs = train_and_check(trainer)
+    assert finite_mdi(logs)
+    assert any(0 < h["attention/rows_without_image"] < 1 for h in logs) or any(
+        h["attention/rows_without_image"] == 1 for h in logs)
+
+
+def test_training_vlm_log_multimodal_false(tiny_vlm_dir, image_data, tmp_path):
+    trainer = MDIGRPOTrainer(model=str(tiny_vlm_dir("qwen2_5_vl")), reward_funcs=spread_reward,
+                             args=grpo_args(tmp_path, log_completions=True, log_multimodal=False),
+                             train_dataset=image_data)
+    assert finite_mdi(train_and_check(trainer))
+
+
+def test_training_vlm_beta_non_zero(tiny_vlm_dir, image_data, tmp_path):
+    trainer = MDIGRPOTrainer(model=str(tiny_vlm_dir("qwen2_5_vl")), reward_funcs=spread_reward,
+                             args=grpo_args(tmp_path, beta=0.1), train_dataset=image_data)
+    logs = train_and_check(trainer)
+    assert "kl" in logs[0] and finite_mdi(logs)
+
+
+def test_training_vlm_and_importance_sampling(tiny_vlm_dir, image_data, tmp_path):
+    # steps_per_generation=2: TRL computes old log-probs in its own no-grad forward; the probe rides on it.
+    trainer = MDIGRPOTrainer(model=str(tiny_vlm_dir("qwen2_5_vl")), reward_funcs=spread_reward,
+                             args=grpo_args(tmp_path, steps_per_generation=2, max_steps=4), train_dataset=image_data)
+    assert finite_mdi(train_and_check(trainer))
+
+
+# ------------------------------------------------------------------------------------------------- text-only
+@pytest.fixture(scope="module")
+def text_models(tmp_path_factory):
+    from trl_mdi.tiny import save_tiny_text_model
+
+    root = tmp_path_factory.mktemp("text")
+    return (save_tiny_text_model(root / "policy", "causal_lm"),
+            save_tiny_text_model(root / "reward", "sequence_classification", seed=1))
+
+
+@pytest.fixture(scope="module")
+def text_data():
+    from datasets import Dataset
+
+    prompts = ["Beautiful is better than", "Explicit is", "Simple is better", "Complex", "Flat is better than",
+               "Sparse is better", "Readability", "Errors should never", "Unless explicitly"]
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts],
+                              "label_idx": [i % 4 for i in range(len(prompts))]})
+
+
+def test_text_only_causal_lm_with_a_reward_model_id(text_models, text_data, tmp_path, caplog):
+    """TRL's test_training: a causal LM, a plain GRPOConfig and a sequence-classification model id as the reward."""
+    policy, reward_model = text_models
+    with caplog.at_level(logging.WARNING, logger="trl_mdi.drop_in"):
+        trainer = MDIGRPOTrainer(model=str(policy), reward_funcs=str(reward_model),
+                                 args=grpo_args(tmp_path), train_dataset=text_data)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "trl_mdi.drop_in"]
+    assert len(warnings) == 1 and "attention metrics are off" in warnings[0]
+    assert trainer.args.compute_attention_metrics is False
+    logs = train_and_check(trainer, skip=())
+    assert not any(k.startswith("attention/") for h in logs for k in h)
+    diag = trainer._diagnostics
+    assert diag.rollout_path.exists() and diag.attention is None and not diag.attention_path.exists()
+
+
+def test_text_only_default_stack_leaves_out_mdi_balance(text_models, text_data, tmp_path, caplog):
+    from trl_mdi import MDIGRPOConfig
+
+    with caplog.at_level(logging.WARNING, logger="trl_mdi.drop_in"):
+        args = MDIGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
+                             per_device_train_batch_size=3, num_generations=3)
+        trainer = MDIGRPOTrainer(model=str(text_models[0]), args=args,
+                                 train_dataset=text_data)
+    assert trainer.reward_func_names == ["mc_idx_reward", "think_format_reward"]
+    assert trainer.reward_weights.tolist() == [4.0, 1.0]
+    assert any("leaves out mdi_balance" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("request_kwargs, named, match", [
+    ({"compute_attention_metrics": True}, None, "compute_attention_metrics=True"),
+    ({}, ["mdi_balance"], "reward 'mdi_balance_reward' \\(reads mdi_balance\\)"),
+    ({"enable_perception_filtering": True}, [spread_reward], "enable_perception_filtering=True"),
+    ({"enable_trajectory_reweighting": True}, [spread_reward], "enable_trajectory_reweighting=True"),
+])
+def test_text_only_explicit_attention_request_is_a_clear_error(text_models, text_data, tmp_path, request_kwargs,
+                                                                named, match):
+    from trl_mdi import MDIGRPOConfig
+
+    args = MDIGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **request_kwargs)
+    with pytest.raises(ValueError, match=f"text-only.*{match}"):
+        MDIGRPOTrainer(model=str(text_models[0]), reward_funcs=named or [spread_reward], args=args,
+                       train_dataset=text_data)
