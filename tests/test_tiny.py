@@ -1,4 +1,5 @@
-"""Tiny offline VLMs: build, save, reload through the Auto classes, generate, stay deterministic."""
+"""Tiny offline VLMs: build, save, reload through the Auto classes, generate, stay deterministic; the CLI, and
+the tiny text-only Qwen2 models (the later VLM families are in test_tiny_families.py)."""
 
 import json
 import os
@@ -12,7 +13,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from trl_mdi import tiny
-from trl_mdi.tiny import SYSTEM_PROMPT, TINY_ARCHS, build_tiny_vlm, save_tiny_vlm
+from trl_mdi.tiny import SYSTEM_PROMPT, TINY_ARCHS, build_tiny_text_model, build_tiny_vlm, save_tiny_vlm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -286,3 +287,74 @@ def test_cli_rejects_unknown_arch_and_bad_sizes(tmp_path, capsys):
     assert tiny.main(["--arch", "qwen2_5_vl", "--out", str(tmp_path / "y"), "--hidden_size", "65"]) == 2
     assert "num_heads" in capsys.readouterr().err
     assert not (tmp_path / "y").exists()
+
+
+def test_text_models_save_reload_generate_and_score(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from trl_mdi.tiny import save_tiny_text_model
+
+    lm_dir = save_tiny_text_model(tmp_path / "lm", "causal_lm", seed=1)
+    rm_dir = save_tiny_text_model(tmp_path / "rm", "sequence_classification", seed=1)
+    lm, rm = (
+        AutoModelForCausalLM.from_pretrained(lm_dir),
+        AutoModelForSequenceClassification.from_pretrained(rm_dir),
+    )
+    tok = AutoTokenizer.from_pretrained(lm_dir)
+    assert type(lm).__name__ == "Qwen2ForCausalLM" and type(rm).__name__ == "Qwen2ForSequenceClassification"
+    assert type(tok).__name__ == "Qwen2Tokenizer" and tok.padding_side == "left"
+    assert 10_000 < lm.num_parameters() < 1_000_000 and rm.config.num_labels == 1
+    assert rm.config.pad_token_id == tok.pad_token_id == tok.convert_tokens_to_ids("<|endoftext|>")
+    assert json.loads((rm_dir / "tiny_text_model.json").read_text())["task"] == "sequence_classification"
+
+    # The folder reloads to what was built, tokenizer included.
+    built_lm, built_tok = build_tiny_text_model("causal_lm", seed=1)
+    assert all(torch.equal(v, lm.state_dict()[k]) for k, v in built_lm.state_dict().items())
+    assert type(built_tok).__name__ == "Qwen2Tokenizer"
+
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in ("Red?", "What colour is the circle in the image? Answer: A")
+    ]
+    assert prompts[0].startswith("<|im_start|>system\n") and prompts[0].endswith("<|im_start|>assistant\n")
+    assert built_tok(prompts)["input_ids"] == tok(prompts)["input_ids"]
+    batch = tok(prompts, return_tensors="pt", padding=True)
+    assert not batch["attention_mask"][0, 0] and batch["attention_mask"][:, -1].all()
+
+    out = lm.generate(**batch, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert out.shape == (2, batch["input_ids"].shape[1] + 5)
+    with torch.no_grad():
+        scores = rm(**batch).logits
+        assert scores.shape == (2, 1) and torch.isfinite(scores).all()
+        for row, prompt in enumerate(prompts):  # the score reads each row's last real token
+            torch.testing.assert_close(scores[row], rm(**tok([prompt], return_tensors="pt")).logits[0])
+    assert not torch.allclose(scores[0], scores[1])
+
+
+def test_text_model_checks_and_cli(tmp_path, capsys):
+    with pytest.raises(ValueError, match="unknown tiny text model task"):
+        build_tiny_text_model("reward")
+    with pytest.raises(ValueError, match="unknown text model size knob.*vision_depth"):
+        build_tiny_text_model(vision_depth=2)
+    a, _ = build_tiny_text_model("sequence_classification", seed=0, num_layers=1)
+    b, _ = build_tiny_text_model("sequence_classification", seed=0, num_layers=1)
+    assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+
+    with pytest.raises(SystemExit) as exit_info:  # every size flag's help renders
+        tiny.main(["--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "--full_attention_interval" in help_text and "--num_experts_per_tok" in help_text
+
+    out = tmp_path / "reward"
+    assert tiny.main(["--text_task", "sequence_classification", "--out", str(out), "--num_layers", "1"]) == 0
+    assert "parameters" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 1
+    assert tiny.main(["--text_task", "causal_lm", "--out", str(tmp_path / "x"), "--vision_depth", "1"]) == 2
+    assert "vision_depth" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+    out = tmp_path / "gemma"
+    assert tiny.main(["--arch", "gemma3", "--out", str(out), "--sliding_window", "8"]) == 0
+    assert json.loads((out / "config.json").read_text())["text_config"]["sliding_window"] == 8
+    with pytest.raises(SystemExit):  # --arch and --text_task exclude each other
+        tiny.main(["--arch", "gemma3", "--text_task", "causal_lm", "--out", str(tmp_path / "y")])

@@ -1,7 +1,8 @@
-"""Tiny offline Qwen3.5, Gemma 3 and LLaVA-NeXT VLMs, and the tiny text-only Qwen2 models.
+"""Tiny offline Qwen3.5 (dense and MoE), Gemma 3, LLaVA-NeXT and Gemma 4 VLMs (text-only models: test_tiny.py).
 
 Build, save, reload through the Auto classes, count image tokens, run a left-padded batch forward and
-a short generate, stay deterministic; the hybrid archs' layer layouts and Gemma 3's sliding window.
+a short generate (also with a row without image), stay deterministic; the hybrid archs' layer layouts,
+Qwen3.5-MoE's experts, Gemma 3's and Gemma 4's sliding window, and the attention facts the probe relies on.
 """
 
 import json
@@ -9,29 +10,20 @@ import json
 import pytest
 import torch
 from PIL import Image
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForImageTextToText,
-    AutoModelForSequenceClassification,
-    AutoProcessor,
-    AutoTokenizer,
-)
+from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from trl_mdi import tiny
-from trl_mdi.tiny import (
-    SYSTEM_PROMPT,
-    TINY_ARCHS,
-    build_tiny_text_model,
-    build_tiny_vlm,
-    save_tiny_text_model,
-)
+from trl_mdi.tiny import SYSTEM_PROMPT, TINY_ARCHS, build_tiny_vlm
 
-FAMILIES = ("qwen3_5", "gemma3", "llava_next")
+FAMILIES = ("qwen3_5", "gemma3", "llava_next", "qwen3_5_moe", "gemma4")
 EXPECTED = {
     # arch: (model class, processor class, image placeholder token, image tokens per square image)
     "qwen3_5": ("Qwen3_5ForConditionalGeneration", "Qwen3VLProcessor", "<|image_pad|>", 4),
     "gemma3": ("Gemma3ForConditionalGeneration", "Gemma3Processor", "<image_soft_token>", 4),
     "llava_next": ("LlavaNextForConditionalGeneration", "LlavaNextProcessor", "<image>", 10),
+    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "Qwen3VLProcessor", "<|image_pad|>", 4),
+    # Gemma4ImageProcessor's smallest budget is 70 soft tokens: any square image becomes an 8 x 8 grid.
+    "gemma4": ("Gemma4ForConditionalGeneration", "Gemma4Processor", "<|image|>", 64),
 }
 # What each official template writes around the generation prompt.
 TEMPLATE_MARKS = {
@@ -41,7 +33,9 @@ TEMPLATE_MARKS = {
     ),
     "gemma3": ("<bos><start_of_turn>user\n<start_of_image>", "<end_of_turn>\n<start_of_turn>model\n"),
     "llava_next": ("[INST] <image>\n", " [/INST]"),
+    "gemma4": ("<bos><|turn>user\n<|image|>", "<turn|>\n<|turn>model\n"),
 }
+TEMPLATE_MARKS["qwen3_5_moe"] = TEMPLATE_MARKS["qwen3_5"]
 QUESTION = "What colour is the circle?"
 
 
@@ -61,7 +55,7 @@ def _load(path):
 
 def test_tiny_archs_lists_the_new_families():
     assert TINY_ARCHS[:4] == ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "smolvlm")  # the old order is kept
-    assert set(FAMILIES) <= set(TINY_ARCHS)
+    assert TINY_ARCHS[4:] == FAMILIES  # each later family appended after the earlier ones
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -97,6 +91,10 @@ def test_build_save_reload_batch_forward_generate(arch, tiny_vlm_dir):
     if arch == "gemma3":  # the processor's image_token_id is the begin-of-image token, one per image
         assert processor.image_token_id == tok.convert_tokens_to_ids("<start_of_image>") != image_id
         assert (batch["input_ids"] == processor.image_token_id).sum(dim=1).tolist() == [1, 1]
+    if arch == "gemma4":  # the placeholder is the soft token itself, wrapped in <|image> ... <image|>
+        assert processor.image_token_id == image_id
+        assert (batch["input_ids"] == tok.convert_tokens_to_ids("<|image>")).sum(dim=1).tolist() == [1, 1]
+        assert torch.equal(batch["mm_token_type_ids"] == 1, batch["input_ids"] == image_id)
 
     # The folder's processor tokenizes exactly like the one the model was built with.
     _, built_processor = build_tiny_vlm(arch)
@@ -118,6 +116,19 @@ def test_build_save_reload_batch_forward_generate(arch, tiny_vlm_dir):
     prompt_len = batch["input_ids"].shape[1]
     assert torch.equal(out[:, :prompt_len], batch["input_ids"])
     assert 1 <= out.shape[1] - prompt_len <= 4
+
+    # A row without image (images=[[img], []]) works too, and matches its run with no image in the batch.
+    texts[1] = processor.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], add_generation_prompt=True
+    )
+    mixed = processor(
+        text=texts, images=[images[0], []], return_tensors="pt", padding=True, padding_side="left"
+    )
+    assert (mixed["input_ids"] == image_id).sum(dim=1).tolist() == [tokens_per_image, 0]
+    with torch.no_grad():
+        alone = model(**processor(text=texts[1:], return_tensors="pt")).logits[0, -1]
+        torch.testing.assert_close(model(**mixed).logits[1, -1], alone, atol=1e-4, rtol=1e-4)
+    assert model.generate(**mixed, max_new_tokens=4, do_sample=True).shape[0] == 2
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -187,6 +198,84 @@ def test_gemma3_layer_types_and_sliding_window(tiny_vlm_dir):
         torch.testing.assert_close(model(**short_ids).logits, wide(**short_ids).logits)
 
 
+def test_qwen3_5_moe_layers_and_experts():
+    model, processor = build_tiny_vlm("qwen3_5_moe")
+    assert model.config.text_config.layer_types == ["linear_attention", "full_attention"] * 2
+    assert model.config.text_config.rope_parameters == tiny.families.qwen3_5_rope(16)  # qwen3_5's tiny RoPE
+    for layer in model.model.language_model.layers:  # every layer's MLP: 4 routed experts + 1 shared, 32 wide
+        assert layer.mlp.experts.gate_up_proj.shape == (4, 2 * 32, 64) and layer.mlp.gate.top_k == 2
+        assert layer.mlp.shared_expert.down_proj.in_features == 32
+    text = processor.apply_chat_template(_messages(False), add_generation_prompt=True)
+    inputs = processor(text=[text], images=[[_image(64)]], return_tensors="pt")
+    with torch.no_grad():
+        out = model(**inputs, output_router_logits=True)
+    assert len(out.router_logits) == 4 and out.router_logits[0].shape == (inputs["input_ids"].shape[1], 4)
+    assert torch.isfinite(out.aux_loss)  # the load-balancing loss trainers may add
+
+    layers = build_tiny_vlm(
+        "qwen3_5_moe",
+        num_layers=6,
+        full_attention_interval=3,
+        num_experts=8,
+        num_experts_per_tok=1,
+        moe_intermediate_size=16,
+    )[0].model.language_model.layers
+    assert [hasattr(layer, "linear_attn") for layer in layers] == [True, True, False] * 2
+    assert layers[0].mlp.experts.down_proj.shape == (8, 64, 16) and layers[0].mlp.gate.top_k == 1
+
+
+def test_gemma4_layer_types_and_sliding_window(tiny_vlm_dir):
+    model, processor = _load(tiny_vlm_dir("gemma4", sliding_window=8))
+    sliding, full = "sliding_attention", "full_attention"
+    assert model.config.text_config.layer_types == [sliding, full] * 2
+    assert model.config.text_config.sliding_window == 8  # survives save + reload
+    assert model.config.text_config.use_bidirectional_attention is None  # causal over images, as E2B/E4B
+    # Full-attention layers have heads twice as wide, as the real models (512 vs 256).
+    assert [layer.self_attn.head_dim for layer in model.model.language_model.layers] == [16, 32, 16, 32]
+    every_third, _ = build_tiny_vlm("gemma4", num_layers=6, full_attention_interval=3)
+    assert every_third.config.text_config.layer_types == [sliding, sliding, full] * 2
+
+    # The window is live, as for Gemma 3: same weights, window 8 vs 512, long prompt differs, short does not.
+    wide, _ = build_tiny_vlm("gemma4")
+    text = processor.apply_chat_template(_messages(True), add_generation_prompt=True)
+    long_inputs = processor(text=[text], images=[[_image(64)]], return_tensors="pt")
+    short_ids = processor.tokenizer(" red circle", return_tensors="pt")
+    assert short_ids["input_ids"].shape[1] <= 8 < long_inputs["input_ids"].shape[1]
+    with torch.no_grad():
+        assert not torch.allclose(model(**long_inputs).logits[0, -1], wide(**long_inputs).logits[0, -1])
+        torch.testing.assert_close(model(**short_ids).logits, wide(**short_ids).logits)
+
+    # Images keep their aspect ratio within the 70-token budget: a 2:1 image gets a 5 x 11 grid.
+    inputs = processor(text=[text], images=[[Image.new("RGB", (64, 32))]], return_tensors="pt")
+    assert processor._get_num_multimodal_tokens(image_sizes=[[32, 64]]).num_image_tokens == [55]
+    assert int((inputs["input_ids"] == model.config.image_token_id).sum()) == 55
+    with torch.no_grad():
+        assert torch.isfinite(model(**inputs).logits).all()
+
+
+@pytest.mark.parametrize(
+    ("arch", "softmax_layers"), [("qwen3_5_moe", [1, 3]), ("gemma4", [0, 1, 2, 3]), ("qwen3_5", [1, 3])]
+)
+def test_eager_attention_maps_and_layer_idx(arch, softmax_layers, tiny_vlm_dir):
+    """The attention probe's assumptions: one eager map per softmax-attention text layer, module.layer_idx."""
+    path = tiny_vlm_dir(arch)
+    model = AutoModelForImageTextToText.from_pretrained(path, attn_implementation="eager")
+    processor = AutoProcessor.from_pretrained(path)
+    layers = model.model.language_model.layers
+    mixers = [getattr(layer, "self_attn", None) or layer.linear_attn for layer in layers]
+    assert [mixer.layer_idx for mixer in mixers] == [*range(len(layers))]
+    assert [i for i, layer in enumerate(layers) if hasattr(layer, "self_attn")] == softmax_layers
+    text = processor.apply_chat_template(_messages(False), add_generation_prompt=True)
+    inputs = processor(text=[text], images=[[_image(56)]], return_tensors="pt")
+    with torch.no_grad():
+        attentions = model(**inputs, output_attentions=True).attentions
+    n = inputs["input_ids"].shape[1]
+    assert len(attentions) == len(softmax_layers)  # text layers only: no vision-tower maps in the tuple
+    for a in attentions:
+        assert a.shape == (1, model.config.text_config.num_attention_heads, n, n)
+        torch.testing.assert_close(a.sum(-1), torch.ones(1, a.shape[1], n))
+
+
 def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir):
     model, processor = _load(tiny_vlm_dir("llava_next"))
     text = processor.apply_chat_template(_messages(False), add_generation_prompt=True)
@@ -204,82 +293,23 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
 @pytest.mark.parametrize(
     ("arch", "overrides", "message"),
     [
-        ("qwen2_5_vl", {"full_attention_interval": 2}, "applies to qwen3_5 and gemma3 only"),
-        ("qwen3_5", {"sliding_window": 8}, "sliding_window applies to gemma3 only"),
+        ("qwen2_5_vl", {"full_attention_interval": 2}, "to qwen3_5, gemma3, qwen3_5_moe and gemma4 only"),
+        ("qwen3_5", {"sliding_window": 8}, "sliding_window applies to gemma3 and gemma4 only"),
         ("qwen3_5", {"full_attention_interval": 0}, "positive integer"),
         ("gemma3", {"sliding_window": -1}, "positive integer"),
         ("gemma3", {"image_size": 40}, "pooling"),
         ("gemma3", {"min_pixels": 1024}, "Qwen archs only"),
         ("llava_next", {"image_size": 40}, "not a multiple of image_patch_size"),
         ("qwen3_5", {"image_size": 32}, "gemma3, llava_next and smolvlm only"),
+        ("qwen3_5", {"num_experts": 4}, "apply to qwen3_5_moe only"),
+        ("qwen3_5_moe", {"num_experts_per_tok": 5}, "exceeds num_experts 4"),
+        ("qwen3_5_moe", {"image_patch_size": 8}, "image_patch_size applies to"),
+        ("gemma4", {"image_size": 64}, "set image_patch_size instead"),
+        ("gemma4", {"full_attention_interval": 3}, "last text layer must use full attention"),
+        ("gemma4", {"vision_hidden_size": 24, "vision_num_heads": 4}, "2D vision RoPE"),
+        ("gemma4", {"hidden_size": 16}, "head_dim"),
     ],
 )
 def test_invalid_family_requests_raise_value_error(arch, overrides, message):
     with pytest.raises(ValueError, match=message):
         build_tiny_vlm(arch, **overrides)
-
-
-def test_text_models_save_reload_generate_and_score(tmp_path):
-    lm_dir = save_tiny_text_model(tmp_path / "lm", "causal_lm", seed=1)
-    rm_dir = save_tiny_text_model(tmp_path / "rm", "sequence_classification", seed=1)
-    lm, rm = (
-        AutoModelForCausalLM.from_pretrained(lm_dir),
-        AutoModelForSequenceClassification.from_pretrained(rm_dir),
-    )
-    tok = AutoTokenizer.from_pretrained(lm_dir)
-    assert type(lm).__name__ == "Qwen2ForCausalLM" and type(rm).__name__ == "Qwen2ForSequenceClassification"
-    assert type(tok).__name__ == "Qwen2Tokenizer" and tok.padding_side == "left"
-    assert 10_000 < lm.num_parameters() < 1_000_000 and rm.config.num_labels == 1
-    assert rm.config.pad_token_id == tok.pad_token_id == tok.convert_tokens_to_ids("<|endoftext|>")
-    assert json.loads((rm_dir / "tiny_text_model.json").read_text())["task"] == "sequence_classification"
-
-    # The folder reloads to what was built, tokenizer included.
-    built_lm, built_tok = build_tiny_text_model("causal_lm", seed=1)
-    assert all(torch.equal(v, lm.state_dict()[k]) for k, v in built_lm.state_dict().items())
-    assert type(built_tok).__name__ == "Qwen2Tokenizer"
-
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-        for q in ("Red?", "What colour is the circle in the image? Answer: A")
-    ]
-    assert prompts[0].startswith("<|im_start|>system\n") and prompts[0].endswith("<|im_start|>assistant\n")
-    assert built_tok(prompts)["input_ids"] == tok(prompts)["input_ids"]
-    batch = tok(prompts, return_tensors="pt", padding=True)
-    assert not batch["attention_mask"][0, 0] and batch["attention_mask"][:, -1].all()
-
-    out = lm.generate(**batch, max_new_tokens=5, min_new_tokens=5, do_sample=False)
-    assert out.shape == (2, batch["input_ids"].shape[1] + 5)
-    with torch.no_grad():
-        scores = rm(**batch).logits
-        assert scores.shape == (2, 1) and torch.isfinite(scores).all()
-        for row, prompt in enumerate(prompts):  # the score reads each row's last real token
-            torch.testing.assert_close(scores[row], rm(**tok([prompt], return_tensors="pt")).logits[0])
-    assert not torch.allclose(scores[0], scores[1])
-
-
-def test_text_model_checks_and_cli(tmp_path, capsys):
-    with pytest.raises(ValueError, match="unknown tiny text model task"):
-        build_tiny_text_model("reward")
-    with pytest.raises(ValueError, match="unknown text model size knob.*vision_depth"):
-        build_tiny_text_model(vision_depth=2)
-    a, _ = build_tiny_text_model("sequence_classification", seed=0, num_layers=1)
-    b, _ = build_tiny_text_model("sequence_classification", seed=0, num_layers=1)
-    assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
-
-    with pytest.raises(SystemExit) as exit_info:  # every size flag's help renders
-        tiny.main(["--help"])
-    assert exit_info.value.code == 0
-    assert "--full_attention_interval" in capsys.readouterr().out
-
-    out = tmp_path / "reward"
-    assert tiny.main(["--text_task", "sequence_classification", "--out", str(out), "--num_layers", "1"]) == 0
-    assert "parameters" in capsys.readouterr().out
-    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 1
-    assert tiny.main(["--text_task", "causal_lm", "--out", str(tmp_path / "x"), "--vision_depth", "1"]) == 2
-    assert "vision_depth" in capsys.readouterr().err and not (tmp_path / "x").exists()
-
-    out = tmp_path / "gemma"
-    assert tiny.main(["--arch", "gemma3", "--out", str(out), "--sliding_window", "8"]) == 0
-    assert json.loads((out / "config.json").read_text())["text_config"]["sliding_window"] == 8
-    with pytest.raises(SystemExit):  # --arch and --text_task exclude each other
-        tiny.main(["--arch", "gemma3", "--text_task", "causal_lm", "--out", str(tmp_path / "y")])

@@ -76,8 +76,11 @@ def test_training_vlm_peft(arch, tiny_vlm_dir, image_data, tmp_path):
 
     path = str(tiny_vlm_dir(arch))
     base_names = {f"base_model.model.{n}" for n, _ in AutoModelForImageTextToText.from_pretrained(path).named_parameters()}
+    # TRL's targets. Gemma 4's vision projections are Gemma4ClippableLinear wrappers, which PEFT cannot target:
+    # there LoRA goes on the language model's projections only.
+    targets = r".*language_model.*\.(q_proj|v_proj)" if arch == "gemma4" else ["q_proj", "v_proj"]
     trainer = MDIGRPOTrainer(model=path, reward_funcs=spread_reward, args=grpo_args(tmp_path), train_dataset=image_data,
-                             peft_config=LoraConfig(target_modules=["q_proj", "v_proj"]))
+                             peft_config=LoraConfig(target_modules=targets))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     lora_moved = 0

@@ -8,14 +8,16 @@ internals), but the Hub is out of reach, so we assemble each model from parts:
    those words cost one token each; special tokens come first, as in the real tokenizers;
 2. the official chat template, read from trl's installed `chat_templates/` folder;
 3. the real processor class (image processor + video processor for Qwen, Idefics3Processor for
-   SmolVLM, Gemma3Processor, LlavaNextProcessor) sized so that a 56x56 or 64x64 image costs 4 image
-   tokens by default (10 for LLaVA-NeXT);
+   SmolVLM, Gemma3Processor, LlavaNextProcessor, Gemma4Processor) sized so that a 56x56 or 64x64 image
+   costs 4 image tokens by default (10 for LLaVA-NeXT; 64 for Gemma 4, whose processor will not go lower);
 4. the real `*ForConditionalGeneration` class with random weights drawn from a fixed seed.
 
 Archs (`TINY_ARCHS`): qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm (Idefics3), qwen3_5 (hybrid linear /
 full attention), gemma3 (hybrid sliding-window / full attention, SigLIP tower), llava_next (CLIP tower,
-Llama decoder). `build_tiny_text_model` / `save_tiny_text_model` build text-only Qwen2 models (a causal
-LM, or a one-logit sequence classifier to serve as a reward model).
+Llama decoder), qwen3_5_moe (qwen3_5 with sparse MoE MLPs), gemma4 (hybrid sliding-window / full
+attention, per-layer embeddings, Gemma 4's own vision tower). `build_tiny_text_model` /
+`save_tiny_text_model` build text-only Qwen2 models (a causal LM, or a one-logit sequence classifier to
+serve as a reward model).
 
 Everything is deterministic for a given seed: two builds give identical weights and identical
 tokenizer files, also across processes. Saved folders reload with
@@ -27,9 +29,10 @@ CLI:
     python -m trl_mdi.tiny --arch gemma3 --out /tmp/tiny-gemma3 --sliding_window 8
     python -m trl_mdi.tiny --text_task sequence_classification --out /tmp/tiny-reward [--num_layers 2]
 
-Layout: `tokenizer` builds parts 1 and 2, `archs` (the first four archs) and `families` (Qwen3.5,
-Gemma 3, LLaVA-NeXT) parts 3 and 4, `sizes` holds the size knobs and their checks, `text` the text-only
-models, `saving` the atomic save; building, saving and the CLI of the VLMs are here.
+Layout: `tokenizer` builds parts 1 and 2, `archs` (the first four archs), `families` (Qwen3.5 dense and
+MoE, Gemma 3, LLaVA-NeXT) and `gemma4_family` parts 3 and 4, `sizes` holds the size knobs, `resolve` their
+per-arch defaults and checks, `text` the text-only models, `saving` the atomic save; building, saving and
+the CLI of the VLMs are here.
 """
 
 from __future__ import annotations
@@ -45,10 +48,11 @@ from typing import Any
 import torch
 
 from ..data import DEFAULT_SYSTEM_PROMPT as DEFAULT_SYSTEM_PROMPT  # importable from here, as before
-from . import archs, families
+from . import archs, families, gemma4_family
 from .archs import _mrope_section as _mrope_section  # tests call it as tiny._mrope_section
+from .resolve import resolve_size
 from .saving import check_out_dir, save_model_atomically
-from .sizes import TEXT_TASKS, TINY_ARCHS, TinyTextSize, TinyVLMSize, check_arch, resolve_size
+from .sizes import TEXT_TASKS, TINY_ARCHS, TinyTextSize, TinyVLMSize, check_arch
 from .text import TEXT_MODEL_META_FILE, build_tiny_text_model, save_tiny_text_model
 from .tokenizer import COLOURS as COLOURS
 from .tokenizer import LETTERS as LETTERS
@@ -74,7 +78,8 @@ __all__ = [
     "main",
 ]
 
-_MODEL_CLASSES = {**archs.MODEL_CLASSES, **families.MODEL_CLASSES}
+_BUILDERS = {arch: module for module in (archs, families, gemma4_family) for arch in module.MODEL_CLASSES}
+_MODEL_CLASSES = {arch: module.MODEL_CLASSES[arch] for arch, module in _BUILDERS.items()}
 
 
 def build_tiny_vlm(arch: str, *, seed: int = 0, **size_overrides: Any):
@@ -83,25 +88,28 @@ def build_tiny_vlm(arch: str, *, seed: int = 0, **size_overrides: Any):
     Args:
         arch: one of `TINY_ARCHS`: "qwen2_5_vl" (Qwen2_5_VLForConditionalGeneration), "qwen2_vl",
             "qwen3_vl", "smolvlm" (Idefics3ForConditionalGeneration), "qwen3_5"
-            (Qwen3_5ForConditionalGeneration), "gemma3" (Gemma3ForConditionalGeneration) or
-            "llava_next" (LlavaNextForConditionalGeneration).
+            (Qwen3_5ForConditionalGeneration), "gemma3" (Gemma3ForConditionalGeneration),
+            "llava_next" (LlavaNextForConditionalGeneration), "qwen3_5_moe"
+            (Qwen3_5MoeForConditionalGeneration) or "gemma4" (Gemma4ForConditionalGeneration).
         seed: seeds the weight initialisation; the same seed gives identical weights. The global
             torch RNG state is left untouched.
         **size_overrides: any field of `TinyVLMSize`: num_layers, hidden_size, num_heads,
             num_kv_heads, intermediate_size (text); vision_depth, vision_hidden_size,
             vision_num_heads, vision_intermediate_size (vision); max_position_embeddings;
             min_pixels/max_pixels (Qwen archs: image area bounds, hence image tokens per image);
-            image_size/image_patch_size (smolvlm, gemma3, llava_next); full_attention_interval
-            (qwen3_5, gemma3: which text layers use full attention, default 2); sliding_window
-            (gemma3, default 512). num_layers defaults to 3 (4 for qwen3_5 and gemma3).
+            image_size/image_patch_size (smolvlm, gemma3, llava_next; gemma4: image_patch_size only);
+            full_attention_interval (qwen3_5, gemma3, qwen3_5_moe, gemma4: which text layers use full
+            attention, default 2); sliding_window (gemma3, gemma4, default 512); num_experts,
+            num_experts_per_tok, moe_intermediate_size (qwen3_5_moe, default 4, 2, 32). num_layers
+            defaults to 3 (4 for the hybrid archs).
 
     Returns:
         (model, processor): the model in eval mode, float32, default (sdpa) attention; the real
         processor class with the tiny tokenizer and the official chat template. The config carries
         the tokenizer's image token id as `config.image_token_id`: the placeholder the processor
         repeats once per image token (Gemma 3: <image_soft_token>, not the processor's
-        image_token_id, which is the begin-of-image token), and for Qwen the video/vision-start/
-        vision-end ids too.
+        image_token_id, which is the begin-of-image token; Gemma 4: <|image|>, which is also the
+        processor's image_token_id), and for Qwen the video/vision-start/vision-end ids too.
 
     Raises:
         ValueError: unknown arch, unknown knob, or sizes that do not fit together (the message
@@ -114,8 +122,7 @@ def build_tiny_vlm(arch: str, *, seed: int = 0, **size_overrides: Any):
 def _build(arch: str, seed: int, size: TinyVLMSize):
     chat_template = official_chat_template(arch)
     tok = build_tokenizer(arch, chat_template, size.max_position_embeddings)
-    builder = families if arch in families.MODEL_CLASSES else archs
-    config, processor = builder.config_and_processor(arch, size, tok, chat_template)
+    config, processor = _BUILDERS[arch].config_and_processor(arch, size, tok, chat_template)
 
     # fork_rng: seeding must not perturb the caller's RNG stream (tests and trainers seed their own).
     with torch.random.fork_rng(devices=[]):

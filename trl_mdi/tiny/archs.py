@@ -141,7 +141,8 @@ def qwen_processor(arch: str, size: TinyVLMSize, tok: PreTrainedTokenizerFast, c
         size=pixels, patch_size=patch, merge_size=QWEN_MERGE_SIZE, temporal_patch_size=2
     )
     # The processors refuse to be built without a video processor, even if we never pass videos.
-    if arch in ("qwen3_vl", "qwen3_5"):  # Qwen3.5 checkpoints ship Qwen3-VL's processor classes
+    # Qwen3.5 (dense and MoE) checkpoints ship Qwen3-VL's processor classes.
+    if arch in ("qwen3_vl", "qwen3_5", "qwen3_5_moe"):
         video_processor = Qwen3VLVideoProcessor(
             size=pixels, patch_size=patch, merge_size=QWEN_MERGE_SIZE, temporal_patch_size=2,
             cap_pixels_per_frame=True,  # the announced future default; silences a warning per call

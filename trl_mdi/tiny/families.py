@@ -1,11 +1,15 @@
-"""Configs and processors of the tiny Qwen3.5, Gemma 3 and LLaVA-NeXT models: parts 3 and 4 of the build
-described in `trl_mdi.tiny`, for the families whose text decoders are not plain full-attention stacks
-(Qwen3.5, Gemma 3) or whose image features are laid out differently (LLaVA-NeXT).
+"""Configs and processors of the tiny Qwen3.5 (dense and MoE), Gemma 3 and LLaVA-NeXT models: parts 3 and 4
+of the build described in `trl_mdi.tiny`, for the families whose text decoders are not plain full-attention
+stacks (Qwen3.5, Gemma 3) or whose image features are laid out differently (LLaVA-NeXT). Gemma 4 is in
+`gemma4_family`.
 
 - qwen3_5: `Qwen3_5ForConditionalGeneration`; text layers mix Gated DeltaNet linear attention with
   full attention (`full_attention_interval`); Qwen3-VL's processor classes, as the checkpoints ship.
   Without flash-linear-attention / causal-conv1d installed, transformers runs the linear layers with
   its pure-PyTorch reference code (it logs a warning once): correct, and fast enough at this size.
+- qwen3_5_moe: `Qwen3_5MoeForConditionalGeneration`, qwen3_5 with a sparse MoE block in every text layer:
+  `num_experts` routed experts (top `num_experts_per_tok`) plus one sigmoid-gated shared expert, all
+  `moe_intermediate_size` wide. Same tokenizer, processor, template and RoPE as qwen3_5.
 - gemma3: `Gemma3ForConditionalGeneration` with a tiny SigLIP tower; text layers mix sliding-window
   and full attention (`full_attention_interval`, `sliding_window`); the projector average-pools
   GEMMA3_POOL x GEMMA3_POOL patches into one image token.
@@ -30,6 +34,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen3_5Config,
     Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForConditionalGeneration,
 )
 
 from .archs import qwen_processor, qwen_token_ids, text_config_sizes
@@ -39,6 +45,7 @@ MODEL_CLASSES = {
     "qwen3_5": Qwen3_5ForConditionalGeneration,
     "gemma3": Gemma3ForConditionalGeneration,
     "llava_next": LlavaNextForConditionalGeneration,
+    "qwen3_5_moe": Qwen3_5MoeForConditionalGeneration,
 }
 
 
@@ -46,8 +53,9 @@ def hybrid_layer_types(arch: str, num_layers: int, full_attention_interval: int)
     """`text_config.layer_types` of a hybrid arch: layer i is "full_attention" iff
     i % full_attention_interval == full_attention_interval - 1.
 
-    The others are the arch's cheap kind ("linear_attention" for qwen3_5, "sliding_attention" for
-    gemma3). This is transformers' own rule for both families (default intervals 4 and 6).
+    The others are the arch's cheap kind ("linear_attention" for qwen3_5 and qwen3_5_moe,
+    "sliding_attention" for gemma3 and gemma4). This is transformers' own rule for these families
+    (default intervals 4 for Qwen3.5, 6 for Gemma).
     """
     cheap = HYBRID_LAYER_KIND[arch]
     return [
@@ -77,12 +85,13 @@ def qwen3_5_rope(head_dim: int) -> dict:
     }
 
 
-def _qwen3_5_config(size: TinyVLMSize, tok: PreTrainedTokenizerFast) -> Qwen3_5Config:
+def _qwen3_5_parts(arch: str, size: TinyVLMSize, tok: PreTrainedTokenizerFast) -> tuple[dict, dict]:
+    """(text_config, vision_config) entries that Qwen3.5 and Qwen3.5-MoE share."""
     head_dim = size.hidden_size // size.num_heads
     text = {
         **text_config_sizes(size, tok),
         "head_dim": head_dim,  # stored explicitly (default 256)
-        "layer_types": hybrid_layer_types("qwen3_5", size.num_layers, size.full_attention_interval),
+        "layer_types": hybrid_layer_types(arch, size.num_layers, size.full_attention_interval),
         # Gated DeltaNet layers: key heads like the KV heads, value heads like the query heads.
         "linear_num_key_heads": size.num_kv_heads,
         "linear_num_value_heads": size.num_heads,
@@ -99,14 +108,32 @@ def _qwen3_5_config(size: TinyVLMSize, tok: PreTrainedTokenizerFast) -> Qwen3_5C
         "hidden_size": size.vision_hidden_size,
         "intermediate_size": size.vision_intermediate_size,
         "num_heads": size.vision_num_heads,
-        "patch_size": QWEN_PATCH_SIZE["qwen3_5"],
+        "patch_size": QWEN_PATCH_SIZE[arch],
         "spatial_merge_size": QWEN_MERGE_SIZE,
         "temporal_patch_size": 2,
         "out_hidden_size": size.hidden_size,
         "num_position_embeddings": 64,  # learned 8x8 grid, interpolated to the real grid (as Qwen3-VL)
         "dtype": "float32",
     }
+    return text, vision
+
+
+def _qwen3_5_config(size: TinyVLMSize, tok: PreTrainedTokenizerFast) -> Qwen3_5Config:
+    text, vision = _qwen3_5_parts("qwen3_5", size, tok)
     return Qwen3_5Config(text_config=text, vision_config=vision, dtype="float32", **qwen_token_ids(tok))
+
+
+def _qwen3_5_moe_config(size: TinyVLMSize, tok: PreTrainedTokenizerFast) -> Qwen3_5MoeConfig:
+    text, vision = _qwen3_5_parts("qwen3_5_moe", size, tok)
+    del text["intermediate_size"]  # no dense MLP: every layer's MLP is the MoE block below
+    # The shared expert is as wide as a routed one, as in the real models (512 each in 35B-A3B).
+    text |= {
+        "num_experts": size.num_experts,
+        "num_experts_per_tok": size.num_experts_per_tok,
+        "moe_intermediate_size": size.moe_intermediate_size,
+        "shared_expert_intermediate_size": size.moe_intermediate_size,
+    }
+    return Qwen3_5MoeConfig(text_config=text, vision_config=vision, dtype="float32", **qwen_token_ids(tok))
 
 
 def _gemma3_config(size: TinyVLMSize, tok: PreTrainedTokenizerFast) -> Gemma3Config:
@@ -229,6 +256,8 @@ def config_and_processor(arch: str, size: TinyVLMSize, tok: PreTrainedTokenizerF
     """(config, processor) of one of the archs in `MODEL_CLASSES`."""
     if arch == "qwen3_5":
         return _qwen3_5_config(size, tok), qwen_processor(arch, size, tok, chat_template)
+    if arch == "qwen3_5_moe":
+        return _qwen3_5_moe_config(size, tok), qwen_processor(arch, size, tok, chat_template)
     if arch == "gemma3":
         return _gemma3_config(size, tok), _gemma3_processor(size, tok, chat_template)
     return _llava_next_config(size, tok), _llava_next_processor(size, tok, chat_template)

@@ -4,7 +4,7 @@ The tokenizer is trained on a fixed synthetic corpus, so a given arch always get
 files; the chat template is the official one shipped inside trl. Keys are the VLM archs plus "qwen2",
 the text-only models' family.
 
-Qwen3.5 and Qwen2 checkpoints are reloaded by `AutoTokenizer` as their own tokenizer classes
+Qwen3.5 (dense and MoE) and Qwen2 checkpoints are reloaded by `AutoTokenizer` as their own tokenizer classes
 (transformers overrides the saved class for these model types), which rebuild the pre-tokenizer from
 scratch; so for them the trained tokenizer is passed through that class once at build time, and the
 tokenizer the model is built with is the one every later load gives.
@@ -73,16 +73,52 @@ _GEMMA3_SPECIAL_TOKENS = (
     "<end_of_image>",
     "<image_soft_token>",
 )
+# Gemma 4: Gemma4Processor reads boi/eoi/image tokens (<|image>, <image|>, <|image|>: the template writes
+# the last, the processor expands it to <|image> + n x <|image|> + <image|>) and, even without audio,
+# boa/eoa (<|audio>, <audio|>) from the tokenizer by name; it adds <|video|> itself (present here, so the
+# vocabulary does not grow under the model). The rest are the turn, thinking and tool markers of the template.
+_GEMMA4_SPECIAL_TOKENS = (
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<|turn>",
+    "<turn|>",
+    "<|image>",
+    "<image|>",
+    "<|image|>",
+    "<|audio>",
+    "<audio|>",
+    "<|audio|>",
+    "<|video|>",
+    "<|think|>",
+    "<|channel>",
+    "<channel|>",
+    "<|tool>",
+    "<tool|>",
+    "<|tool_call>",
+    "<tool_call|>",
+    "<|tool_response>",
+    "<tool_response|>",
+    '<|"|>',
+)
 # Llama-2 / Mistral style, as in the llava-v1.6-mistral checkpoints; <image> is the placeholder.
 _LLAVA_NEXT_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "<image>")
 # Scaffolding words of the families' templates, trained in so rendered prompts stay short. Only the
 # families that need them get them: the corpus (hence the tokenizer) of the older archs is unchanged.
+# Gemma 3 and 4 both name the reply turn "model".
+_GEMMA_MODEL_ROLE = ("model\n", "model:", "Picture 1: model") * 10
 _EXTRA_CORPUS = {
-    "gemma3": ("model\n", "model:", "Picture 1: model") * 10,
+    "gemma3": _GEMMA_MODEL_ROLE,
     "llava_next": ("[INST] What", " [/INST]", " [/INST] Answer", "<<SYS>>\n", "\n<</SYS>>\n\n") * 10,
+    "gemma4": _GEMMA_MODEL_ROLE,
 }
 # The tokenizer class AutoTokenizer loads for these families whatever the saved tokenizer_config says.
-_FAMILY_TOKENIZER_CLASSES = {"qwen3_5": "Qwen3_5Tokenizer", "qwen2": "Qwen2Tokenizer"}
+_FAMILY_TOKENIZER_CLASSES = {
+    "qwen3_5": "Qwen3_5Tokenizer",
+    "qwen3_5_moe": "Qwen3_5Tokenizer",
+    "qwen2": "Qwen2Tokenizer",
+}
 
 # Official templates shipped inside trl. Qwen2-VL has no file of its own: trl's README says Qwen2-VL
 # ships a byte-identical template to Qwen2.5-VL, so it reuses qwen2_5_vl.jinja. SmolVLM (an
@@ -96,6 +132,14 @@ _CHAT_TEMPLATE_FILES = {
     "qwen3_5": "qwen3_5_nothink.jinja",  # what Qwen3.5-2B and smaller ship: thinking off by default
     "gemma3": "gemma3.jinja",
     "llava_next": "llava_next.jinja",
+    # The real Qwen3.5 MoE checkpoints (35B-A3B and up) ship qwen3_5_think.jinja; we keep qwen3_5's template
+    # so both Qwen3.5 archs render identical prompts (an empty think block closed in the generation prompt).
+    "qwen3_5_moe": "qwen3_5_nothink.jinja",
+    # Gemma 4: of trl's five revisions, v2 and v3 print a system message's typed content (what the
+    # processor's apply_chat_template passes) as a Python list repr, and v2 also wraps <|image|> in blank
+    # lines the processor does not expect; gemma4.jinja, v4 and v5 render system + image + text prompts
+    # identically, and gemma4.jinja is the one trl's README calls the original (its gemma4_chat_template).
+    "gemma4": "gemma4.jinja",
     "qwen2": "qwen2_5.jinja",  # the text-only models
 }
 
@@ -170,6 +214,24 @@ def build_tokenizer(arch: str, chat_template: str, model_max_length: int) -> Pre
                 "boi_token": "<start_of_image>",
                 "eoi_token": "<end_of_image>",
                 "image_token": "<image_soft_token>",
+            },
+        )
+    elif arch == "gemma4":
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=_train_bpe(_GEMMA4_SPECIAL_TOKENS, _EXTRA_CORPUS["gemma4"]),
+            bos_token="<bos>",  # the template writes it, so nothing adds it automatically
+            eos_token="<turn|>",  # what ends a model turn; <eos> stays in the vocabulary
+            pad_token="<pad>",
+            unk_token="<unk>",
+            padding_side="left",
+            clean_up_tokenization_spaces=False,
+            extra_special_tokens={
+                "image_token": "<|image|>",
+                "boi_token": "<|image>",
+                "eoi_token": "<image|>",
+                "audio_token": "<|audio|>",
+                "boa_token": "<|audio>",
+                "eoa_token": "<audio|>",
             },
         )
     elif arch == "llava_next":
