@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from trl_mdi import signals as S
 from trl_mdi.attention import (
     PROBE_ATTN_IMPLEMENTATION,
     image_token_ids,
@@ -12,10 +13,15 @@ from trl_mdi.attention import (
     probe_attention,
     template_text_exclusion_mask,
 )
-from trl_mdi.metrics import layer_segments
+from trl_mdi.attention.metrics import layer_segments
 from trl_mdi.testing import eager_group_masses, grpo_batch, shape_image
 
 ARCHS = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "smolvlm"]
+def rows_of(res, segments="thirds"):
+    """Per-rollout plain dicts of a probe result, as the trainer builds them (trl_mdi.signals)."""
+    return S.rollout_rows(S.rollout_signals(res, segments, 2.0))
+
+
 MODEL_KEYS = ("input_ids", "attention_mask", "completion_mask")
 
 
@@ -85,11 +91,12 @@ def test_probe_matches_eager_attention(arch_setup):
     assert res.n_image[1] == 0 and res.n_image[0] > 0 and res.n_image[2] > 0
     assert res.n_prompt_text.tolist() == groups[..., 1].sum(1).tolist()
     assert res.n_queries.tolist() == [5, 2, 7]
-    rows = res.rows()
+    rows = rows_of(res)
     assert rows[1]["mdi"] is None and rows[1]["mdi_balance"] is None  # text-only row: no made-up 1.0
     assert rows[0]["mdi"] is not None and rows[0]["mdi"] > 0
     assert set(layer_segments(res.num_layers)) == {"early", "middle", "late", "all"}
-    assert set(rows[0]) >= {f"{k}_{s}" for k in ("mdi", "aei_text", "aei_image") for s in ("early", "middle", "late", "all")}
+    assert set(rows[0]) >= {f"{k}_{s}" for k in ("mdi", "aei_text", "aei_image") for s in ("early", "middle", "late")}
+    assert set(rows[0]) >= {"mdi", "aei_text", "aei_image", "mdi_balance", "image_mass", "n_image", "n_queries"}
 
 
 def test_probe_leaves_outputs_and_implementation_unchanged(arch_setup):
@@ -99,10 +106,10 @@ def test_probe_leaves_outputs_and_implementation_unchanged(arch_setup):
     before = text_cfg._attn_implementation
     with torch.no_grad():
         plain = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **_mm(batch)).logits
-        from trl_mdi.attention import _layout  # the trainer's per-call layout path
+        from trl_mdi.attention import token_layout  # the trainer's per-call layout path
 
         def layout_fn(kw):
-            return _layout(kw["input_ids"], kw["attention_mask"], batch["completion_mask"], image_token_ids(model.config),
+            return token_layout(kw["input_ids"], kw["attention_mask"], batch["completion_mask"], image_token_ids(model.config),
                            None, None, "completion")
 
         with probe_attention(model, layout_fn) as state:
@@ -198,7 +205,7 @@ def test_empty_completion_row_is_nan_and_flagged(tiny_vlm_dir):
     res = measure_modality_attention(model, **batch)
     assert res.valid.tolist() == [False, True, True]
     assert torch.isnan(res.image[0]).all() and not torch.isnan(res.image[2]).any()
-    assert res.rows()[0]["mdi"] is None
+    assert rows_of(res)[0]["mdi"] is None
     assert batch["input_ids"].shape[1] == L
 
 
@@ -211,7 +218,7 @@ def test_text_only_batch_has_masses_but_no_mdi(tiny_vlm_dir):
     assert (res.n_image == 0).all()
     assert (res.image == 0).all()
     torch.testing.assert_close(res.prompt_text + res.completion, torch.ones_like(res.image), atol=1e-5, rtol=0)
-    assert all(r["mdi"] is None for r in res.rows())
+    assert all(r["mdi"] is None for r in rows_of(res))
 
 
 def test_bad_inputs_give_clear_errors(tiny_vlm_dir):

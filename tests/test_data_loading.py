@@ -19,12 +19,10 @@ from trl_mdi.data import (
     DROP_TOO_LARGE,
     DataArguments,
     DatasetError,
-    check_label_columns,
     load_training_data,
     parse_data_files,
     prepare_image,
 )
-from trl_mdi.rewards import accuracy_reward, mc_idx_reward, mdi_balance_reward
 
 datasets.disable_progress_bars()
 
@@ -249,7 +247,3 @@ def test_missing_prompt_column(tmp_path):
         load(dataset_path=str(tmp_path))
 
 
-def test_missing_label_column_names_the_label_columns():
-    with pytest.raises(DatasetError, match=r"label_idx.*'solution' for accuracy"):
-        check_label_columns([mc_idx_reward, mdi_balance_reward], ["image", "prompt"])
-    check_label_columns([accuracy_reward], ["image", "prompt", "solution"])

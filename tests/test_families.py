@@ -10,11 +10,17 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
+from trl_mdi import signals as S
 from trl_mdi.attention import image_token_ids, measure_modality_attention
 from trl_mdi.attention.model_facts import model_facts
-from trl_mdi.scoring import attention_metric_values, attention_table
 from trl_mdi.testing import eager_group_masses, grpo_batch, shape_image
 from trl_mdi.tiny import TINY_ARCHS
+
+
+def rows_of(res, segments="thirds"):
+    """Per-rollout plain dicts of a probe result, as the trainer builds them (trl_mdi.signals)."""
+    return S.rollout_rows(S.rollout_signals(res, segments, 2.0))
+
 
 MODEL_KEYS = ("input_ids", "attention_mask", "completion_mask")
 
@@ -71,7 +77,7 @@ def test_probe_equals_eager_on_every_family(family):
     assert torch.isnan(res.image[:, unmeasured]).all()  # linear-attention layers carry no (made-up) mass
     assert res.n_image.tolist() == groups[..., 0].sum(1).tolist() and res.n_image[1] == 0 and res.n_image[0] > 0
     assert res.n_queries.tolist() == [5, 2, 7]
-    rows = res.rows()
+    rows = rows_of(res)
     assert rows[1]["mdi"] is None and all(r["mdi"] is not None and r["mdi"] > 0 for r in (rows[0], rows[2]))
     # Every segment has a finite value wherever a row has image and generated tokens, hybrid models included (only
     # a window that hides the image, tested below, makes a segment +inf).
@@ -89,9 +95,9 @@ def test_hybrid_model_is_measured_on_its_softmax_layers_only(tiny_vlm_dir):
     assert res.segments("first:0-1,second:2-3") == {"first": [1], "second": [3], "all": [1, 3]}
     with pytest.raises(ValueError, match=r"layer segment 'lin' names layers \[0\], none of which runs softmax"):
         res.segments("lin:0")
-    table = attention_table(res, "thirds", 2.0)
+    table = S.rollout_signals(res, "thirds", 2.0)
     assert torch.isfinite(table["mdi"][[0, 2]]).all() and torch.isfinite(table["image_mass"][[0, 2]]).all()
-    values = attention_metric_values(list(table), torch.stack([table[k].float() for k in table], dim=1))
+    values = S.batch_metrics(table)
     assert math.isfinite(values["attention/mdi"]) and values["attention/rows_unmeasured"] == 0.0
 
 
@@ -114,12 +120,11 @@ def test_a_sliding_window_that_hides_the_image_gives_inf_counted_not_silent(tiny
     seg = res.segment_metrics()  # thirds of 4 layers: early [0] (sliding), middle [1, 2], late [3]
     assert torch.isinf(seg["early"]["mdi"][[0, 2]]).all()
     assert torch.isfinite(seg["late"]["mdi"][[0, 2]]).all() and torch.isfinite(seg["all"]["mdi"][[0, 2]]).all()
-    table = attention_table(res, "thirds", 2.0)
-    values = attention_metric_values(list(table), torch.stack([table[k].float() for k in table], dim=1))
+    values = S.batch_metrics(S.rollout_signals(res, "thirds", 2.0))
     assert all(math.isfinite(v) for v in values.values()), values  # means leave inf rows out ...
     assert values["attention/rows_mdi_inf"] == pytest.approx(2 / 3)  # ... and count them
     assert values["attention/image_blind_layers"] == pytest.approx(4 / 3)
-    assert res.rows()[0]["n_image_blind_layers"] == 2
+    assert rows_of(res)[0]["image_blind_layers"] == 2
 
 
 def test_llava_next_measures_directly(tiny_vlm_dir):

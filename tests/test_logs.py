@@ -18,6 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
+from trl_mdi import signals
 from trl_mdi.logs import (
     AttentionLogWriter,
     LogPathError,
@@ -107,16 +108,19 @@ def make_rollouts(step: int, n: int = 4, completions: list[str] | None = None) -
 
 
 def attention_row(mdi: float | None, n_image: int = 64) -> dict:
-    row = {}
-    for seg, f in (("early", 0.5), ("middle", 1.0), ("late", 2.0), ("all", 1.0)):
-        row[f"mdi_{seg}"] = None if mdi is None else mdi * f
-        row[f"aei_text_{seg}"] = 1.2
-        row[f"aei_image_{seg}"] = None if mdi is None else 1.2 / (mdi * f)
-    row.update(mdi=row["mdi_all"], mdi_balance=0.5 if mdi else None, image_mass=0.2, prompt_text_mass=0.5,
-               completion_mass=0.3, special_mass=0.0, n_image=n_image, n_prompt_text=30, n_special=0,
-               n_completion=20, n_queries=20)
-    row["balance"] = row["mdi_balance"]
+    """One rollout's signals, keyed as trl_mdi.signals.rollout_rows keys them."""
+    row = {f"mdi_{seg}": None if mdi is None else mdi * f for seg, f in (("early", 0.5), ("middle", 1.0), ("late", 2.0))}
+    row.update(mdi=mdi, mdi_balance=0.5 if mdi else None, aei_text=1.2, aei_image=None if mdi is None else 1.2 / mdi,
+               image_mass=0.2, prompt_text_mass=0.5, completion_mass=0.3, special_mass=0.0, image_blind_layers=0,
+               n_image=n_image, n_prompt_text=30, n_special=0, n_completion=20, n_queries=20)
     return row
+
+
+SEGMENTS = ["early", "middle", "late"]
+
+
+def attention_writer(path, **kwargs) -> AttentionLogWriter:
+    return AttentionLogWriter(path, columns=signals.log_columns(SEGMENTS), means=signals.log_means(SEGMENTS), **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -359,7 +363,7 @@ def test_resume_cuts_incomplete_block_and_refuses_foreign_file(tmp_path):
         RolloutLogWriter(foreign).open(resume_from_step=1)
     assert read(foreign) == "# my notes\n"
     with pytest.raises(LogPathError, match="'rollout' log"):
-        AttentionLogWriter(path).open(resume_from_step=1)
+        attention_writer(path).open(resume_from_step=1)
 
 
 def test_fresh_open_keeps_previous_file_as_backup(tmp_path):
@@ -394,7 +398,7 @@ def test_bad_path_fails_at_construction(tmp_path):
         RolloutLogWriter(blocker / "logs" / "r.md")
     assert str(blocker / "logs" / "r.md") in str(e.value) and "is a file, not a directory" in str(e.value)
     with pytest.raises(LogPathError, match="it is a directory"):
-        AttentionLogWriter(tmp_path)
+        attention_writer(tmp_path)
     assert not (tmp_path / "ok" / "r.md").exists()
     RolloutLogWriter(tmp_path / "ok" / "r.md")  # parents created, file not yet
     assert (tmp_path / "ok").is_dir() and not (tmp_path / "ok" / "r.md").exists()
@@ -415,7 +419,7 @@ def test_permission_denied_fails_at_construction(tmp_path, monkeypatch):
 
 def test_write_failure_warns_once_and_training_continues(tmp_path, monkeypatch):
     path = tmp_path / "a.md"
-    w = AttentionLogWriter(path)
+    w = attention_writer(path)
     assert w.write_step(1, None, [attention_row(2.0)])
     size = path.stat().st_size
 
@@ -450,7 +454,7 @@ def test_write_after_close_is_dropped_not_reopened(tmp_path):
 # --------------------------------------------------------------------------------------------------
 def test_attention_log_rows_summary_trend_maps_and_resume(tmp_path):
     path = tmp_path / "logs" / "att.md"
-    w = AttentionLogWriter(path, run_name="att")
+    w = attention_writer(path, run_name="att")
     mdis = {1: 1.0, 2: 2.0, 3: 4.0, 4: 100.0, 5: 100.0}
     for step in range(1, 6):
         rows = [attention_row(mdis[step]), attention_row(None, n_image=0)]
@@ -467,7 +471,7 @@ def test_attention_log_rows_summary_trend_maps_and_resume(tmp_path):
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
     assert len(links) == 5 and all((path.parent / link).is_file() for link in links)
 
-    w = AttentionLogWriter(path, run_name="att").open(resume_from_step=3)
+    w = attention_writer(path, run_name="att").open(resume_from_step=3)
     assert [d["mdi"] for _, d in w.records] == [1.0, 2.0, 4.0]  # trend restored from the file
     w.write_step(4, None, [attention_row(8.0)])
     w.close()

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trl_mdi import metrics as M
+from trl_mdi.attention import metrics as M
 
 
 def test_layer_segments_thirds_cover_all_layers_contiguously():

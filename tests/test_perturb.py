@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from trl_mdi import perturb as P
+from trl_mdi.tprl import perturb as P
 
 
 def _random_image(w=64, h=48, seed=0, mode="RGB"):

@@ -17,7 +17,7 @@
    (tests/test_entry_point.py additionally pins the four commands of the "Training on GPUs" section.)
 4. **Metric glossary.** Every metric name listed in the glossary is logged by the code, and every
    ``attention/*``, ``tprl/*`` and ``perf/*`` metric the code logs is listed. trl_mdi's names are computed by calling
-   the functions that build the dynamic ones (``attention_table`` + ``attention_metric_values``, ``apply_tprl``) and
+   the functions that build the dynamic ones (``signals.rollout_signals`` + ``signals.batch_metrics``, ``apply_tprl``) and
    found as literal metric keys anywhere in ``trl_mdi/``; TRL's names must appear as strings (templates such as
    ``rewards/<name>/mean`` as f-strings) in TRL's GRPOTrainer, transformers' Trainer or ``trl_mdi/``.
 5. **Figures and links.** Every number quoted in the README's benchmark section appears in
@@ -174,8 +174,9 @@ def _library_sources() -> str:
 
 def logged_trl_mdi_metrics() -> set[str]:
     """attention/*, tprl/*, perf/* names trl_mdi logs: computed from the functions that build them, plus literals."""
+    from trl_mdi import signals as S
     from trl_mdi.attention import ModalityAttention
-    from trl_mdi.scoring import ScoringSession, apply_tprl, attention_metric_values, attention_table
+    from trl_mdi.tprl import apply_tprl
 
     # Attention: the names come from the keys of the per-rollout table (default layer segments).
     b, layers = 2, 3
@@ -185,20 +186,16 @@ def logged_trl_mdi_metrics() -> set[str]:
         n_image=torch.tensor([4, 6]), n_prompt_text=torch.tensor([10, 12]), n_special=torch.tensor([2, 2]),
         n_completion=torch.tensor([3, 3]), n_queries=torch.tensor([3, 3]),
     )
-    table = attention_table(att, "thirds", 2.0)
-    keys = list(table)
-    names = set(attention_metric_values(keys, torch.stack([table[k].float() for k in keys], dim=1)))
+    names = set(S.batch_metrics(S.rollout_signals(att, "thirds", 2.0)))
 
     # TPRL: every part on, over a batch with spread (so no branch is skipped).
-    session = ScoringSession(capture_in_trl_forward=False, measure_attention=False, need_entropy=True)
-    session.entropies = torch.tensor([[0.1, 0.9, 0.5, 0.3], [0.4, 0.2, 0.8, 0.6]])
-    session.visual_dependency = torch.tensor([[0.0, 1.0, 0.2, 0.1], [2.0, 3.0, 0.5, 0.4]])
-    session.has_image = torch.tensor([True, True])
     out = {"completion_mask": torch.ones(2, 4, dtype=torch.long), "advantages": torch.tensor([1.0, -1.0])}
     args = SimpleNamespace(enable_entropy_filtering=True, top_p_entropy_tokens=0.5, enable_perception_filtering=True,
                            top_p_perception_tokens=0.5, enable_trajectory_reweighting=True,
                            trajectory_scaling_min=0.8)
-    names |= set(apply_tprl(out, session, args, lambda t: t, 0))
+    names |= set(apply_tprl(out, args, entropies=torch.tensor([[0.1, 0.9, 0.5, 0.3], [0.4, 0.2, 0.8, 0.6]]),
+                            visual_dependency=torch.tensor([[0.0, 1.0, 0.2, 0.1], [2.0, 3.0, 0.5, 0.4]]),
+                            has_image=torch.tensor([True, True]), gather=lambda t: t, process_index=0))
 
     # Literal names, wherever in the package they are logged: a subscript (`_metrics[mode]["perf/..."]`,
     # `metrics["tprl/..."] = ...`) or a dict key (`{"attention/...": ...}`).
@@ -215,9 +212,22 @@ def glossary_names() -> list[str]:
     return re.findall(r"^\| `([^`]+)`", body, re.M)
 
 
+def _matches(name: str, template: str) -> bool:
+    """A logged metric name against a glossary name, where ``<segment>`` stands for any layer-segment name."""
+    return re.fullmatch(re.escape(template).replace(re.escape("<segment>"), r"[A-Za-z_]\w*"), name) is not None
+
+
+def test_signal_glossary_is_generated_from_the_signal_table():
+    embedded = config_doc.embedded_block(readme_text(), config_doc.GLOSSARY_BLOCK)
+    assert embedded == config_doc.render_signal_glossary(), (
+        "the attention metric glossary differs from trl_mdi/signals.py: regenerate it with "
+        "`python -m trl_mdi.config_doc --update README.md`"
+    )
+
+
 def test_glossary_lists_every_metric_the_trainer_logs():
     listed = set(glossary_names())
-    missing = sorted(logged_trl_mdi_metrics() - listed)
+    missing = sorted(n for n in logged_trl_mdi_metrics() if not any(_matches(n, t) for t in listed))
     assert not missing, f"metrics logged by trl_mdi but missing from the README's metric glossary: {missing}"
     assert "rewards/<name>/zero_spread_frac" in listed
 
@@ -229,7 +239,7 @@ def test_every_glossary_name_is_logged_by_the_code():
     assert len(names) >= 20, names
     for name in names:
         if name.startswith(METRIC_PREFIXES):
-            assert name in ours, f"glossary lists {name!r}, which trl_mdi does not log"
+            assert any(_matches(n, name) for n in ours), f"glossary lists {name!r}, which trl_mdi does not log"
         elif "<" in name:  # a template such as rewards/<name>/mean: an f-string in the source
             pattern = re.escape(name).replace(re.escape("<name>"), r"\{[^}]+\}")
             assert re.search(pattern, sources), f"glossary template {name!r} matches no f-string in the source"

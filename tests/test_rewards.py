@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from trl_mdi import metrics
 from trl_mdi import rewards as R
+from trl_mdi import signals as S
+from trl_mdi.attention import metrics
 from trl_mdi.rewards import extract_choice_letter as parse
 
 NAN = float("nan")
@@ -262,7 +263,7 @@ def test_group_score_is_bounded_zero_mean_and_ordered():
     g = torch.Generator().manual_seed(0)
     mdi = torch.exp(torch.randn(64 * 8, generator=g) * 2)
     mdi[::7] = NAN
-    score = R.group_relative_mdi_score(mdi, 8)
+    score = S.group_relative_mdi_score(mdi, 8)
     assert score.shape == mdi.shape and score.dtype == mdi.dtype
     assert torch.equal(score.isnan(), mdi.isnan())
     valid = ~score.isnan()
@@ -281,7 +282,7 @@ def test_group_score_is_bounded_zero_mean_and_ordered():
 
 
 def test_group_score_ties_nan_and_single_valid():
-    score = R.group_relative_mdi_score(
+    score = S.group_relative_mdi_score(
         torch.tensor([2.0, 0.5, 8.0, 1.0, NAN, NAN, 3.0, NAN, NAN, NAN, NAN, NAN]), 4
     )
     # MDI 2 and 1/2 are equally unbalanced: tied, average rank 1.5 of 0..3.
@@ -290,9 +291,9 @@ def test_group_score_ties_nan_and_single_valid():
     assert score[6].item() == 0.0  # the only valid rollout of its group
     assert score[8:].isnan().all()  # a group without images
     # All equal: every rollout gets 0 (no signal, nothing invented).
-    assert torch.equal(R.group_relative_mdi_score(torch.full((4,), 7.0), 4), torch.zeros(4))
+    assert torch.equal(S.group_relative_mdi_score(torch.full((4,), 7.0), 4), torch.zeros(4))
     # Zero attention on the image (MDI inf) is the least balanced, tied with MDI 0.
-    s = R.group_relative_mdi_score(torch.tensor([math.inf, 0.0, 3.0, 1.0]), 4)
+    s = S.group_relative_mdi_score(torch.tensor([math.inf, 0.0, 3.0, 1.0]), 4)
     torch.testing.assert_close(s, torch.tensor([-2 / 3, -2 / 3, 1 / 3, 1.0]))
 
 
@@ -301,7 +302,7 @@ def test_group_score_separates_a_group_the_brief_reward_cannot():
     mdi = torch.tensor([5.0, 17.0, 8.0, 12.0])
     brief = R.mdi_balance_reward(["x"] * 4, metrics.mdi_balance(mdi, 2.0).tolist())
     assert brief == [-1.0] * 4
-    score = R.group_relative_mdi_score(mdi, 4)
+    score = S.group_relative_mdi_score(mdi, 4)
     torch.testing.assert_close(score, torch.tensor([1.0, -1.0, 1 / 3, -1 / 3]))
     rewards = torch.tensor([brief, R.mdi_group_reward(["x"] * 4, score.tolist())]).T
     torch.testing.assert_close(R.zero_spread_fraction(rewards, 4), torch.tensor([1.0, 0.0]))
@@ -309,10 +310,10 @@ def test_group_score_separates_a_group_the_brief_reward_cannot():
 
 def test_group_score_input_checks():
     with pytest.raises(ValueError, match="groups of num_generations=4"):
-        R.group_relative_mdi_score(torch.ones(6), 4)
+        S.group_relative_mdi_score(torch.ones(6), 4)
     with pytest.raises(ValueError, match="1-D"):
-        R.group_relative_mdi_score(torch.ones(2, 4), 4)
-    assert R.group_relative_mdi_score(torch.tensor([1, 2]), 2).dtype == torch.float32
+        S.group_relative_mdi_score(torch.ones(2, 4), 4)
+    assert S.group_relative_mdi_score(torch.tensor([1, 2]), 2).dtype == torch.float32
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -362,20 +363,35 @@ def test_registry_contents_and_defaults():
 def test_required_inputs_agree_with_signatures():
     for name, fn in R.REWARD_REGISTRY.items():
         needs = R.required_reward_inputs(fn)
-        columns = [n for n in needs if n not in R.TRAINER_FIELDS]
+        columns = [n for n in needs if not S.reward_field_pattern(n)]
         assert columns == ([R.REQUIRED_COLUMNS[name]] if name in R.REQUIRED_COLUMNS else []), name
     assert R.required_reward_inputs(R.mdi_balance_reward) == ("mdi_balance",)
     assert R.required_reward_inputs(R.mdi_group_reward) == ("mdi_group_score",)
-    assert set(R.TRAINER_FIELDS) == {"mdi_balance", "mdi_group_score"}
+    assert {n for fn in R.REWARD_REGISTRY.values() for n in R.required_reward_inputs(fn)
+            if S.reward_field_pattern(n)} == {"mdi_balance", "mdi_group_score"}
     assert R.required_reward_inputs(min_length_reward) == ()
 
 
-def test_check_reward_columns():
-    R.check_reward_columns(list(R.REWARD_REGISTRY.values())[:4], ["prompt", "image", "label_idx"])
-    with pytest.raises(ValueError, match=r"'mc_idx_reward' needs column\(s\) \['label_idx'\].*'prompt'"):
-        R.check_reward_columns([R.mc_idx_reward, R.mdi_balance_reward], ["prompt", "image"])
+def test_check_reward_inputs():
+    from trl_mdi.rewards.inputs import check_reward_inputs
+
+    check_reward_inputs(list(R.REWARD_REGISTRY.values())[:4], {"train": ["prompt", "image", "label_idx"]},
+                        attention=True, segments=["early", "late"])
+    with pytest.raises(ValueError, match=r"'mc_idx_reward' needs column\(s\) \['label_idx'\].*'prompt'.*'label_idx' for mc_idx"):
+        check_reward_inputs([R.mc_idx_reward, R.mdi_balance_reward], {"train": ["prompt", "image"]}, attention=True)
     with pytest.raises(ValueError, match="'accuracy_reward' needs column.*solution"):
-        R.check_reward_columns([R.REWARD_REGISTRY["accuracy"]], ["prompt", "label_idx"])
+        check_reward_inputs([R.REWARD_REGISTRY["accuracy"]], {"eval": ["prompt", "label_idx"]}, attention=True)
+    # A segment the model does not have is named, with the fields it does have.
+    def late_reward(completions, mdi_late, **kwargs):
+        return [0.0] * len(completions)
+
+    with pytest.raises(ValueError, match=r"needs column\(s\) \['mdi_late'\].*attention fields of this model: \[.*'mdi_middle'"):
+        check_reward_inputs([late_reward], {"train": ["prompt"]}, attention=True, segments=["middle"])
+    with pytest.raises(ValueError, match="compute_attention_metrics=True"):
+        check_reward_inputs([late_reward], {"train": ["prompt"]}, attention=False)
+    with pytest.raises(ValueError, match=r"has columns \['mdi'\] that the trainer fills"):
+        check_reward_inputs([R.mc_idx_reward], {"train": ["prompt", "label_idx", "mdi"]}, attention=True)
+    check_reward_inputs([R.mc_idx_reward], {"train": None}, attention=True)  # columns unknown: not checked
 
 
 def test_resolve_rewards_default_weights_and_errors():

@@ -205,7 +205,7 @@ def test_bigger_qwen_sizes_for_benchmarks():
 @pytest.mark.parametrize("head_dim", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
 def test_mrope_section_fits_head_dim(arch, head_dim):
-    section = tiny._mrope_section(arch, head_dim)
+    section = tiny.mrope_section(arch, head_dim)
     assert sum(section) == head_dim // 2
     assert min(section) >= 1
     if arch == "qwen2_5_vl" and head_dim == 128:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trl_mdi import tprl as T
+from trl_mdi.tprl import formulas as T
 
 NAN, INF = float("nan"), float("inf")
 

@@ -260,18 +260,19 @@ def test_trainer_measurement_equals_the_probe_on_the_same_rollouts(model_dir, gr
     checked = []
     original = MDIGRPOTrainer._scoring_forward
 
-    def scoring_forward(trainer, session, fwd):
-        original(trainer, session, fwd)
+    def scoring_forward(trainer, map_rows, fwd):
+        forward = original(trainer, map_rows, fwd)
         c_len = fwd["logits_to_keep"]
         completion_mask = torch.zeros_like(fwd["attention_mask"])
         completion_mask[:, -c_len:] = fwd["attention_mask"][:, -c_len:]
         mm = {k: fwd[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if fwd.get(k) is not None}
         ref = measure_modality_attention(trainer.model, fwd["input_ids"], fwd["attention_mask"], completion_mask, **mm)
-        got = session.attention
+        got = forward.attention
         assert got.n_queries.tolist() == completion_mask.sum(1).tolist() == ref.n_queries.tolist()
         for group in ("image", "prompt_text", "completion", "special"):
             torch.testing.assert_close(getattr(got, group), getattr(ref, group), atol=1e-6, rtol=0)
         checked.append(len(fwd["input_ids"]))
+        return forward
 
     monkeypatch.setattr(MDIGRPOTrainer, "_scoring_forward", scoring_forward)
     trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=make_args(tmp_path, max_steps=2),

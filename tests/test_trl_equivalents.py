@@ -158,7 +158,7 @@ def test_text_only_causal_lm_with_a_reward_model_id(text_models, text_data, tmp_
     assert trainer.args.compute_attention_metrics is False
     logs = train_and_check(trainer, skip=())
     assert not any(k.startswith("attention/") for h in logs for k in h)
-    diag = trainer._diagnostics
+    diag = trainer.live_logs
     assert diag.rollout_path.exists() and diag.attention is None and not diag.attention_path.exists()
 
 

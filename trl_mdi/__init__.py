@@ -5,7 +5,7 @@ The public names, importable from the package root the way ``trl`` exposes its t
     from trl_mdi import MDIGRPOConfig, MDIGRPOTrainer   # drop-in for trl's GRPOConfig / GRPOTrainer
     from trl_mdi import measure_modality_attention       # the exact O(L) attention probe on any supported model
 
-Names are resolved on first use (PEP 562), so ``import trl_mdi.metrics`` does not pay for importing TRL.
+Names are resolved on first use (PEP 562), so ``import trl_mdi.attention.metrics`` does not pay for importing TRL.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ _EXPORTS: dict[str, str] = {
     "ModalityAttention": "trl_mdi.attention",
     "ModelFacts": "trl_mdi.attention.model_facts",
     "model_facts": "trl_mdi.attention.model_facts",
-    "layer_segments": "trl_mdi.metrics",
-    "mdi": "trl_mdi.metrics",
-    "aei": "trl_mdi.metrics",
-    "mdi_balance": "trl_mdi.metrics",
+    "layer_segments": "trl_mdi.attention.metrics",
+    "mdi": "trl_mdi.attention.metrics",
+    "aei": "trl_mdi.attention.metrics",
+    "mdi_balance": "trl_mdi.attention.metrics",
     "mc_idx_reward": "trl_mdi.rewards",
     "think_format_reward": "trl_mdi.rewards",
     "mdi_balance_reward": "trl_mdi.rewards",
@@ -65,9 +65,9 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily
     from .attention import ModalityAttention, measure_modality_attention, probe_attention
+    from .attention.metrics import aei, layer_segments, mdi, mdi_balance
     from .attention.model_facts import ModelFacts, model_facts
     from .config import MDIGRPOConfig
-    from .metrics import aei, layer_segments, mdi, mdi_balance
     from .rewards import (
         DEFAULT_REWARD_WEIGHTS,
         DEFAULT_REWARDS,

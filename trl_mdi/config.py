@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 from transformers.utils import logging
 from trl import GRPOConfig
 
-from .metrics import check_segment_spec
-from .perturb import check_perturbation
-from .tprl import validate_scaling_min, validate_top_p
+from .tprl.formulas import validate_scaling_min, validate_top_p
+from .tprl.perturb import check_perturbation
 
 TEXT_KEY_CHOICES = ("all", "content")
 
@@ -250,6 +249,8 @@ class MDIGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"attention_text_keys must be one of {TEXT_KEY_CHOICES}, got {self.attention_text_keys!r}"
             )
+        from .signals import check_segment_spec
+
         try:
             # Syntax and names only: the layer count is known once the model is, where ranges are checked again.
             check_segment_spec(self.attention_layer_segments)

@@ -1,7 +1,8 @@
-"""The README's config reference, generated from the dataclass: every field MDIGRPOConfig adds to GRPOConfig.
+"""Generated reference tables: the config reference (every field MDIGRPOConfig adds to GRPOConfig) and the
+attention-metric glossary (every attention/* metric of ``trl_mdi.signals``).
 
-    python -m trl_mdi.config_doc                    # print the Markdown table
-    python -m trl_mdi.config_doc --update README.md # replace the table between the README's markers
+    python -m trl_mdi.config_doc                    # print the config table
+    python -m trl_mdi.config_doc --update FILE.md   # replace every generated block between its markers in FILE
 
 One row per field that ``trl.GRPOConfig`` does not have, in declaration order: name, type, default and the first
 sentence of the field's ``help`` metadata. tests/test_readme.py checks that the README block between
@@ -21,6 +22,7 @@ from pathlib import Path
 
 START_MARKER = "<!-- config-reference:start -->"
 END_MARKER = "<!-- config-reference:end -->"
+GLOSSARY_BLOCK = "signal-glossary"  # <!-- signal-glossary:start --> ... <!-- signal-glossary:end -->
 
 # A sentence ends at a period that is not part of an ellipsis, followed by whitespace or the end of the text.
 _SENTENCE_END = re.compile(r"(?<!\.)\.(?!\.)(?=\s|$)")
@@ -96,24 +98,49 @@ def render_table() -> str:
     return "\n".join(lines)
 
 
-def embedded_block(readme_text: str) -> str:
-    """The text between the README's markers, stripped; ValueError when the markers are missing."""
-    if START_MARKER not in readme_text or END_MARKER not in readme_text:
-        raise ValueError(f"README lacks the markers {START_MARKER} / {END_MARKER}")
-    return readme_text.split(START_MARKER, 1)[1].split(END_MARKER, 1)[0].strip()
+def render_signal_glossary() -> str:
+    """The attention/* rows of the metric glossary, from ``trl_mdi.signals`` (one row per metric signal)."""
+    from .signals import glossary
+
+    lines = ["| metric | meaning |", "|---|---|"]
+    lines += [f"| `{name}` | {_cell(meaning)} |" for name, meaning in glossary()]
+    return "\n".join(lines)
+
+
+def _markers(block: str) -> tuple[str, str]:
+    return (START_MARKER, END_MARKER) if block == "config-reference" else (f"<!-- {block}:start -->",
+                                                                           f"<!-- {block}:end -->")
+
+
+_RENDER = {"config-reference": render_table, GLOSSARY_BLOCK: render_signal_glossary}
+
+
+def embedded_block(readme_text: str, block: str = "config-reference") -> str:
+    """The text between a block's markers, stripped; ValueError when the markers are missing."""
+    start, end = _markers(block)
+    if start not in readme_text or end not in readme_text:
+        raise ValueError(f"the file lacks the markers {start} / {end}")
+    return readme_text.split(start, 1)[1].split(end, 1)[0].strip()
 
 
 def update_readme(path: str | Path) -> bool:
-    """Replace the block between the markers with the current table; True when the file changed."""
+    """Replace every generated block whose markers the file holds; True when the file changed."""
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
-    embedded_block(text)  # markers present
-    head, rest = text.split(START_MARKER, 1)
-    _, tail = rest.split(END_MARKER, 1)
-    new = f"{head}{START_MARKER}\n{render_table()}\n{END_MARKER}{tail}"
-    if new != text:
-        path.write_text(new, encoding="utf-8")
-    return new != text
+    text = original = path.read_text(encoding="utf-8")
+    found = False
+    for block, render in _RENDER.items():
+        start, end = _markers(block)
+        if start not in text:
+            continue
+        found = True
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
+        text = f"{head}{start}\n{render()}\n{end}{tail}"
+    if not found:
+        raise ValueError(f"{path} holds none of the generated blocks' markers ({', '.join(_RENDER)})")
+    if text != original:
+        path.write_text(text, encoding="utf-8")
+    return text != original
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.update:
         changed = update_readme(args.update)
-        print(f"{args.update}: config reference {'updated' if changed else 'already up to date'}")
+        print(f"{args.update}: generated blocks {'updated' if changed else 'already up to date'}")
     else:
         print(render_table())
     return 0

@@ -15,6 +15,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from . import signals
+from .data.images import row_images
 from .logs import AttentionLogWriter, RolloutLogWriter, default_log_paths, print_step_summary
 from .logs.maps import render_segment_maps, token_grid_hw
 
@@ -40,11 +42,12 @@ def completion_string(completion: Any) -> str:
     return str(completion)
 
 
-class LiveDiagnostics:
-    """Owns the rollout log, the attention log and the attention-map folder of one run."""
+class LiveDiagnostics(TrainerCallback):
+    """Owns the rollout log, the attention log and the attention-map folder of one run (a callback: it closes its
+    files when training ends)."""
 
     def __init__(self, args, *, is_main_process: bool, reward_names: list[str], num_generations: int,
-                 model_name: str = "", layers: str | None = None):
+                 model_name: str = "", layers: str | None = None, segments: list[str] | None = None):
         self.args = args
         self.is_main = is_main_process
         self.reward_names = reward_names
@@ -77,8 +80,10 @@ class LiveDiagnostics:
         # The attention log's header says which layers are measured (a hybrid model's linear-attention layers are not).
         attention_config = {**config, "segments": args.attention_layer_segments,
                             **({"measured layers": layers} if layers else {})}
+        segments = list(segments or [])
         self.attention = (
-            AttentionLogWriter(self.attention_path, run_name=run, config=attention_config)
+            AttentionLogWriter(self.attention_path, columns=signals.log_columns(segments),
+                               means=signals.log_means(segments), run_name=run, config=attention_config)
             if args.compute_attention_metrics else None
         )
 
@@ -98,14 +103,15 @@ class LiveDiagnostics:
         return bool(self.args.compute_attention_metrics and every and self.args.attention_maps_per_step
                     and (step == 1 or step % every == 0))
 
-    def write(self, step: int, epoch: float, records: list[dict], maps: list[dict], summary: dict[str, Any]) -> None:
+    def write(self, step: int, epoch: float, records: list[dict], maps: list[dict]) -> None:
         """Write one generation batch (main process). ``records``: gathered per-rollout dicts."""
         if not self.is_main:
             return
         self.open(step - 1)
-        self.rollouts.write_step(step, epoch, [r["rollout"] for r in records], summary.get("rollout"))
+        self.rollouts.write_step(step, epoch, [r["rollout"] for r in records])
         if self.attention is None:
             return
+        summary: dict[str, Any] = {}
         links = []
         for m in maps:
             abs_path, rel = self.attention.map_path(step, m["index"])
@@ -114,12 +120,15 @@ class LiveDiagnostics:
                                     title=f"step {step} · rollout {m['index']}")
                 links.append((m["index"], rel))
             except (OSError, ValueError) as e:  # a map is a nicety: never stop training for one
-                summary.setdefault("attention", {})["map error"] = str(e)[:200]
+                summary["map error"] = str(e)[:200]
         # Records arrive in TRL's order (each prompt's generations consecutive): the same # and group as the rollout log.
         ng = self.num_generations or 0
         rows = [{"index": i, **({"group": i // ng} if ng else {}), **r["attention"]}
                 for i, r in enumerate(records) if r.get("attention") is not None]
-        self.attention.write_step(step, epoch, rows, summary.get("attention"), maps=links)
+        self.attention.write_step(step, epoch, rows, summary or None, maps=links)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.close()
 
     def close(self) -> None:
         for w in (self.rollouts, self.attention):
@@ -184,25 +193,39 @@ class ConsoleSummaryCallback(TrainerCallback):
             print_step_summary(state.global_step, shown, colorize=self.colorize)
 
 
-def gather_rollout_records(session, args, reward_names: list[str], reward_weights, advantages) -> list[dict]:
+def write_batch(live_logs: LiveDiagnostics, step: int, epoch: float, *, inputs: list[dict], scored, attention,
+                map_rows: list[int], reward_names: list[str], reward_weights, advantages, segments_spec,
+                processing_class) -> None:
+    """One generation batch into the live logs: gathered from every process (all must call it), written by the main.
+
+    ``scored`` is the batch's ``ScoredRollouts`` (rewards, signals, texts), ``attention`` its ``ModalityAttention``
+    (None with metrics off), ``advantages`` already gathered.
+    """
+    records = gather_rollout_records(
+        rows=inputs, prompts=scored.prompts, completions=scored.completions, lengths=scored.lengths,
+        attention_rows=signals.rollout_rows(scored.signals) if scored.signals is not None else None,
+        rewards=scored.rewards, reward_names=reward_names, reward_weights=reward_weights, advantages=advantages)
+    maps = (attention_map_records(attention, [row_images(x) for x in inputs], map_rows, segments_spec,
+                                  processing_class) if map_rows else [])
+    live_logs.write(step, epoch, records, maps)
+
+
+def gather_rollout_records(*, rows: list[dict], prompts: list, completions: list, lengths: list[int],
+                           attention_rows: list[dict] | None, rewards, reward_names: list[str], reward_weights,
+                           advantages) -> list[dict]:
     """Every process's rollouts of this batch as plain records, with rewards and advantages filled in.
 
-    All processes must call it (it gathers); ``advantages`` is already gathered, ``session.rewards_per_func`` is
-    TRL's gathered (N_global, F) table.
+    All processes must call it (it gathers). ``rows``/``prompts``/``completions``/``lengths``/``attention_rows`` are
+    this process's; ``rewards`` (N_global, F) and ``advantages`` (N_global,) are already gathered.
     """
     from accelerate.utils import gather_object
 
-    from .scoring import row_images
-
-    b = session.batch
-    rows = (session.attention.rows(args.attention_layer_segments, args.mdi_balance_ratio)
-            if session.attention is not None else [None] * len(b["inputs"]))
+    attention_rows = attention_rows if attention_rows is not None else [None] * len(rows)
     local = [
-        rollout_record(i, p, c, row_images(x), {}, None, None, {k: x.get(k) for k in ("label_idx", "choices")}, n, row)
-        for i, (p, c, x, n, row) in enumerate(zip(b["prompts"], b["completions"], b["inputs"], b["lengths"], rows))
+        rollout_record(i, p, c, row_images(x), {}, None, None, {k: x.get(k) for k in ("label_idx", "choices")}, n, a)
+        for i, (p, c, x, n, a) in enumerate(zip(prompts, completions, rows, lengths, attention_rows))
     ]
     records = gather_object(local)
-    rewards = session.rewards_per_func
     totals = (rewards * reward_weights.to(rewards.device)).nansum(dim=1).tolist()
     advantages = advantages.tolist()
     for g, rec in enumerate(records):
@@ -215,19 +238,20 @@ def gather_rollout_records(session, args, reward_names: list[str], reward_weight
     return records
 
 
-def attention_map_records(session, args, processing_class) -> list[dict]:
-    """Per-segment attention over the image tokens of the selected local rows (main process, Qwen grids)."""
-    from .scoring import row_images
+def attention_map_records(attention, images: list[list], map_rows: list[int], segments_spec,
+                          processing_class) -> list[dict]:
+    """Per-segment attention over the image tokens of the selected local rows (main process, Qwen grids).
 
-    att, images = session.attention, [row_images(x) for x in session.batch["inputs"]]
+    ``images`` are the local rows' image lists; ``map_rows`` the rows the probe kept per-image-token masses for.
+    """
     image_processor = getattr(processing_class, "image_processor", None)
     merge = getattr(image_processor, "merge_size", None)
-    if att is None or merge is None:
+    if attention is None or merge is None:
         return []  # maps need the Qwen-style image grid; other families are logged without maps
-    segments = att.segments(args.attention_layer_segments)
+    segments = attention.segments(segments_spec)
     maps = []
-    for row in session.map_rows:
-        mass = att.image_token_mass.get(row)
+    for row in map_rows:
+        mass = attention.image_token_mass.get(row)
         if mass is None or mass.numel() == 0:
             continue
         grid = image_processor(images=images[row], return_tensors="pt")["image_grid_thw"][0].tolist()

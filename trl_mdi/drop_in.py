@@ -7,14 +7,15 @@ with ``GRPOTrainer`` works unchanged and only a request that cannot be met stops
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from transformers.utils import logging
 
-from . import metrics as M
+from .attention import metrics as M
 from .attention.model_facts import ModelFacts
-from .rewards import DEFAULT_REWARDS, default_reward_stack, required_reward_inputs, reward_name
-from .scoring import is_attention_field
+from .rewards import default_reward_stack, required_reward_inputs, reward_name
+from .signals import reward_field_pattern
 
 logger = logging.get_logger(__name__)
 
@@ -57,7 +58,7 @@ def resolve_attention_metrics(args, facts: ModelFacts, funcs: Sequence, user_nam
         requests.append("compute_attention_metrics=True")
     if user_named_rewards:
         for f in funcs:
-            fields = [n for n in required_reward_inputs(f) if is_attention_field(n)] if callable(f) else []
+            fields = [n for n in required_reward_inputs(f) if reward_field_pattern(n)] if callable(f) else []
             if fields:
                 requests.append(f"reward {reward_name(f)!r} (reads {', '.join(fields)})")
     for flag in ("enable_perception_filtering", "enable_trajectory_reweighting"):
@@ -96,6 +97,40 @@ def model_segment_names(args, facts: ModelFacts) -> list[str]:
     return [n for n in segments if n != "all"]
 
 
+def check_image_columns_for_tprl(args, splits: dict[str, list[str] | None]) -> None:
+    """Perception filtering and trajectory reweighting measure how tokens depend on the image: data without an image
+    column cannot feed them."""
+    if not args.uses_visual_dependency:
+        return
+    for split, cols in splits.items():
+        if cols is not None and not {"image", "images"} & set(cols):
+            raise ValueError(
+                f"enable_perception_filtering / enable_trajectory_reweighting measure how much each token depends on "
+                f"the image, but {split} has no 'image' or 'images' column (columns: {cols}). Turn them off for "
+                "text-only data."
+            )
+
+
+def check_filter_key(args, reward_names: list[str]) -> None:
+    """online_filtering's ``filter_key`` must name one of the rewards (or 'reward', the weighted total)."""
+    if args.online_filtering and args.filter_key != "reward":
+        if not any(n in (args.filter_key, f"{args.filter_key}_reward") for n in reward_names):
+            raise ValueError(f"filter_key {args.filter_key!r} is not one of the rewards {reward_names} (or 'reward' "
+                             "for the weighted total)")
+
+
+def check_world_size(num_processes: int) -> None:
+    """A multi-process launch in which accelerate sees fewer processes: every rank would train alone."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and num_processes != world:
+        # Without a GPU accelerate finds no backend, reports one process per rank and every rank trains alone.
+        raise RuntimeError(
+            f"launched with WORLD_SIZE={world} but accelerate sees {num_processes} process(es). On a machine without "
+            "a GPU set ddp_backend='gloo' (and use_cpu=True for plain DDP; use_cpu=False with DeepSpeed); "
+            "examples/scripts/grpo_vlm.py does this for you."
+        )
+
+
 def describe_segments(segments: dict[str, list[int]]) -> str:
     """'early 0-1 · middle 2 · late 3 · all 0-3' (runs of consecutive layers compressed).
 
@@ -115,5 +150,5 @@ def describe_segments(segments: dict[str, list[int]]) -> str:
     return " · ".join(f"{name} {runs(layers)}" for name, layers in segments.items())
 
 
-__all__ = ["DEFAULT_REWARDS", "describe_segments", "model_segment_names", "resolve_attention_metrics",
-           "reward_stack_for_model"]
+__all__ = ["check_filter_key", "check_image_columns_for_tprl", "check_world_size", "describe_segments",
+           "model_segment_names", "resolve_attention_metrics", "reward_stack_for_model"]

@@ -12,14 +12,12 @@ import enum
 import glob
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .cli_args import SOURCE_CLI, SOURCE_OURS, SOURCE_YAML, ParsedRun
 from .config import MDIGRPOConfig
 from .data import DataArguments, TrainingData
 from .rewards import default_reward_stack
-
-if TYPE_CHECKING:
-    from .cli import ParsedRun
 
 GRPO_KEY_FIELDS = (
     "loss_type", "beta", "epsilon", "epsilon_high", "num_generations", "max_completion_length", "temperature",
@@ -34,7 +32,6 @@ RUN_KEY_FIELDS = (
 MODEL_KEY_FIELDS = ("model_name_or_path", "model_revision", "dtype", "attn_implementation", "trust_remote_code",
                     "model_init_kwargs", "min_pixels", "max_pixels", "use_peft")
 PEFT_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save")
-SOURCE_CLI, SOURCE_YAML, SOURCE_OURS, SOURCE_LIBRARY = "cli", "yaml", "trl_mdi default", ""
 
 
 

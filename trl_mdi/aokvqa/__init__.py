@@ -46,13 +46,13 @@ from .convert import ImageDecodeError, convert_row, image_value_bytes, to_rgb_im
 from .output import (
     PrepReport,
     SplitReport,
-    _commit,
-    _fsync,
-    _remove_quietly,
-    _sample_name,
-    _temp_path,
-    _write_sample,
+    commit,
+    fsync,
+    remove_quietly,
+    sample_name,
+    temp_path,
     write_parquet_atomic,
+    write_sample,
 )
 from .schema import (
     AOKVQA_SCHEMA,
@@ -245,10 +245,10 @@ def prepare_aokvqa(
     reports: dict[str, SplitReport] = {}
     try:
         for name in split_names:
-            temps[name] = _temp_path(os.path.join(out_dir, f"{name}.parquet"))
+            temps[name] = temp_path(os.path.join(out_dir, f"{name}.parquet"))
             reports[name] = _convert_split(sources[name], temps[name], schema, wanted, found, batch_size, log)
             if reports[name].rows_out == 0:
-                _remove_quietly(temps.pop(name))
+                remove_quietly(temps.pop(name))
         total = sum(r.rows_out for r in reports.values())
         if total == 0:
             raise EmptyResultError(
@@ -258,15 +258,15 @@ def prepare_aokvqa(
             train_rows = reports["train"].rows_out
             if subset_size > train_rows:
                 raise DataPrepError(f"subset_size {subset_size} exceeds the {train_rows} usable train rows")
-            name = _sample_name(subset_size)
-            temps[name] = _temp_path(os.path.join(out_dir, f"{name}.parquet"))
-            _write_sample(temps["train"], temps[name], subset_size, seed, batch_size)
+            name = sample_name(subset_size)
+            temps[name] = temp_path(os.path.join(out_dir, f"{name}.parquet"))
+            write_sample(temps["train"], temps[name], subset_size, seed, batch_size)
         for path in temps.values():
-            _fsync(path)
-        files = _commit(out_dir, temps)
+            fsync(path)
+        files = commit(out_dir, temps)
     except BaseException:
         for path in temps.values():
-            _remove_quietly(path)
+            remove_quietly(path)
         raise
     for name, report in reports.items():
         report.path = files.get(name)

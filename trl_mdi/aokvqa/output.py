@@ -28,18 +28,18 @@ def write_parquet_atomic(table: pa.Table, path: str, **write_kwargs) -> str:
 
     Readers therefore see either the old file or the complete new one, never a truncated parquet.
     """
-    tmp = _temp_path(path)
+    tmp = temp_path(path)
     try:
         pq.write_table(table, tmp, **write_kwargs)
-        _fsync(tmp)
+        fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
-        _remove_quietly(tmp)
+        remove_quietly(tmp)
         raise
     return path
 
 
-def _temp_path(final_path: str) -> str:
+def temp_path(final_path: str) -> str:
     directory, name = os.path.split(os.path.abspath(final_path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{_TEMP_PREFIX}{name}.", suffix=".tmp")
     os.close(fd)
@@ -50,19 +50,19 @@ def _temp_path(final_path: str) -> str:
     return tmp
 
 
-def _fsync(path: str) -> None:
+def fsync(path: str) -> None:
     with open(path, "rb") as fh:
         os.fsync(fh.fileno())
 
 
-def _remove_quietly(path: str) -> None:
+def remove_quietly(path: str) -> None:
     try:
         os.remove(path)
     except FileNotFoundError:
         pass
 
 
-def _write_sample(train_path: str, out_path: str, n: int, seed: int, batch_size: int) -> None:
+def write_sample(train_path: str, out_path: str, n: int, seed: int, batch_size: int) -> None:
     source = pq.ParquetFile(train_path)
     # Sorted indices keep the source order, so the sample is a stable sub-sequence of train.parquet.
     chosen = sorted(random.Random(seed).sample(range(source.metadata.num_rows), n))
@@ -80,7 +80,7 @@ def _write_sample(train_path: str, out_path: str, n: int, seed: int, batch_size:
             start = end
 
 
-def _commit(out_dir: str, temps: dict[str, str]) -> dict[str, str]:
+def commit(out_dir: str, temps: dict[str, str]) -> dict[str, str]:
     files = {}
     for name, tmp in temps.items():
         final = os.path.join(out_dir, f"{name}.parquet")
@@ -93,7 +93,7 @@ def _commit(out_dir: str, temps: dict[str, str]) -> dict[str, str]:
     for entry in os.listdir(out_dir):
         ours = _OUTPUT_NAME_RE.match(entry) or entry.startswith(_TEMP_PREFIX)
         if ours and entry not in kept:
-            _remove_quietly(os.path.join(out_dir, entry))
+            remove_quietly(os.path.join(out_dir, entry))
     return files
 
 
@@ -165,8 +165,8 @@ class PrepReport:
         lines += [report.describe() for report in self.splits.values()]
         if self.sample_rows is not None:
             lines.append(
-                f"{_sample_name(self.sample_rows)}: {self.sample_rows} rows sampled from train -> "
-                f"{self.files[_sample_name(self.sample_rows)]}"
+                f"{sample_name(self.sample_rows)}: {self.sample_rows} rows sampled from train -> "
+                f"{self.files[sample_name(self.sample_rows)]}"
             )
         if self.ids_requested is not None:
             lines.append(_describe_missing_ids(self.ids_requested, self.ids_not_found, list(self.splits)))
@@ -180,5 +180,5 @@ def _describe_missing_ids(requested: int, not_found: list[str], splits: list[str
     return f"question_id_file: {len(not_found)} of {requested} ids not found in splits {splits}: {shown}"
 
 
-def _sample_name(n: int) -> str:
+def sample_name(n: int) -> str:
     return f"sample_{n}"

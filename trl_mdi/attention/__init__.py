@@ -18,27 +18,24 @@ model's outputs are those of its SDPA implementation. The vision tower is untouc
 
 Layout: ``result`` (``ModalityAttention``), ``layout`` (token groups and measured queries), ``probe`` (the
 registered attention function, ``probe_attention``, ``measure_modality_attention``). Every name is
-re-exported here; importing this package registers ``"trl_mdi_probe"`` (via ``probe``).
+re-exported here (public names only); importing this package registers ``"trl_mdi_probe"`` (via ``probe``).
 """
 
-from .layout import QUERY_PHASES as QUERY_PHASES
-from .layout import _forward_tensors as _forward_tensors
-from .layout import _Layout as _Layout
-from .layout import _layout as _layout
-from .layout import image_token_ids as image_token_ids
-from .layout import template_text_exclusion_mask as template_text_exclusion_mask
-from .probe import _ACTIVE as _ACTIVE
-from .probe import PROBE_ATTN_IMPLEMENTATION as PROBE_ATTN_IMPLEMENTATION
-from .probe import _probe_attention_forward as _probe_attention_forward
-from .probe import _ProbeState as _ProbeState
-from .probe import _text_config as _text_config
-from .probe import measure_modality_attention as measure_modality_attention
-from .probe import probe_attention as probe_attention
-from .probe import unwrap_model as unwrap_model
-from .result import _COMPLETION as _COMPLETION
-from .result import _IMAGE as _IMAGE
-from .result import _PROMPT_TEXT as _PROMPT_TEXT
-from .result import _SPECIAL as _SPECIAL
-from .result import GROUPS as GROUPS
-from .result import ModalityAttention as ModalityAttention
-from .result import _opt as _opt
+from . import metrics
+from .layout import (
+    QUERY_PHASES,
+    TokenLayout,
+    forward_tensors,
+    image_token_ids,
+    template_text_exclusion_mask,
+    token_layout,
+    trailing_completion_layout,
+)
+from .probe import PROBE_ATTN_IMPLEMENTATION, measure_modality_attention, probe_attention, unwrap_model
+from .result import COMPLETION, GROUPS, IMAGE, PROMPT_TEXT, SPECIAL, ModalityAttention
+
+__all__ = [
+    "COMPLETION", "GROUPS", "IMAGE", "PROBE_ATTN_IMPLEMENTATION", "PROMPT_TEXT", "QUERY_PHASES", "SPECIAL",
+    "ModalityAttention", "TokenLayout", "forward_tensors", "image_token_ids", "measure_modality_attention", "metrics",
+    "probe_attention", "template_text_exclusion_mask", "token_layout", "trailing_completion_layout", "unwrap_model",
+]

@@ -64,7 +64,7 @@ def template_text_exclusion_mask(input_ids: torch.Tensor, tokenizer, image_ids: 
 
 
 @dataclass
-class _Layout:
+class TokenLayout:
     groups: torch.Tensor  # (B, L, G) float one-hot over valid keys
     query_mask: torch.Tensor  # (B, L) bool
     span: tuple[int, int]  # [q0, q1) holding every measured query
@@ -72,7 +72,7 @@ class _Layout:
     n_queries: torch.Tensor  # (B,)
 
 
-def _layout(
+def token_layout(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     completion_region: torch.Tensor,
@@ -81,7 +81,7 @@ def _layout(
     exclusion: torch.Tensor | None,
     phase: str,
     completion_queries: torch.Tensor | None = None,
-) -> _Layout:
+) -> TokenLayout:
     valid = attention_mask.bool()
     is_image = torch.isin(input_ids, torch.tensor(list(image_ids), device=input_ids.device, dtype=input_ids.dtype))
     if mm_token_type_ids is not None and mm_token_type_ids.shape == input_ids.shape:
@@ -105,11 +105,11 @@ def _layout(
         raise ValueError(f"query phase must be one of {QUERY_PHASES}, got {phase!r}")
     cols = queries.any(dim=0).nonzero()
     span = (int(cols.min()), int(cols.max()) + 1) if len(cols) else (0, 0)
-    return _Layout(groups.float(), queries, span, groups.sum(dim=1), queries.sum(dim=1))
+    return TokenLayout(groups.float(), queries, span, groups.sum(dim=1), queries.sum(dim=1))
 
 
 
-def _forward_tensors(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def forward_tensors(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     input_ids = kwargs.get("input_ids")
     if input_ids is None:
         raise ValueError("the attention probe needs input_ids in the model call (inputs_embeds alone hide image tokens)")
@@ -119,3 +119,18 @@ def _forward_tensors(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     if isinstance(attention_mask, dict) or attention_mask.dim() != 2:
         raise ValueError("the attention probe needs the 2-D (batch, seq) padding mask as attention_mask")
     return input_ids, attention_mask, kwargs.get("mm_token_type_ids")
+
+
+def trailing_completion_layout(completion_length: int, image_ids: Sequence[int], tokenizer=None):
+    """A probe ``layout_fn`` for forwards over ``prompt + completion`` whose last ``completion_length`` positions are
+    the completion (TRL's log-prob forward): those are the measured queries. With ``tokenizer``, special tokens and
+    the system turn are moved out of prompt text (``attention_text_keys="content"``)."""
+
+    def layout_fn(kwargs: dict) -> TokenLayout:
+        ids, am, mm = forward_tensors(kwargs)
+        region = torch.zeros_like(am, dtype=torch.bool)
+        region[:, ids.shape[1] - completion_length:] = True
+        excl = template_text_exclusion_mask(ids, tokenizer, image_ids) if tokenizer is not None else None
+        return token_layout(ids, am, region, image_ids, mm, excl, "completion")
+
+    return layout_fn

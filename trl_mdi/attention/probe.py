@@ -17,8 +17,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .layout import _forward_tensors, _Layout, _layout, image_token_ids, template_text_exclusion_mask
-from .result import _COMPLETION, _IMAGE, _PROMPT_TEXT, _SPECIAL, GROUPS, ModalityAttention
+from .layout import TokenLayout, forward_tensors, image_token_ids, template_text_exclusion_mask, token_layout
+from .result import COMPLETION, GROUPS, IMAGE, PROMPT_TEXT, SPECIAL, ModalityAttention
 
 PROBE_ATTN_IMPLEMENTATION = "trl_mdi_probe"
 
@@ -32,11 +32,11 @@ _ACTIVE: contextvars.ContextVar[_ProbeState | None] = contextvars.ContextVar("tr
 class _ProbeState:
     """Per-probe accumulator. One forward call of the model = one entry in ``calls``."""
 
-    def __init__(self, num_layers: int, layout_fn: Callable[[dict], _Layout], image_map_rows: Sequence[int]):
+    def __init__(self, num_layers: int, layout_fn: Callable[[dict], TokenLayout], image_map_rows: Sequence[int]):
         self.num_layers = num_layers
         self.layout_fn = layout_fn
         self.image_map_rows = list(image_map_rows)
-        self.calls: list[tuple[_Layout, torch.Tensor, dict[int, torch.Tensor]]] = []
+        self.calls: list[tuple[TokenLayout, torch.Tensor, dict[int, torch.Tensor]]] = []
         # Layers whose attention function ran: softmax-attention layers only (a hybrid model's linear-attention
         # layers never call it, so their masses stay NaN and they are left out of every segment).
         self.recorded_layers: set[int] = set()
@@ -95,8 +95,8 @@ class _ProbeState:
         layer_mass = per_query.sum(dim=1) / n_q[:, None]
         masses[:, layer] = torch.where(layout.n_queries[:, None].to(layer_mass.device) > 0, layer_mass, float("nan")).cpu()
         for local_row in self._map_rows:
-            maps.setdefault(local_row, torch.zeros(self.num_layers, int(layout.counts[local_row, _IMAGE])))
-            is_img = layout.groups[local_row, :, _IMAGE].bool()
+            maps.setdefault(local_row, torch.zeros(self.num_layers, int(layout.counts[local_row, IMAGE])))
+            is_img = layout.groups[local_row, :, IMAGE].bool()
             if not is_img.any():
                 continue
             # Per-image-token mass for this one row: a (H, q, n_image) slice, O(L) like the rest.
@@ -123,14 +123,14 @@ class _ProbeState:
             counts = layout.counts.cpu()
             parts.append(
                 ModalityAttention(
-                    image=masses[..., _IMAGE],
-                    prompt_text=masses[..., _PROMPT_TEXT],
-                    completion=masses[..., _COMPLETION],
-                    special=masses[..., _SPECIAL],
-                    n_image=counts[:, _IMAGE],
-                    n_prompt_text=counts[:, _PROMPT_TEXT],
-                    n_special=counts[:, _SPECIAL],
-                    n_completion=counts[:, _COMPLETION],
+                    image=masses[..., IMAGE],
+                    prompt_text=masses[..., PROMPT_TEXT],
+                    completion=masses[..., COMPLETION],
+                    special=masses[..., SPECIAL],
+                    n_image=counts[:, IMAGE],
+                    n_prompt_text=counts[:, PROMPT_TEXT],
+                    n_special=counts[:, SPECIAL],
+                    n_completion=counts[:, COMPLETION],
                     n_queries=layout.n_queries.cpu(),
                     image_token_mass=maps,
                     measured_layers=measured,
@@ -179,12 +179,12 @@ def _text_config(model: torch.nn.Module):
 @contextlib.contextmanager
 def probe_attention(
     model: torch.nn.Module,
-    layout_fn: Callable[[dict], _Layout],
+    layout_fn: Callable[[dict], TokenLayout],
     image_map_rows: Sequence[int] = (),
 ) -> Iterator[_ProbeState]:
     """Context manager: every forward of ``model`` inside the block is measured.
 
-    ``layout_fn(forward_kwargs) -> _Layout`` decides per forward call which keys are image / text /
+    ``layout_fn(forward_kwargs) -> TokenLayout`` decides per forward call which keys are image / text /
     completion and which queries are measured. Results accumulate over calls (chunked forwards), in
     order; read them with ``state.result()`` after the block.
     """
@@ -282,9 +282,9 @@ def measure_modality_attention(
     completion_region = pos >= first
     exclusion = template_text_exclusion_mask(input_ids, tokenizer, image_ids) if text_keys == "content" else None
 
-    def layout_fn(kwargs: dict) -> _Layout:
-        ids, am, mm = _forward_tensors(kwargs)
-        return _layout(ids, am, completion_region, image_ids, mm, exclusion, query_phase, completion_mask)
+    def layout_fn(kwargs: dict) -> TokenLayout:
+        ids, am, mm = forward_tensors(kwargs)
+        return token_layout(ids, am, completion_region, image_ids, mm, exclusion, query_phase, completion_mask)
 
     # The masses come from inside the layers: ask for one position of logits, not (B, L, vocab), which at a real
     # vocabulary (152k for Qwen2.5-VL) costs more memory than the whole rest of the forward.

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import metrics as M
+from . import metrics as M
 
 GROUPS = ("image", "prompt_text", "completion", "special")
-_IMAGE, _PROMPT_TEXT, _COMPLETION, _SPECIAL = range(len(GROUPS))
+IMAGE, PROMPT_TEXT, COMPLETION, SPECIAL = range(len(GROUPS))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -86,31 +86,6 @@ class ModalityAttention:
         seg = self.segments(segments)
         return M.segment_metrics(self.prompt_text, self.image, self.n_prompt_text, self.n_image, seg)
 
-    def rows(self, segments: str | dict | None = None, balance_ratio: float = 2.0) -> list[dict[str, float | None]]:
-        """Per-row plain-Python summaries (None where undefined), the form rewards and logs consume."""
-        seg = self.segment_metrics(segments)
-        balance = M.mdi_balance(seg["all"]["mdi"], balance_ratio)
-        blind = self.image_blind_layers()
-        out = []
-        for i in range(self.image.shape[0]):
-            row: dict[str, float | None] = {}
-            for name, vals in seg.items():
-                row[f"mdi_{name}"] = _opt(vals["mdi"][i])
-                row[f"aei_text_{name}"] = _opt(vals["aei_text"][i])
-                row[f"aei_image_{name}"] = _opt(vals["aei_image"][i])
-            row["mdi"] = row["mdi_all"]
-            row["mdi_balance"] = _opt(balance[i])
-            for g in GROUPS:
-                row[f"{g}_mass"] = _opt(getattr(self, g)[i, self.layers].mean())
-            row["n_image_blind_layers"] = int(blind[i])
-            row["n_image"] = int(self.n_image[i])
-            row["n_prompt_text"] = int(self.n_prompt_text[i])
-            row["n_special"] = int(self.n_special[i])
-            row["n_completion"] = int(self.n_completion[i])
-            row["n_queries"] = int(self.n_queries[i])
-            out.append(row)
-        return out
-
     @staticmethod
     def cat(parts: Sequence[ModalityAttention]) -> ModalityAttention:
         """Concatenate results along the batch (row indices of attention maps are shifted)."""
@@ -127,8 +102,3 @@ class ModalityAttention:
             **{n: torch.cat([getattr(p, n) for p in parts]) for n in names}, image_token_mass=maps,
             measured_layers=measured.pop(),
         )
-
-
-def _opt(x: torch.Tensor) -> float | None:
-    v = float(x)
-    return None if v != v else v  # NaN -> None

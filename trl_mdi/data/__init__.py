@@ -22,12 +22,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from .arguments import EVAL_SPLIT_CANDIDATES, DataArguments
 from .columns import (
     IMAGE_COLUMNS,
-    LABEL_COLUMNS,
     PROMPT_COLUMNS,
     DatasetError,
-    check_label_columns,
     image_column_of,
     prompt_column_of,
 )
@@ -46,8 +45,7 @@ from .sources import DATA_FILE_BUILDERS, Splits, open_dataset, parse_data_files,
 
 __all__ = [
     # columns
-    "IMAGE_COLUMNS", "PROMPT_COLUMNS", "LABEL_COLUMNS", "DatasetError", "image_column_of", "prompt_column_of",
-    "check_label_columns",
+    "IMAGE_COLUMNS", "PROMPT_COLUMNS", "DatasetError", "image_column_of", "prompt_column_of",
     # sources
     "DATA_FILE_BUILDERS", "split_of_file", "parse_data_files", "Splits", "open_dataset",
     # prepare
@@ -56,77 +54,6 @@ __all__ = [
     # here
     "EVAL_SPLIT_CANDIDATES", "DataArguments", "TrainingData", "load_training_data",
 ]  # fmt: skip
-
-EVAL_SPLIT_CANDIDATES = ("validation", "val", "eval", "dev", "test")
-"""Split names used for evaluation when --dataset_eval_split is not given, first present wins."""
-
-
-@dataclasses.dataclass
-class DataArguments:
-    """Where the training data comes from and how rows become GRPO prompts (flags of examples/scripts/grpo_vlm.py)."""
-
-    _argument_group_name = "data"
-
-    dataset_path: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "Training data: a local directory of data files (parquet/jsonl/json/csv; the split of each file "
-            "is read from its name: train, validation/val, test, sample_N, also under data/ or <split>/), a single "
-            "data file, a folder written by save_to_disk, or a Hub dataset name."
-        },
-    )
-    data_files: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": 'Data files per split: "train=a.parquet,validation=b.parquet", a JSON mapping '
-            '\'{"train": ["a.parquet"], "validation": "b.parquet"}\', or one path or glob (the train split). '
-            "Relative paths are resolved against --dataset_path when it is a directory; with --dataset_name they "
-            "select files of that Hub dataset."
-        },
-    )
-    dataset_name: str | None = dataclasses.field(
-        default=None,
-        metadata={"help": "Hub dataset name loaded with datasets.load_dataset (alternative to --dataset_path)."},
-    )
-    dataset_config: str | None = dataclasses.field(
-        default=None, metadata={"help": "Configuration name of a Hub dataset (the `name` of load_dataset)."}
-    )
-    dataset_train_split: str = dataclasses.field(
-        default="train", metadata={"help": "Split to train on, e.g. sample_200 for the prep script's sample."}
-    )
-    dataset_eval_split: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "Split to evaluate on when eval_strategy is not 'no'. Default: the first present of "
-            + ", ".join(EVAL_SPLIT_CANDIDATES)
-            + "."
-        },
-    )
-    eval_split_size: float = dataclasses.field(
-        default=0.0,
-        metadata={
-            "help": "Carve the eval set out of the train split instead: a fraction in (0, 1) or a row count >= 1 "
-            "(seeded by --seed). 0: use the data's eval split."
-        },
-    )
-    image_column: str | None = dataclasses.field(
-        default=None, metadata={"help": "Image column (default: 'image', else 'images' holding a list per row)."}
-    )
-    prompt_column: str | None = dataclasses.field(
-        default=None, metadata={"help": "Prompt text column (default: 'prompt', else 'problem')."}
-    )
-    max_image_side: int = dataclasses.field(
-        default=DEFAULT_MAX_IMAGE_SIDE,
-        metadata={
-            "help": "Drop rows with an image whose longer side exceeds this many pixels (0: keep all); the number "
-            "dropped is reported. Resizing for the model is the processor's job (--max_pixels)."
-        },
-    )
-    system_prompt: str | None = dataclasses.field(
-        default=DEFAULT_SYSTEM_PROMPT,
-        metadata={"help": "System prompt of every conversation; '' for none."},
-    )
-
 
 @dataclasses.dataclass
 class TrainingData:

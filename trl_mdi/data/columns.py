@@ -4,13 +4,12 @@ found or explained, and DatasetError, the error for data the user must fix.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 IMAGE_COLUMNS = ("image", "images")
 """Image columns TRL reads: ``image`` (one image per row) or ``images`` (a list per row)."""
 PROMPT_COLUMNS = ("prompt", "problem")
 """Prompt text columns, in order of preference: ``prompt`` (A-OKVQA prep output) or ``problem`` (math VQA)."""
-LABEL_COLUMNS = {"label_idx": "mc_idx (A-OKVQA prep output)", "solution": "accuracy (math VQA)"}
 """Label columns the registry rewards read, and which reward reads each."""
 
 
@@ -49,17 +48,3 @@ def prompt_column_of(columns: Sequence[str], explicit: str | None = None, split:
             raise DatasetError(f"{e}. This looks like raw A-OKVQA: convert it first with "
                                "data_prep/prepare_aokvqa_for_trl.py") from None
         raise
-
-
-def check_label_columns(reward_funcs: Sequence[Callable], columns: Sequence[str], split: str = "train") -> None:
-    """Raise DatasetError when a reward needs a dataset column (label) the split lacks, naming the label columns."""
-    from ..rewards import check_reward_columns
-
-    try:
-        check_reward_columns(reward_funcs, columns)
-    except ValueError as e:
-        labels = "; ".join(f"'{c}' for {r}" for c, r in LABEL_COLUMNS.items())
-        raise DatasetError(
-            f"split {split!r}: {e} Label columns: {labels}. For math data with 'solution' use "
-            "--reward_funcs accuracy think_format mdi_balance --reward_weights 4 1 1."
-        ) from None

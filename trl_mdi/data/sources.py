@@ -12,12 +12,10 @@ import json
 import os
 import re
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .arguments import DataArguments
 from .columns import DatasetError
-
-if TYPE_CHECKING:
-    from . import DataArguments
 
 DATA_FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
 """File extensions read from a directory or --data_files, and the ``datasets`` builder of each."""

@@ -22,7 +22,8 @@ _IMAGE_SPAN = re.compile(r"<\|vision_start\|>.*?<\|vision_end\|>|(?:<\|image_pad
 
 
 def _mean(values: Iterable[Any]) -> float | None:
-    vals = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    """Mean of the finite values (None and NaN are undefined, +inf MDI is counted elsewhere): None if there is none."""
+    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     return sum(vals) / len(vals) if vals else None
 
 
@@ -239,37 +240,25 @@ def _cell(v: Any) -> Any:
 # ---------------------------------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------------------------------
-_MEAN_KEYS = (("aei_text_all", "AEI text"), ("aei_image_all", "AEI vision"), ("balance", "balance"),
-              ("image_mass", "image mass"), ("prompt_text_mass", "prompt-text mass"),
-              ("completion_mass", "completion mass"), ("special_mass", "special mass"))
-
-
-def mdi_segments(rows: Iterable[dict]) -> list[str]:
-    """Segment names present in attention rows (keys ``mdi_<segment>``), "all" last.
-
-    >>> mdi_segments([{"mdi_early": 1.0, "mdi_all": 1.0, "mdi_balance": 0.5, "mdi_late": 2.0}])
-    ['early', 'late', 'all']
-    """
-    segs: list[str] = []
-    for row in rows:
-        segs += [k[4:] for k in row if k.startswith("mdi_") and k != "mdi_balance" and k[4:] not in segs]
-    return [s for s in segs if s != "all"] + (["all"] if "all" in segs else [])
-
-
 class AttentionLogWriter(StepLogFile):
-    """Per step: one table row per rollout (MDI per layer segment, AEI, token counts, balance), a summary,
-    trend lines of the mean MDI and balance over the run, and links to attention-map PNGs.
+    """Per step: one table row per rollout (the ``columns`` given: MDI per layer segment, AEI, token counts,
+    balance), a summary of the ``means``, trend lines of the mean MDI and balance over the run, and links to
+    attention-map PNGs.
 
-    Rows are the dicts of ``ModalityAttention.rows()`` plus ``balance`` (falls back to ``mdi_balance``) and
-    optionally ``group`` / ``index``. The trends are rebuilt on resume from the step blocks kept in the file.
+    Rows are per-rollout dicts keyed by signal name (``trl_mdi.signals.rollout_rows``), optionally with ``group`` /
+    ``index``; ``columns`` and ``means`` are ``(key, label)`` pairs (``trl_mdi.signals.log_columns`` /
+    ``log_means``). The trends read ``mdi`` and ``mdi_balance`` and are rebuilt on resume from the step blocks kept
+    in the file.
     """
 
     kind = "attention"
     title = "Attention diagnostics"
 
-    def __init__(self, path: str | os.PathLike, *, run_name: str | None = None, config: dict | None = None,
+    def __init__(self, path: str | os.PathLike, *, columns: Sequence[tuple[str, str]],
+                 means: Sequence[tuple[str, str]] = (), run_name: str | None = None, config: dict | None = None,
                  trend_width: int = 60, maps_dir: str | os.PathLike | None = None):
         super().__init__(path, run_name=run_name, config=config)
+        self.columns, self.means = list(columns), list(means)
         self.trend_width = trend_width
         self.maps_dir = Path(maps_dir) if maps_dir is not None else self.path.with_name(self.path.stem + "_maps")
 
@@ -285,21 +274,14 @@ class AttentionLogWriter(StepLogFile):
         if self.failed:
             self.dropped_writes += 1
             return False
-        segs = mdi_segments(rollouts)
         has_group = any("group" in r for r in rollouts)
-        header = ["#", *(["group"] if has_group else []), *[f"MDI {s}" for s in segs], "AEI text", "AEI vision",
-                  "balance", "n image", "n text", "n special", "n completion", "n queries"]
-        rows = []
-        for pos, r in enumerate(rollouts):
-            rows.append([r.get("index", pos), *([r.get("group")] if has_group else []),
-                         *[r.get(f"mdi_{s}") for s in segs], r.get("aei_text_all"), r.get("aei_image_all"),
-                         _balance(r), r.get("n_image"), r.get("n_prompt_text"), r.get("n_special"),
-                         r.get("n_completion"), r.get("n_queries")])
+        header = ["#", *(["group"] if has_group else []), *[label for _, label in self.columns]]
+        rows = [[r.get("index", pos), *([r.get("group")] if has_group else []), *[r.get(k) for k, _ in self.columns]]
+                for pos, r in enumerate(rollouts)]
         parts = [f"### Rollouts ({len(rollouts)})\n", md_table(header, rows), "### Step summary\n"]
         stat_rows = []
-        for key, label in [(f"mdi_{s}", f"MDI {s}") for s in segs] + list(_MEAN_KEYS):
-            vals = [_balance(r) if key == "balance" else r.get(key) for r in rollouts]
-            vals = [float(v) for v in vals if v is not None and not math.isnan(float(v))]
+        for key, label in self.means:
+            vals = [float(v) for v in (r.get(key) for r in rollouts) if v is not None and math.isfinite(float(v))]
             if vals:
                 stat_rows.append([label, sum(vals) / len(vals), min(vals), max(vals), len(vals)])
         parts.append(md_table(["metric", "mean", "min", "max", "n"], stat_rows))
@@ -308,7 +290,7 @@ class AttentionLogWriter(StepLogFile):
                   ["rows without measured queries", sum(1 for r in rollouts if r.get("n_queries") == 0)]]
         counts += [[k, _cell(v)] for k, v in (summary or {}).items()]
         parts.append(md_table(["count / extra", "value"], counts))
-        data = {"mdi": _mean(r.get("mdi", r.get("mdi_all")) for r in rollouts), "balance": _mean(map(_balance, rollouts))}
+        data = {"mdi": _mean(r.get("mdi") for r in rollouts), "balance": _mean(r.get("mdi_balance") for r in rollouts)}
         history = [d for _, d in self.records] + [data]
         parts.append(trend_line([d.get("mdi") for d in history], self.trend_width, "Mean MDI trend:") + "  ")
         parts.append(trend_line([d.get("balance") for d in history], self.trend_width, "Mean balance trend:") + "\n")
@@ -320,7 +302,3 @@ class AttentionLogWriter(StepLogFile):
                     rel = Path(os.path.relpath(rel, self.path.parent))
                 parts.append(f"![attention map, step {int(step)}, rollout {int(idx)}]({quote(rel.as_posix())})\n")
         return self._write_block(step, epoch, "\n".join(parts), data)
-
-
-def _balance(r: dict) -> Any:
-    return r.get("balance", r.get("mdi_balance"))

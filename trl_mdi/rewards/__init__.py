@@ -14,10 +14,12 @@ leaves it out of that reward). Completions may be strings or message lists
 
 A reward states what it needs as named parameters without defaults; ``required_reward_inputs`` reads
 them from the signature, so a custom reward given by import path is checked the same way
-(``check_reward_columns``) and a plain GRPOTrainer that does not provide ``mdi_balance`` fails loudly.
+(``trl_mdi.rewards.inputs.check_reward_inputs``) and a plain GRPOTrainer that does not provide ``mdi_balance``
+fails loudly.
 
-Pure tensor helpers the trainer calls: ``group_relative_mdi_score`` (computes ``mdi_group_score``) and
-``zero_spread_fraction`` (logged as ``rewards/<name>/zero_spread_frac``).
+``zero_spread_fraction`` (logged as ``rewards/<name>/zero_spread_frac``) is a pure tensor helper the trainer calls;
+the per-rollout fields the MDI rewards read (``mdi_balance``, ``mdi_group_score``, ...) are computed in
+``trl_mdi.signals``.
 
 Layout: ``parsing`` (completion text, answer letters), ``functions`` (the rewards), ``groups`` (group
 helpers), ``registry`` (names, defaults, resolution). Everything is re-exported here, so
@@ -31,7 +33,7 @@ from .functions import (
     mdi_group_reward,
     think_format_reward,
 )
-from .groups import group_relative_mdi_score, zero_spread_fraction
+from .groups import zero_spread_fraction
 from .parsing import LETTERS as LETTERS
 from .parsing import completion_text, extract_choice_letter
 from .registry import (
@@ -39,8 +41,6 @@ from .registry import (
     DEFAULT_REWARDS,
     REQUIRED_COLUMNS,
     REWARD_REGISTRY,
-    TRAINER_FIELDS,
-    check_reward_columns,
     required_reward_inputs,
     resolve_rewards,
     reward_help,
@@ -55,12 +55,9 @@ __all__ = [
     "DEFAULT_REWARD_WEIGHTS",
     "REQUIRED_COLUMNS",
     "REWARD_REGISTRY",
-    "TRAINER_FIELDS",
     "accuracy_reward",
-    "check_reward_columns",
     "completion_text",
     "extract_choice_letter",
-    "group_relative_mdi_score",
     "mc_idx_reward",
     "mdi_balance_reward",
     "mdi_group_reward",

@@ -7,6 +7,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..signals import reward_field_pattern
 from .functions import (
     accuracy_reward,
     mc_idx_reward,
@@ -20,9 +21,7 @@ __all__ = [
     "DEFAULT_REWARD_WEIGHTS",
     "REQUIRED_COLUMNS",
     "REWARD_REGISTRY",
-    "TRAINER_FIELDS",
     "TRL_PROVIDED",
-    "check_reward_columns",
     "default_reward_stack",
     "required_reward_inputs",
     "resolve_reward_funcs",
@@ -36,8 +35,6 @@ TRL_PROVIDED = frozenset(
     {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments"}
 )
 
-# Per-rollout values our trainer computes and adds to every input row before the rewards run.
-TRAINER_FIELDS: tuple[str, ...] = ("mdi_balance", "mdi_group_score")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -61,7 +58,7 @@ REQUIRED_COLUMNS: dict[str, str] = {"mc_idx": "label_idx", "accuracy": "solution
 def required_reward_inputs(reward_func: Callable) -> tuple[str, ...]:
     """Named inputs a reward needs: its parameters without defaults, minus what TRL always passes.
 
-    Each is either a trainer field (``TRAINER_FIELDS``) or a dataset column.
+    Each is either a per-rollout signal the trainer provides (``trl_mdi.signals``) or a dataset column.
 
     >>> required_reward_inputs(mc_idx_reward), required_reward_inputs(mdi_balance_reward)
     (('label_idx',), ('mdi_balance',))
@@ -74,21 +71,6 @@ def required_reward_inputs(reward_func: Callable) -> tuple[str, ...]:
         and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
         and p.name not in TRL_PROVIDED
     )
-
-
-def check_reward_columns(reward_funcs: Sequence[Callable], column_names: Sequence[str]) -> None:
-    """Raise ValueError when a reward needs a dataset column the dataset lacks (trainer fields aside).
-
-    >>> check_reward_columns([mc_idx_reward, mdi_balance_reward], ["prompt", "image", "label_idx"])
-    """
-    available = set(column_names)
-    problems = []
-    for fn in reward_funcs:
-        missing = [c for c in required_reward_inputs(fn) if c not in TRAINER_FIELDS and c not in available]
-        if missing:
-            problems.append(f"reward {fn.__name__!r} needs column(s) {missing}")
-    if problems:
-        raise ValueError("; ".join(problems) + f". The dataset has columns {sorted(available)}.")
 
 
 def _import_reward(path: str) -> Callable:
@@ -187,8 +169,8 @@ def reward_help() -> str:
     ]
     for name, fn in REWARD_REGISTRY.items():
         needs = required_reward_inputs(fn)
-        columns = [n for n in needs if n not in TRAINER_FIELDS]
-        fields = [n for n in needs if n in TRAINER_FIELDS]
+        columns = [n for n in needs if not reward_field_pattern(n)]
+        fields = [n for n in needs if reward_field_pattern(n)]
         notes = ([f"dataset column: {', '.join(columns)}"] if columns else []) + (
             [f"computed by the trainer: {', '.join(fields)}"] if fields else []
         )

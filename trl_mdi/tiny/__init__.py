@@ -49,7 +49,7 @@ import torch
 
 from ..data import DEFAULT_SYSTEM_PROMPT as DEFAULT_SYSTEM_PROMPT  # importable from here, as before
 from . import archs, families, gemma4_family
-from .archs import _mrope_section as _mrope_section  # tests call it as tiny._mrope_section
+from .archs import mrope_section as mrope_section  # tests call it as tiny.mrope_section
 from .resolve import resolve_size
 from .saving import check_out_dir, save_model_atomically
 from .sizes import TEXT_TASKS, TINY_ARCHS, TinyTextSize, TinyVLMSize, check_arch

@@ -40,7 +40,7 @@ MODEL_CLASSES = {
 }
 
 
-def _mrope_section(arch: str, head_dim: int) -> list[int]:
+def mrope_section(arch: str, head_dim: int) -> list[int]:
     """Split head_dim/2 rotary frequencies over (time, height, width), in the real models' proportions.
 
     transformers' default ([16, 24, 24] for Qwen2/2.5-VL, [24, 20, 20] for Qwen3-VL) assumes
@@ -82,7 +82,7 @@ def _qwen_config(arch: str, size: TinyVLMSize, tok: PreTrainedTokenizerFast):
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": 1_000_000.0 if arch != "qwen3_vl" else 5_000_000.0,
-            "mrope_section": _mrope_section(arch, head_dim),
+            "mrope_section": mrope_section(arch, head_dim),
         },
         # The defaults are the real 150k-vocab ids, out of range here. Like the real configs, bos
         # is <|endoftext|> (which is also our pad token); Qwen prompts never start with it.

@@ -38,7 +38,7 @@ GEMMA4_POOL = 2
 GEMMA4_MAX_SOFT_TOKENS = 70
 
 # The archs whose images are resized to one fixed square (image_size), and their (image_size, patch) defaults.
-_FIXED_IMAGE_DEFAULTS = {"gemma3": (32, 8), "llava_next": (32, 16), "smolvlm": (32, 8)}
+FIXED_IMAGE_DEFAULTS = {"gemma3": (32, 8), "llava_next": (32, 16), "smolvlm": (32, 8)}
 # Archs that mix a cheap layer kind with full (softmax, global) attention, and the cheap kind's name.
 HYBRID_LAYER_KIND = {
     "qwen3_5": "linear_attention",
@@ -49,11 +49,11 @@ HYBRID_LAYER_KIND = {
 SLIDING_WINDOW_ARCHS = ("gemma3", "gemma4")
 MOE_ARCHS = ("qwen3_5_moe",)
 # With interval 2: two full-attention layers.
-_DEFAULT_NUM_LAYERS = {"qwen3_5": 4, "gemma3": 4, "qwen3_5_moe": 4, "gemma4": 4}
-_DEFAULT_FULL_ATTENTION_INTERVAL = 2
-_DEFAULT_SLIDING_WINDOW = 512
-_DEFAULT_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-_GEMMA4_DEFAULT_PATCH = 4  # a square image is resized to 8 * GEMMA4_POOL * patch = 64 pixels a side
+DEFAULT_NUM_LAYERS = {"qwen3_5": 4, "gemma3": 4, "qwen3_5_moe": 4, "gemma4": 4}
+DEFAULT_FULL_ATTENTION_INTERVAL = 2
+DEFAULT_SLIDING_WINDOW = 512
+DEFAULT_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+GEMMA4_DEFAULT_PATCH = 4  # a square image is resized to 8 * GEMMA4_POOL * patch = 64 pixels a side
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +124,7 @@ class TinyVLMSize:
         default=None,
         metadata={
             "help": "SmolVLM, Gemma 3, LLaVA-NeXT, Gemma 4: vision patch side in pixels. Default 8 (llava_next: 16; "
-            f"gemma4: {_GEMMA4_DEFAULT_PATCH}, where images are resized to 8 * {GEMMA4_POOL} * patch pixels a side "
+            f"gemma4: {GEMMA4_DEFAULT_PATCH}, where images are resized to 8 * {GEMMA4_POOL} * patch pixels a side "
             "if square)."
         },
     )
@@ -141,27 +141,27 @@ class TinyVLMSize:
         default=None,
         metadata={
             "help": "gemma3 and gemma4 only: how many most recent tokens (itself included) a sliding-attention "
-            f"layer's query sees. Default {_DEFAULT_SLIDING_WINDOW}; set it below the prompt length to cut the image off."
+            f"layer's query sees. Default {DEFAULT_SLIDING_WINDOW}; set it below the prompt length to cut the image off."
         },
     )
     num_experts: int | None = dataclasses.field(
         default=None,
         metadata={
-            "help": f"qwen3_5_moe only: routed experts per MoE layer. Default {_DEFAULT_MOE['num_experts']}."
+            "help": f"qwen3_5_moe only: routed experts per MoE layer. Default {DEFAULT_MOE['num_experts']}."
         },
     )
     num_experts_per_tok: int | None = dataclasses.field(
         default=None,
         metadata={
             "help": "qwen3_5_moe only: experts each token is routed to (top-k); at most num_experts. "
-            f"Default {_DEFAULT_MOE['num_experts_per_tok']}."
+            f"Default {DEFAULT_MOE['num_experts_per_tok']}."
         },
     )
     moe_intermediate_size: int | None = dataclasses.field(
         default=None,
         metadata={
             "help": "qwen3_5_moe only: MLP width of each routed expert and of the shared expert. "
-            f"Default {_DEFAULT_MOE['moe_intermediate_size']}."
+            f"Default {DEFAULT_MOE['moe_intermediate_size']}."
         },
     )
 
@@ -184,55 +184,55 @@ class TinyTextSize:
     )
 
 
-def _fail(problem: str, fix: str) -> None:
+def fail(problem: str, fix: str) -> None:
     raise ValueError(f"{problem}. Fix: {fix}.")
 
 
 def check_arch(arch: str) -> None:
     if arch not in TINY_ARCHS:
-        _fail(f"unknown tiny VLM arch {arch!r}", f"use one of {', '.join(TINY_ARCHS)}")
+        fail(f"unknown tiny VLM arch {arch!r}", f"use one of {', '.join(TINY_ARCHS)}")
 
 
 def check_text_task(task: str) -> None:
     if task not in TEXT_TASKS:
-        _fail(f"unknown tiny text model task {task!r}", f"use one of {', '.join(TEXT_TASKS)}")
+        fail(f"unknown tiny text model task {task!r}", f"use one of {', '.join(TEXT_TASKS)}")
 
 
-def _check_divides(size: Any, whole: str, part: str, fix: str) -> None:
+def check_divides(size: Any, whole: str, part: str, fix: str) -> None:
     if getattr(size, whole) % getattr(size, part):
-        _fail(f"{whole} {getattr(size, whole)} is not divisible by {part} {getattr(size, part)}", fix)
+        fail(f"{whole} {getattr(size, whole)} is not divisible by {part} {getattr(size, part)}", fix)
 
 
-def _merge(cls: type, overrides: dict[str, Any], what: str):
+def merge(cls: type, overrides: dict[str, Any], what: str):
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(overrides) - known)
     if unknown:
-        _fail(f"unknown {what} knob(s) {unknown}", f"use only {sorted(known)}")
+        fail(f"unknown {what} knob(s) {unknown}", f"use only {sorted(known)}")
     return cls(**overrides)
 
 
-def _check_positive_ints(size: Any) -> None:
+def check_positive_ints(size: Any) -> None:
     for f in dataclasses.fields(size):
         value = getattr(size, f.name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            _fail(
+            fail(
                 f"{f.name} must be a positive integer, got {value!r}", f"pass e.g. {f.name}={f.default or 1}"
             )
 
 
-def _check_text_shape(size: Any, rotary_min_head_dim: int) -> None:
+def check_text_shape(size: Any, rotary_min_head_dim: int) -> None:
     """The text-decoder checks every arch shares: heads divide evenly, head_dim fits rotary embeddings."""
-    _check_divides(
+    check_divides(
         size, "hidden_size", "num_heads",
         "choose num_heads that divides hidden_size (e.g. hidden_size=256 with num_heads=8)",
     )  # fmt: skip
-    _check_divides(
+    check_divides(
         size, "num_heads", "num_kv_heads",
         "choose num_kv_heads that divides num_heads (e.g. num_heads=8 with num_kv_heads=2)",
     )  # fmt: skip
     head_dim = size.hidden_size // size.num_heads
     if head_dim % 2 or head_dim < rotary_min_head_dim:
-        _fail(
+        fail(
             f"text head_dim = hidden_size/num_heads = {head_dim} is too small or odd for rotary embeddings",
             "make hidden_size/num_heads even and at least 8 (e.g. hidden_size=64, num_heads=4 gives 16)",
         )
@@ -240,7 +240,7 @@ def _check_text_shape(size: Any, rotary_min_head_dim: int) -> None:
 
 def resolve_text_size(overrides: dict[str, Any]) -> TinyTextSize:
     """Merge overrides into the `TinyTextSize` defaults and validate them."""
-    size = _merge(TinyTextSize, overrides, "text model size")
-    _check_positive_ints(size)
-    _check_text_shape(size, rotary_min_head_dim=8)
+    size = merge(TinyTextSize, overrides, "text model size")
+    check_positive_ints(size)
+    check_text_shape(size, rotary_min_head_dim=8)
     return size

@@ -33,13 +33,6 @@ DEFAULT_SEGMENTS = "thirds"
 SEGMENT_NAMES_THIRDS = ("early", "middle", "late")
 
 
-# Per-rollout fields the trainer hands to reward functions, besides one ``mdi_<segment>`` per layer segment.
-PER_ROLLOUT_FIELDS = ("mdi", "mdi_balance", "mdi_group_score", "aei_text", "aei_image")
-# A segment called "balance" would write ``mdi_balance`` over the balance field (likewise "group_score"); "all" is
-# the segment of every measured layer.
-RESERVED_SEGMENT_NAMES = ("all", *(f[len("mdi_"):] for f in PER_ROLLOUT_FIELDS if f.startswith("mdi_")))
-
-
 def _parse_segments(num_layers: int, spec: str | dict[str, list[int]] | None) -> dict[str, list[int]] | None:
     """Explicit segments in the model's layer numbering; None for ``"thirds"`` (formed over measured layers)."""
     spec = DEFAULT_SEGMENTS if spec is None else spec
@@ -77,21 +70,21 @@ def _parse_segments(num_layers: int, spec: str | dict[str, list[int]] | None) ->
 
 
 def check_segment_name(name: str) -> None:
-    """ValueError for a segment name whose ``mdi_<name>`` field would collide with another per-rollout field.
+    """ValueError for the one name this module reserves: ``all`` is the segment of every measured layer.
 
-    >>> check_segment_name("late")
-    >>> check_segment_name("balance")
-    Traceback (most recent call last):
-    ...
-    ValueError: segment name 'balance' is reserved: its field mdi_balance is already a per-rollout field (reserved: all, balance, group_score); rename the segment
+    (Names that would collide with other per-rollout fields are refused by ``trl_mdi.signals``.)
     """
     if name == "all":
         raise ValueError("segment name 'all' is reserved: it always covers every measured layer")
-    if name in RESERVED_SEGMENT_NAMES:
-        raise ValueError(
-            f"segment name {name!r} is reserved: its field mdi_{name} is already a per-rollout field (reserved: "
-            f"{', '.join(RESERVED_SEGMENT_NAMES)}); rename the segment"
-        )
+
+
+def explicit_segment_names(spec: str | dict[str, list[int]] | None) -> list[str]:
+    """The names an explicit spec declares ([] for ``"thirds"``, whose names depend on the layer count).
+
+    >>> explicit_segment_names("early:0-3,late:-2--1"), explicit_segment_names("thirds")
+    (['early', 'late'], [])
+    """
+    return list(_parse_segments(10**6, spec) or {})
 
 
 def layer_segments(

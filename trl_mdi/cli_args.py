@@ -1,0 +1,180 @@
+"""The entry point's arguments: TrlParser over ScriptArguments, MDIGRPOConfig, ModelConfig and DataArguments, with
+the recommended / CPU defaults installed as parser defaults and the provenance of every value (``ParsedRun``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .config import MDIGRPOConfig
+from .data import DataArguments
+
+SOURCE_CLI, SOURCE_YAML, SOURCE_OURS, SOURCE_LIBRARY = "cli", "yaml", "trl_mdi default", ""
+
+RECOMMENDED_DEFAULTS: dict[str, Any] = {
+    "loss_type": "dapo",  # TRL 1.16's default too; pinned so a TRL release cannot change it under us
+    "epsilon_high": 0.28,  # DAPO clip-higher
+    "mask_truncated_completions": True,  # a cut-off completion has no answer: keep it out of the loss
+}
+"""GRPO settings recommended by the product brief, installed as parser defaults (a flag or YAML key wins)."""
+
+CPU_DEFAULTS: dict[str, Any] = {"bf16": False}
+"""Parser defaults on a machine without CUDA / XPU / MPS."""
+CPU_MULTIPROCESS_DEFAULTS: dict[str, Any] = {"ddp_backend": "gloo"}
+"""Parser defaults on such a machine when launched with several processes (WORLD_SIZE > 1). Not for a single
+process: there, an explicit backend makes accelerate query a process group that was never created."""
+CPU_DDP_DEFAULTS: dict[str, Any] = {"use_cpu": True}
+"""Added for a multi-process CPU run without DeepSpeed (accelerate_configs/cpu_ddp.yaml): without use_cpu the
+processes run but never gather from each other (2 rollouts where 4 were expected)."""
+
+
+
+class UsageError(ValueError):
+    """A flag combination or input the user must fix; the script prints it without a traceback and exits with 2."""
+
+
+class ModelCheckError(UsageError):
+    """The model (or its processor) cannot be trained by this script."""
+
+
+@dataclasses.dataclass
+class ScriptArguments:
+    """Flags of the script itself (the processor's pixel budget, dry run)."""
+
+    _argument_group_name = "script"
+
+    min_pixels: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Smallest image size in pixels (height x width) the processor resizes to, for Qwen-VL-style "
+                  "processors (default: the processor's own)."},
+    )
+    max_pixels: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Largest image size in pixels the processor resizes to (e.g. 401408 = 512*28*28), for "
+                  "Qwen-VL-style processors: caps the image tokens per prompt (default: the processor's own)."},
+    )
+    eval_only: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "Measure without training: generate on the eval split, compute every reward and the "
+                  "attention metrics, write the Markdown logs and output_dir/eval_summary.json (accuracy, mean MDI "
+                  "per segment). Use it on a base model or a checkpoint (--model_name_or_path DIR)."},
+    )
+    dry_run: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "Check the model config, processor and data, print the effective configuration, and exit "
+                  "without loading weights or training."},
+    )
+
+
+@dataclasses.dataclass
+class ParsedRun:
+    """Parsed arguments plus, for every flag name, where its value came from (see ``SOURCE_*``)."""
+
+    script: ScriptArguments
+    training: MDIGRPOConfig
+    model: Any  # trl.ModelConfig
+    data: DataArguments
+    sources: dict[str, str]
+    config_file: str | None = None
+
+    def source(self, name: str) -> str:
+        return self.sources.get(name, SOURCE_LIBRARY)
+
+
+# ---------------------------------------------------------------------------------------------------- parsing
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the line breaks of multi-line help texts (the reward list) and wraps each line."""
+
+    def _split_lines(self, text, width):
+        lines = []
+        for line in text.splitlines():
+            lines += super()._split_lines(line, width) or [""]
+        return lines
+
+
+def _cpu_only() -> bool:
+    import torch
+
+    xpu = getattr(torch, "xpu", None)
+    mps = getattr(torch.backends, "mps", None)
+    return not (
+        torch.cuda.is_available()
+        or (xpu is not None and xpu.is_available())
+        or (mps is not None and mps.is_available())
+    )
+
+
+def script_defaults() -> dict[str, Any]:
+    """The defaults this script installs on top of the dataclasses' (they only apply to flags the user left unset)."""
+    defaults = dict(RECOMMENDED_DEFAULTS)
+    if _cpu_only():
+        defaults.update(CPU_DEFAULTS)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            defaults.update(CPU_MULTIPROCESS_DEFAULTS)
+            if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+                defaults.update(CPU_DDP_DEFAULTS)
+    return defaults
+
+
+def build_parser():
+    """TrlParser over (ScriptArguments, MDIGRPOConfig, ModelConfig, DataArguments) with the script defaults."""
+    from trl import ModelConfig, TrlParser
+
+    # allow_abbrev=False: "--epsilon 0.3" must not be read as some other flag that starts the same way.
+    parser = TrlParser((ScriptArguments, MDIGRPOConfig, ModelConfig, DataArguments), allow_abbrev=False,
+                       formatter_class=_HelpFormatter,
+                       description="GRPO for vision-language models with MDI/AEI attention metrics (trl_mdi). "
+                       "Every flag can also be set in a YAML file given with --config; flags on the command line "
+                       "win over the file.")
+    parser.set_defaults(**script_defaults())
+    return parser
+
+
+def _cli_dests(parser, argv: Sequence[str]) -> set[str]:
+    options = {opt: action.dest for action in parser._actions for opt in action.option_strings}
+    return {options[tok.split("=", 1)[0]] for tok in argv if tok.startswith("-") and tok.split("=", 1)[0] in options}
+
+
+def _yaml_keys(argv: Sequence[str]) -> tuple[str | None, set[str]]:
+    import yaml
+
+    if "--config" not in argv:
+        return None, set()
+    i = list(argv).index("--config")
+    if i + 1 >= len(argv):
+        raise ValueError("--config needs a YAML file path")
+    path = argv[i + 1]
+    try:
+        with open(path) as fh:
+            content = yaml.safe_load(fh)
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"cannot read --config {path!r}: {e}") from None
+    return path, set(content) - {"env"} if isinstance(content, dict) else set()
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ParsedRun:
+    """Parse flags and the --config YAML file; raises ValueError for unknown flags or keys and invalid values."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    config_file, yaml_keys = _yaml_keys(argv)
+    cli = _cli_dests(parser, argv)
+    ours = set(script_defaults())
+    script, training, model, data = parser.parse_args_and_config(argv)
+    names = {f.name for dc in (script, training, model, data) for f in dataclasses.fields(dc)}
+    sources = {}
+    for name in names:
+        if name in cli:
+            sources[name] = SOURCE_CLI
+        elif name in yaml_keys:
+            sources[name] = SOURCE_YAML
+        elif name in ours:
+            sources[name] = SOURCE_OURS
+    return ParsedRun(script, training, model, data, sources, config_file)
+
+

@@ -1,0 +1,145 @@
+"""The entry point's checks before any weight is loaded: the model is a VLM, LoRA has targets, the segments fit
+the model, the processor's pixel budget, and every reward's inputs exist."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+from .cli_args import ModelCheckError, ParsedRun, UsageError
+from .data import DatasetError, TrainingData
+
+# ------------------------------------------------------------------------------------------ model and processor
+
+
+def check_vlm(model_name_or_path: str | None, *, revision: str | None = None, trust_remote_code: bool = False):
+    """The model's config, after checking it describes an image-text-to-text model; ModelCheckError otherwise."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    if not model_name_or_path:
+        raise ModelCheckError("no model given: pass --model_name_or_path (a local folder or a Hub id such as "
+                              "Qwen/Qwen2.5-VL-3B-Instruct)")
+    local = os.path.isabs(model_name_or_path) or model_name_or_path.startswith((".", "~"))
+    if local and not os.path.exists(os.path.expanduser(model_name_or_path)):
+        raise ModelCheckError(f"model path {model_name_or_path!r} does not exist")
+    try:
+        config = AutoConfig.from_pretrained(model_name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    except Exception as e:  # OSError, ValueError, ...: one clear message either way
+        raise ModelCheckError(f"cannot read a model config from {model_name_or_path!r} ({type(e).__name__}: {e}). "
+                              "Give a folder holding config.json, or a Hub model id (needs network).") from e
+    what = f"model_type {config.model_type!r}, architectures {getattr(config, 'architectures', None)}"
+    if getattr(config, "vision_config", None) is None:
+        raise ModelCheckError(
+            f"{model_name_or_path!r} is not a vision-language model: its config ({what}) has no vision_config. "
+            "trl_mdi trains image-text models such as Qwen2.5-VL (e.g. Qwen/Qwen2.5-VL-3B-Instruct)."
+        )
+    if not trust_remote_code and config.model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        raise ModelCheckError(
+            f"{model_name_or_path!r} has a vision config but no image-text-to-text model class in transformers "
+            f"({what}): it cannot generate text from images. Use a VLM such as Qwen2.5-VL."
+        )
+    return config
+
+
+def check_segments(training_args, config) -> None:
+    """--attention_layer_segments against the model's real layers (ranges, softmax-attention layers), as the trainer
+    will check them, so that --dry_run catches 'early:0-99' on a 3-layer model."""
+    from .attention.model_facts import model_facts
+    from .drop_in import model_segment_names
+
+    facts = model_facts(config)
+    if not facts.is_vlm or training_args.compute_attention_metrics is False:
+        return
+    probe = copy.copy(training_args)  # the check must not decide the flag for the trainer
+    probe.compute_attention_metrics = True
+    try:
+        model_segment_names(probe, facts)
+    except ValueError as e:
+        raise UsageError(f"--{e}") from None
+
+
+def check_peft(model_args, config) -> None:
+    """--use_peft without target modules fails deep inside PEFT for VLMs it has no default for: say so up front."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULT_TARGETS
+
+    if not model_args.use_peft or model_args.lora_target_modules or model_args.lora_target_parameters:
+        return
+    if config.model_type not in DEFAULT_TARGETS:
+        raise ModelCheckError(
+            f"--use_peft: PEFT has no default LoRA target modules for model_type {config.model_type!r}; pass "
+            "--lora_target_modules, e.g. q_proj k_proj v_proj o_proj (the language model's attention projections; "
+            "Qwen-VL vision blocks name theirs qkv / proj) or all-linear (every linear layer but the output head, "
+            "vision tower included)"
+        )
+
+
+def load_processor(model_name_or_path: str, *, revision: str | None = None, trust_remote_code: bool = False,
+                   min_pixels: int | None = None, max_pixels: int | None = None):
+    """AutoProcessor, with the image pixel budget replaced when min_pixels / max_pixels are given.
+
+    Only Qwen-VL-style image processors (a ``merge_size`` and a size in total pixels, shortest_edge / longest_edge)
+    have a pixel budget; for any other the flags are an error rather than silently ignored.
+    """
+    from transformers import AutoProcessor
+
+    kwargs = {"revision": revision, "trust_remote_code": trust_remote_code}
+    processor = AutoProcessor.from_pretrained(model_name_or_path, **kwargs)
+    if min_pixels is None and max_pixels is None:
+        return processor
+    image_processor = getattr(processor, "image_processor", None)
+    size = getattr(image_processor, "size", None)
+    lo, hi = getattr(size, "shortest_edge", None), getattr(size, "longest_edge", None)
+    if image_processor is None or not hasattr(image_processor, "merge_size") or lo is None or hi is None:
+        raise ModelCheckError(
+            f"--min_pixels / --max_pixels set the pixel budget of Qwen-VL-style image processors; "
+            f"{type(image_processor).__name__} has size {size}. Drop the flags for this model."
+        )
+    lo, hi = min_pixels or lo, max_pixels or hi
+    if lo > hi:
+        raise ModelCheckError(f"min_pixels {lo} is larger than max_pixels {hi}")
+    return AutoProcessor.from_pretrained(model_name_or_path, size={"shortest_edge": lo, "longest_edge": hi}, **kwargs)
+
+
+def model_init_kwargs(model_args, training_args) -> dict[str, Any]:
+    """from_pretrained kwargs from ModelConfig (revision, dtype, attn_implementation); --model_init_kwargs wins."""
+    kwargs: dict[str, Any] = {"revision": model_args.model_revision, "dtype": model_args.dtype}
+    if model_args.attn_implementation:
+        kwargs["attn_implementation"] = model_args.attn_implementation
+    kwargs.update(training_args.model_init_kwargs or {})
+    return kwargs
+
+
+def effective_rewards(training_args) -> tuple[list[str], list[float] | None]:
+    """Reward names and weights the trainer will use (the same defaulting as MDIGRPOTrainer)."""
+    from .rewards import default_reward_stack
+
+    return default_reward_stack(training_args.reward_funcs, training_args.reward_weights)
+
+
+def check_reward_data(run: ParsedRun, data: TrainingData, model_config) -> None:
+    """The trainer's reward-input check (trl_mdi.rewards.inputs), run before any weight is loaded."""
+    from .attention.metrics import segment_names
+    from .attention.model_facts import model_facts
+    from .rewards import resolve_rewards
+    from .rewards.inputs import check_reward_inputs
+
+    names, weights = effective_rewards(run.training)
+    functions = [n for n in names if "/" not in n or ":" in n]  # the others are reward model ids, loaded by TRL
+    try:
+        funcs = resolve_rewards(functions, weights if len(functions) == len(names) else None)[0]
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"--reward_funcs / --reward_weights: {e}") from None
+    attention = run.training.compute_attention_metrics is not False  # None = on: the entry point only takes VLMs
+    facts = model_facts(model_config)
+    segments = (segment_names(facts.num_layers, run.training.attention_layer_segments, list(facts.measured_layers))
+                if attention and facts.is_vlm else [])
+    splits = {data.train_split: data.train.column_names, **({"eval": data.eval.column_names} if data.eval else {})}
+    try:
+        check_reward_inputs(funcs, splits, attention=attention, segments=segments)
+    except ValueError as e:
+        raise DatasetError(f"{e} For math data with 'solution' use --reward_funcs accuracy think_format mdi_balance "
+                           "--reward_weights 4 1 1.") from None
+
+

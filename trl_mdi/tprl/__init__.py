@@ -1,0 +1,28 @@
+"""TPRL: VPPO's token gradient filtering (TGF) and trajectory advantage shaping (TAS), for MDIGRPOTrainer.
+
+Layout: ``formulas`` (pure tensor functions: token visual dependency, per-sequence top-p masks, trajectory
+scaling), ``perturb`` (the seeded image perturbations I' that visual dependency is measured against), ``apply``
+(the masks and multipliers applied to TRL's output). The names below are the package's public API.
+"""
+
+from .apply import apply_tprl
+from .formulas import (
+    DEGENERATE_SPREAD,
+    LOG_RATIO_CLAMP,
+    SCORE_CLAMP,
+    TrajectoryScaling,
+    combine_masks,
+    sequence_mean,
+    token_visual_dependency,
+    top_p_token_mask,
+    trajectory_scaling,
+    validate_scaling_min,
+    validate_top_p,
+)
+from .perturb import PERTURBATIONS, check_perturbation, image_generator, perturb_image, perturb_images
+
+__all__ = [
+    "DEGENERATE_SPREAD", "LOG_RATIO_CLAMP", "PERTURBATIONS", "SCORE_CLAMP", "TrajectoryScaling", "apply_tprl",
+    "check_perturbation", "combine_masks", "image_generator", "perturb_image", "perturb_images", "sequence_mean",
+    "token_visual_dependency", "top_p_token_mask", "trajectory_scaling", "validate_scaling_min", "validate_top_p",
+]
