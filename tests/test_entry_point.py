@@ -294,11 +294,11 @@ def test_two_process_zero3_run(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path):
 
 
 def readme_training_commands() -> list[list[str]]:
-    """The grpo_vlm.py flags of every command in the README's "Training on GPUs" section."""
+    """The grpo_vlm.py flags of every command in the "Training on GPUs" section of docs/training.md."""
     import re
     import shlex
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "training.md").read_text()
     section = text.split("\n## Training on GPUs\n", 1)[1].split("\n## ", 1)[0]
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", section, re.S):

@@ -1,28 +1,23 @@
-"""The README stays true: its config table, its commands, its metric names and its figures come from the code.
+"""The documentation stays true (README.md and every page of docs/): generated tables, commands, metric names,
+figures and links come from the code.
 
-1. **Config reference.** The block between ``<!-- config-reference:start -->`` and ``<!-- config-reference:end -->``
-   must equal ``python -m trl_mdi.config_doc`` (one row per field MDIGRPOConfig adds to trl.GRPOConfig). After
-   adding or changing a field, regenerate it: ``python -m trl_mdi.config_doc --update README.md``.
-2. **Runnable shell blocks.** Convention: a fenced ```` ```bash ```` block whose opening fence is on the line right
-   after a ``<!-- runnable -->`` comment (invisible when the README is rendered). Every such block is executed, in
-   README order, each by ``bash -euo pipefail`` from the repository root, with ``.venv/bin`` first on ``PATH`` and
-   the Hugging Face libraries offline; the exit status must be 0. Nothing is copied: the blocks run in the checkout
-   itself, and the one place they may write, ``/tmp/trl_mdi_readme``, is redirected to this test's temporary
-   folder (the string is replaced before the block runs), so parallel runs cannot collide. Mark as runnable only
-   commands that run offline in seconds. ``make demo`` and ``make test`` are deliberately NOT runnable: the demo
-   takes minutes and ``make test`` would run this test recursively. GPU commands are not runnable either; instead:
-3. **grpo_vlm.py command lines.** Every ``examples/scripts/grpo_vlm.py`` command anywhere in the README, runnable or
-   not, is parsed by the script's real parser (TrlParser over ScriptArguments, MDIGRPOConfig, ModelConfig and
-   DataArguments, via ``trl_mdi.cli.parse_args``), so a misspelt or removed flag fails here.
-   (tests/test_entry_point.py additionally pins the four commands of the "Training on GPUs" section.)
-4. **Metric glossary.** Every metric name listed in the glossary is logged by the code, and every
-   ``attention/*``, ``tprl/*`` and ``perf/*`` metric the code logs is listed. trl_mdi's names are computed by calling
-   the functions that build the dynamic ones (``signals.rollout_signals`` + ``signals.batch_metrics``, ``apply_tprl``) and
-   found as literal metric keys anywhere in ``trl_mdi/``; TRL's names must appear as strings (templates such as
-   ``rewards/<name>/mean`` as f-strings) in TRL's GRPOTrainer, transformers' Trainer or ``trl_mdi/``.
-5. **Figures and links.** Every number quoted in the README's benchmark section appears in
-   benchmarks/RESULTS.md, every relative link or image in the README points to a file that exists, and every
-   in-page anchor matches a heading.
+1. **Generated tables.** The config reference in docs/config.md (between ``<!-- config-reference:start -->`` and
+   ``:end -->``) equals ``python -m trl_mdi.config_doc``; the attention-metric glossary in docs/logs.md (between
+   ``<!-- signal-glossary:start -->`` and ``:end -->``) equals the table of ``trl_mdi/signals.py``. Regenerate both
+   with ``python -m trl_mdi.config_doc --update docs/config.md`` / ``--update docs/logs.md``.
+2. **Runnable shell blocks.** A fenced ```` ```bash ```` block whose opening fence is on the line right after a
+   ``<!-- runnable -->`` comment (invisible when rendered) is executed, each by ``bash -euo pipefail`` from the
+   repository root, with ``.venv/bin`` first on ``PATH`` and the Hugging Face libraries offline; the exit status
+   must be 0. The one place they may write, ``/tmp/trl_mdi_readme``, is redirected to this test's temporary folder.
+   ``make demo`` / ``make test`` and GPU commands are never runnable; instead:
+3. **grpo_vlm.py command lines.** Every ``examples/scripts/grpo_vlm.py`` command anywhere in the docs is parsed by
+   the script's real parser (``trl_mdi.cli.parse_args``), so a misspelt or removed flag fails here
+   (tests/test_entry_point.py additionally pins the four commands of docs/training.md's "Training on GPUs").
+4. **Metric glossary.** Every metric name listed is logged by the code, and every ``attention/*``, ``tprl/*`` and
+   ``perf/*`` metric the code logs is listed (``<segment>`` in a name stands for any layer segment).
+5. **Figures and links.** Every number quoted in the benchmark section appears in benchmarks/RESULTS.md; every
+   relative link or image of every page points to a file that exists, and every anchor to a heading there.
+6. **The README's Python example** runs, with only its production-scale values swapped for offline ones.
 """
 
 from __future__ import annotations
@@ -48,18 +43,34 @@ SCRIPT = "examples/scripts/grpo_vlm.py"
 METRIC_PREFIXES = ("attention/", "tprl/", "perf/")
 
 
+DOCS = ROOT / "docs"
+
+
 def readme_text() -> str:
     return README.read_text(encoding="utf-8")
 
 
-def section(title: str) -> str:
-    """The prose of the README section whose ``## `` heading starts with ``title`` (up to the next ``## ``).
+def doc_files() -> list[Path]:
+    """README.md and every page under docs/: the documentation these tests keep true."""
+    return [README, *sorted(DOCS.glob("*.md"))]
 
-    Code blocks are left out: the log excerpts in the README hold ``## Step`` lines of their own.
+
+def all_docs_text() -> str:
+    return "\n".join(p.read_text(encoding="utf-8") for p in doc_files())
+
+
+def section(title: str) -> str:
+    """The prose of the section whose ``## `` heading starts with ``title`` (up to the next ``## ``), in whichever
+    page of README.md and docs/ holds it.
+
+    Code blocks are left out: the log excerpts hold ``## Step`` lines of their own.
     """
-    text = outside_code_blocks(readme_text())
-    m = re.search(rf"^## {re.escape(title)}.*?$", text, re.M)
-    assert m, f"README has no section '## {title}'"
+    for path in doc_files():
+        text = outside_code_blocks(path.read_text(encoding="utf-8"))
+        m = re.search(rf"^## {re.escape(title)}.*?$", text, re.M)
+        if m:
+            break
+    assert m, f"no page has a section '## {title}'"
     rest = text[m.end():]
     end = re.search(r"^## ", rest, re.M)
     return rest[: end.start()] if end else rest
@@ -88,10 +99,10 @@ def test_readme_opens_with_the_two_commands():
 
 
 def test_config_reference_is_generated_from_the_dataclass():
-    embedded = config_doc.embedded_block(readme_text())
+    embedded = config_doc.embedded_block((DOCS / "config.md").read_text(encoding="utf-8"))
     assert embedded == config_doc.render_table(), (
-        "README.md's config reference differs from MDIGRPOConfig: regenerate it with "
-        "`python -m trl_mdi.config_doc --update README.md`"
+        "docs/config.md's config reference differs from MDIGRPOConfig: regenerate it with "
+        "`python -m trl_mdi.config_doc --update docs/config.md`"
     )
     names = {f.name for f in config_doc.added_fields()}
     assert "compute_attention_metrics" in names and "enable_perception_filtering" in names
@@ -108,8 +119,8 @@ def test_first_sentence_of_every_help_is_non_empty():
 
 def test_runnable_blocks_run(tmp_path):
     # `make demo` / `make test` are never marked runnable (minutes; recursive), see the module docstring.
-    blocks = [body for runnable, body in bash_blocks(readme_text()) if runnable]
-    assert len(blocks) >= 3, f"expected the README's runnable blocks (marked {RUNNABLE_MARK}), found {len(blocks)}"
+    blocks = [body for runnable, body in bash_blocks(all_docs_text()) if runnable]
+    assert len(blocks) >= 3, f"expected the docs' runnable blocks (marked {RUNNABLE_MARK}), found {len(blocks)}"
     for body in blocks:
         assert "make demo" not in body and "make test" not in body, "make demo / make test must not be runnable"
         assert "accelerate launch" not in body, "launch commands are not runnable here"
@@ -130,9 +141,9 @@ def test_runnable_blocks_run(tmp_path):
 
 
 def script_command_lines() -> list[list[str]]:
-    """The flags of every grpo_vlm.py command line in the README's bash blocks (continuations joined)."""
+    """The flags of every grpo_vlm.py command line in the bash blocks of README.md and docs/ (continuations joined)."""
     commands = []
-    for _, body in bash_blocks(readme_text()):
+    for _, body in bash_blocks(all_docs_text()):
         for line in body.replace("\\\n", " ").splitlines():
             tokens = shlex.split(line, comments=True)
             at = [i for i, tok in enumerate(tokens) if tok.endswith(SCRIPT)]
@@ -218,10 +229,10 @@ def _matches(name: str, template: str) -> bool:
 
 
 def test_signal_glossary_is_generated_from_the_signal_table():
-    embedded = config_doc.embedded_block(readme_text(), config_doc.GLOSSARY_BLOCK)
+    embedded = config_doc.embedded_block((DOCS / "logs.md").read_text(encoding="utf-8"), config_doc.GLOSSARY_BLOCK)
     assert embedded == config_doc.render_signal_glossary(), (
         "the attention metric glossary differs from trl_mdi/signals.py: regenerate it with "
-        "`python -m trl_mdi.config_doc --update README.md`"
+        "`python -m trl_mdi.config_doc --update docs/logs.md`"
     )
 
 
@@ -276,18 +287,38 @@ def outside_code_blocks(text: str) -> str:
     return "\n".join(kept)
 
 
+def _slugs(text: str) -> set[str]:
+    """GitHub's slug of every heading (lower case, punctuation dropped, spaces to hyphens)."""
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#{1,6} (.+)$", outside_code_blocks(text), re.M)}
+
+
 def test_relative_links_and_images_exist():
-    text = outside_code_blocks(readme_text())  # links inside code blocks (log excerpts) do not count
-    targets = re.findall(r"\]\(([^)\s]+)\)", text)
-    local = [t.split("#", 1)[0] for t in targets if not re.match(r"[a-z]+://|#|mailto:", t)]
-    assert local, "expected relative links (docs/images, benchmarks/RESULTS.md, ...)"
-    for target in local:
-        assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
-    # In-page anchors: GitHub's slug of a heading (lower case, punctuation dropped, spaces to hyphens).
-    slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-             for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
-    for anchor in (t[1:] for t in targets if t.startswith("#")):
-        assert anchor in slugs, f"README links to #{anchor}, which matches no heading"
+    """Every local link of README.md and docs/ points to a file that exists, and every anchor to a heading."""
+    checked = 0
+    for page in doc_files():
+        text = outside_code_blocks(page.read_text(encoding="utf-8"))  # links inside code blocks do not count
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://|mailto:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            assert file.exists(), f"{page.relative_to(ROOT)} links to {target}, which does not exist"
+            if anchor and file.suffix == ".md":
+                assert anchor in _slugs(file.read_text(encoding="utf-8")), (
+                    f"{page.relative_to(ROOT)} links to {target}: no such heading in {file.relative_to(ROOT)}")
+            checked += 1
+    assert checked >= 30, checked
+
+
+def test_readme_is_for_newcomers():
+    """README.md keeps the two commands, the demo, the Python example, one GPU recipe and links; reference material
+    lives in docs/ (every page is linked from the README's documentation table)."""
+    text = readme_text()
+    assert len(text.splitlines()) <= 200, len(text.splitlines())
+    for page in sorted(DOCS.glob("*.md")):
+        if page.name != "README.md":
+            assert f"](docs/{page.name})" in text, f"README does not link docs/{page.name}"
 
 
 # ------------------------------------------------------------------------------------------------ 6. Python example

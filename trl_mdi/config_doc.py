@@ -5,9 +5,9 @@ attention-metric glossary (every attention/* metric of ``trl_mdi.signals``).
     python -m trl_mdi.config_doc --update FILE.md   # replace every generated block between its markers in FILE
 
 One row per field that ``trl.GRPOConfig`` does not have, in declaration order: name, type, default and the first
-sentence of the field's ``help`` metadata. tests/test_readme.py checks that the README block between
+sentence of the field's ``help`` metadata. tests/test_readme.py checks that the block of docs/config.md between
 ``<!-- config-reference:start -->`` and ``<!-- config-reference:end -->`` equals this output, so a field added
-without regenerating the README fails the suite.
+without regenerating docs/config.md fails the suite (the glossary block of docs/logs.md likewise).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def update_readme(path: str | Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trl_mdi.config_doc", description=__doc__.splitlines()[0])
-    parser.add_argument("--update", metavar="README", help="rewrite the table between the markers of this file")
+    parser.add_argument("--update", metavar="FILE", help="rewrite the generated blocks between the markers of this file")
     args = parser.parse_args(argv)
     if args.update:
         changed = update_readme(args.update)

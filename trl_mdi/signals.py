@@ -62,8 +62,6 @@ SIGNALS: tuple[Signal, ...] = (
            lambda x: x.segment["mdi"], reward=True, metric=True, log="MDI all"),
     Signal("mdi_{segment}", "MDI of one layer segment (thirds of the measured layers by default: early, middle, late)",
            lambda x: x.segment["mdi"], reward=True, metric=True, log="MDI {segment}"),
-    Signal("mdi_balance", "the brief's balance, clip(1 - |log MDI| / log R, 0, 1): 1 at MDI = 1, 0 outside (1/R, R)",
-           lambda x: M.mdi_balance(x.segment["mdi"], x.balance_ratio), reward=True, metric=True, log="balance"),
     Signal("mdi_group_score", "rank of |log MDI| within the rollout's group, 1 (most balanced) to -1, zero-mean",
            None, reward=True),
     Signal("aei_text", "attention efficiency of text keys, P_T / Q_T (1 = attention proportional to token count)",
@@ -74,6 +72,8 @@ SIGNALS: tuple[Signal, ...] = (
            reward=True, metric=True),
     Signal("aei_image_{segment}", "AEI of image keys in one layer segment", lambda x: x.segment["aei_image"],
            reward=True, metric=True),
+    Signal("mdi_balance", "the brief's balance, clip(1 - |log MDI| / log R, 0, 1): 1 at MDI = 1, 0 outside (1/R, R)",
+           lambda x: M.mdi_balance(x.segment["mdi"], x.balance_ratio), reward=True, metric=True, log="balance"),
     Signal("image_mass", "attention mass of the generated tokens on image keys (mean over heads, tokens, layers)",
            lambda x: _layer_mean(x, "image"), metric=True),
     Signal("prompt_text_mass", "attention mass on prompt text keys", lambda x: _layer_mean(x, "prompt_text"),
@@ -82,13 +82,13 @@ SIGNALS: tuple[Signal, ...] = (
            lambda x: _layer_mean(x, "completion"), metric=True),
     Signal("special_mass", "attention mass on special tokens and the system turn (attention_text_keys='content')",
            lambda x: _layer_mean(x, "special"), metric=True),
-    Signal("image_blind_layers", "measured layers in which the image gets exactly zero attention (sliding windows)",
-           lambda x: x.attention.image_blind_layers().float(), metric=True, log="blind layers"),
     Signal("n_image", "image keys", lambda x: x.attention.n_image.float(), log="n image"),
     Signal("n_prompt_text", "prompt text keys", lambda x: x.attention.n_prompt_text.float(), log="n text"),
     Signal("n_special", "special keys", lambda x: x.attention.n_special.float(), log="n special"),
     Signal("n_completion", "completion keys", lambda x: x.attention.n_completion.float(), log="n completion"),
     Signal("n_queries", "measured (generated) tokens", lambda x: x.attention.n_queries.float(), log="n queries"),
+    Signal("image_blind_layers", "measured layers in which the image gets exactly zero attention (sliding windows)",
+           lambda x: x.attention.image_blind_layers().float(), metric=True, log="blind layers"),
 )
 
 # Batch-level counts logged beside the means, computed from the gathered table.
@@ -113,7 +113,7 @@ def field_names(segments: Sequence[str], *, reward: bool | None = None) -> list[
     """Every per-rollout field for these segments (``reward=True``: those handed to reward functions).
 
     >>> field_names(["late"], reward=True)
-    ['mdi', 'mdi_late', 'mdi_balance', 'mdi_group_score', 'aei_text', 'aei_image', 'aei_text_late', 'aei_image_late']
+    ['mdi', 'mdi_late', 'mdi_group_score', 'aei_text', 'aei_image', 'aei_text_late', 'aei_image_late', 'mdi_balance']
     """
     return [n for s in SIGNALS if reward is None or s.reward == reward for n in expand(s, segments)]
 

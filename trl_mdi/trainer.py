@@ -53,8 +53,8 @@ logger = logging.get_logger(__name__)
 class MDIGRPOTrainer(GRPOTrainer):
     """GRPOTrainer that measures, per rollout, how much the generated tokens attend to the image vs the text.
 
-    Departures from `trl.GRPOTrainer` (everything else is inherited unchanged; README "How this differs from stock
-    TRL" has the details):
+    Departures from `trl.GRPOTrainer` (everything else is inherited unchanged; docs/differences.md has the
+    details):
 
     1. **Attention probe** (`trl_mdi.attention`): every rollout measured per layer, exact, O(L) memory; it rides on
        TRL's own no-grad policy forward when TRL runs one, else one extra no-grad forward through TRL's log-prob path.

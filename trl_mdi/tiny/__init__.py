@@ -51,7 +51,7 @@ from ..data import DEFAULT_SYSTEM_PROMPT as DEFAULT_SYSTEM_PROMPT  # importable 
 from . import archs, families, gemma4_family
 from .archs import mrope_section as mrope_section  # tests call it as tiny.mrope_section
 from .resolve import resolve_size
-from .saving import check_out_dir, save_model_atomically
+from .saving import check_out_dir, provenance, save_model_atomically
 from .sizes import TEXT_TASKS, TINY_ARCHS, TinyTextSize, TinyVLMSize, check_arch
 from .text import TEXT_MODEL_META_FILE, build_tiny_text_model, save_tiny_text_model
 from .tokenizer import COLOURS as COLOURS
@@ -162,12 +162,7 @@ def save_tiny_vlm(
     out_dir = check_out_dir(out_dir, overwrite)
     size = resolve_size(arch, size_overrides)  # before touching the disk: bad sizes fail fast
     model, processor = _build(arch, seed, size)
-    meta = {
-        "arch": arch,
-        "seed": seed,
-        "num_params": model.num_parameters(),
-        "size": dataclasses.asdict(size),
-    }
+    meta = provenance(model, size, arch=arch, seed=seed)
     save_model_atomically(model, processor, out_dir, {"tiny_vlm.json": meta})
     return out_dir
 

@@ -52,14 +52,21 @@ def mrope_section(arch: str, head_dim: int) -> list[int]:
     return [half - 2 * spatial, spatial, spatial]
 
 
+def token_ids(tok: PreTrainedTokenizerFast, tokens: dict[str, str]) -> dict[str, int]:
+    """{config key: token} as {config key: the token's id in `tok`}, in the same order."""
+    return {key: tok.convert_tokens_to_ids(token) for key, token in tokens.items()}
+
+
 def qwen_token_ids(tok: PreTrainedTokenizerFast) -> dict[str, int]:
-    ids = {
-        "image_token_id": "<|image_pad|>",
-        "video_token_id": "<|video_pad|>",
-        "vision_start_token_id": "<|vision_start|>",
-        "vision_end_token_id": "<|vision_end|>",
-    }
-    return {key: tok.convert_tokens_to_ids(token) for key, token in ids.items()}
+    return token_ids(
+        tok,
+        {
+            "image_token_id": "<|image_pad|>",
+            "video_token_id": "<|video_pad|>",
+            "vision_start_token_id": "<|vision_start|>",
+            "vision_end_token_id": "<|vision_end|>",
+        },
+    )
 
 
 def text_config_sizes(size: TinyVLMSize, tok: PreTrainedTokenizerFast) -> dict[str, Any]:
@@ -72,6 +79,32 @@ def text_config_sizes(size: TinyVLMSize, tok: PreTrainedTokenizerFast) -> dict[s
         "num_attention_heads": size.num_heads,
         "num_key_value_heads": size.num_kv_heads,
         "max_position_embeddings": size.max_position_embeddings,
+    }
+
+
+def llama_text_config(size: TinyVLMSize, tok: PreTrainedTokenizerFast) -> dict[str, Any]:
+    """The text_config of the archs whose decoder is a plain Llama (smolvlm, llava_next)."""
+    return {
+        "model_type": "llama",
+        **text_config_sizes(size, tok),
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+    }
+
+
+def vit_config_sizes(size: TinyVLMSize) -> dict[str, Any]:
+    """The vision_config entries that the ViT-style towers (SigLIP, CLIP, Idefics3's) spell the same way."""
+    return {
+        "hidden_size": size.vision_hidden_size,
+        "intermediate_size": size.vision_intermediate_size,
+        "num_hidden_layers": size.vision_depth,
+        "num_attention_heads": size.vision_num_heads,
+        "image_size": size.image_size,
+        "patch_size": size.image_patch_size,
     }
 
 
@@ -162,28 +195,9 @@ def qwen_processor(arch: str, size: TinyVLMSize, tok: PreTrainedTokenizerFast, c
 
 
 def _smolvlm_config(size: TinyVLMSize, tok: PreTrainedTokenizerFast):
-    text = {
-        "model_type": "llama",
-        **text_config_sizes(size, tok),
-        "rms_norm_eps": 1e-5,
-        "bos_token_id": tok.bos_token_id,
-        "eos_token_id": tok.eos_token_id,
-        "pad_token_id": tok.pad_token_id,
-        "tie_word_embeddings": False,
-        "dtype": "float32",
-    }
-    vision = {
-        "hidden_size": size.vision_hidden_size,
-        "intermediate_size": size.vision_intermediate_size,
-        "num_hidden_layers": size.vision_depth,
-        "num_attention_heads": size.vision_num_heads,
-        "image_size": size.image_size,
-        "patch_size": size.image_patch_size,
-        "dtype": "float32",
-    }
     return Idefics3Config(
-        text_config=text,
-        vision_config=vision,
+        text_config=llama_text_config(size, tok),
+        vision_config={**vit_config_sizes(size), "dtype": "float32"},
         scale_factor=SMOLVLM_SCALE_FACTOR,
         image_token_id=tok.convert_tokens_to_ids("<image>"),
         pad_token_id=tok.pad_token_id,

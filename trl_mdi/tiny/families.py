@@ -38,7 +38,7 @@ from transformers import (
     Qwen3_5MoeForConditionalGeneration,
 )
 
-from .archs import qwen_processor, qwen_token_ids, text_config_sizes
+from .archs import llama_text_config, qwen_processor, qwen_token_ids, text_config_sizes, vit_config_sizes
 from .sizes import GEMMA3_POOL, HYBRID_LAYER_KIND, QWEN_MERGE_SIZE, QWEN_PATCH_SIZE, TinyVLMSize
 
 MODEL_CLASSES = {
@@ -153,12 +153,7 @@ def _gemma3_config(size: TinyVLMSize, tok: PreTrainedTokenizerFast) -> Gemma3Con
     }
     vision = {
         "model_type": "siglip_vision_model",
-        "hidden_size": size.vision_hidden_size,
-        "intermediate_size": size.vision_intermediate_size,
-        "num_hidden_layers": size.vision_depth,
-        "num_attention_heads": size.vision_num_heads,
-        "image_size": size.image_size,
-        "patch_size": size.image_patch_size,
+        **vit_config_sizes(size),
         # Gemma 3 reads the tower's last hidden state: a pooling head would be dead weight that never
         # gets a gradient (and fails "every trainable parameter changed" checks).
         "vision_use_head": False,
@@ -197,29 +192,14 @@ def _llava_next_pinpoints(size: TinyVLMSize) -> list[list[int]]:
 
 
 def _llava_next_config(size: TinyVLMSize, tok: PreTrainedTokenizerFast) -> LlavaNextConfig:
-    text = {
-        "model_type": "llama",
-        **text_config_sizes(size, tok),
-        "rms_norm_eps": 1e-5,
-        "bos_token_id": tok.bos_token_id,
-        "eos_token_id": tok.eos_token_id,
-        "pad_token_id": tok.pad_token_id,
-        "tie_word_embeddings": False,
-        "dtype": "float32",
-    }
     vision = {
         "model_type": "clip_vision_model",
-        "hidden_size": size.vision_hidden_size,
-        "intermediate_size": size.vision_intermediate_size,
-        "num_hidden_layers": size.vision_depth,
-        "num_attention_heads": size.vision_num_heads,
-        "image_size": size.image_size,
-        "patch_size": size.image_patch_size,
+        **vit_config_sizes(size),
         "projection_dim": size.vision_hidden_size,  # unused by the tower; keeps the config tidy
         "dtype": "float32",
     }
     return LlavaNextConfig(
-        text_config=text,
+        text_config=llama_text_config(size, tok),
         vision_config=vision,
         image_token_index=tok.convert_tokens_to_ids("<image>"),  # also readable as config.image_token_id
         image_grid_pinpoints=_llava_next_pinpoints(size),

@@ -32,7 +32,7 @@ from transformers import (
 )
 from transformers.models.gemma4 import Gemma4AudioFeatureExtractor
 
-from .archs import text_config_sizes
+from .archs import text_config_sizes, token_ids
 from .families import hybrid_layer_types
 from .sizes import GEMMA4_MAX_SOFT_TOKENS, GEMMA4_POOL, TinyVLMSize
 
@@ -45,17 +45,16 @@ _FINAL_LOGIT_SOFTCAP = 30.0  # as the real configs
 SQUARE_IMAGE_TOKENS = math.isqrt(GEMMA4_MAX_SOFT_TOKENS) ** 2
 
 
-def _token_ids(tok: PreTrainedTokenizerFast) -> dict[str, int]:
-    ids = {
-        "image_token_id": "<|image|>",
-        "boi_token_id": "<|image>",
-        "eoi_token_id": "<image|>",
-        "video_token_id": "<|video|>",
-        "audio_token_id": "<|audio|>",
-        "boa_token_id": "<|audio>",
-        "eoa_token_index": "<audio|>",  # sic: transformers' name
-    }
-    return {key: tok.convert_tokens_to_ids(token) for key, token in ids.items()}
+# The config's token-id entries, as {config key: token}.
+_CONFIG_TOKENS = {
+    "image_token_id": "<|image|>",
+    "boi_token_id": "<|image>",
+    "eoi_token_id": "<image|>",
+    "video_token_id": "<|video|>",
+    "audio_token_id": "<|audio|>",
+    "boa_token_id": "<|audio>",
+    "eoa_token_index": "<audio|>",  # sic: transformers' name
+}
 
 
 def _gemma4_config(size: TinyVLMSize, tok: PreTrainedTokenizerFast) -> Gemma4Config:
@@ -90,7 +89,9 @@ def _gemma4_config(size: TinyVLMSize, tok: PreTrainedTokenizerFast) -> Gemma4Con
         "position_embedding_size": GEMMA4_MAX_SOFT_TOKENS * GEMMA4_POOL,
         "dtype": "float32",
     }
-    return Gemma4Config(text_config=text, vision_config=vision, dtype="float32", **_token_ids(tok))
+    return Gemma4Config(
+        text_config=text, vision_config=vision, dtype="float32", **token_ids(tok, _CONFIG_TOKENS)
+    )
 
 
 def _gemma4_processor(size: TinyVLMSize, tok: PreTrainedTokenizerFast, chat_template: str) -> Gemma4Processor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -21,6 +22,11 @@ def check_out_dir(out_dir: str | Path, overwrite: bool) -> Path:
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} is not empty; pass overwrite=True (CLI: --overwrite) to replace it")
     return out_dir
+
+
+def provenance(model, size: Any, **what: Any) -> dict[str, Any]:
+    """The JSON saved next to a tiny model: ``what`` (e.g. arch or task, then seed), parameter count, sizes."""
+    return {**what, "num_params": model.num_parameters(), "size": dataclasses.asdict(size)}
 
 
 def save_model_atomically(model, processor, out_dir: Path, extra_json: dict[str, Any] | None = None) -> None:

@@ -8,14 +8,13 @@ for Qwen2 folders), with trl's `qwen2_5.jinja` chat template and left padding.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
-from .saving import check_out_dir, save_model_atomically
+from .saving import check_out_dir, provenance, save_model_atomically
 from .sizes import TinyTextSize, check_text_task, resolve_text_size
 from .tokenizer import build_tokenizer, official_chat_template
 
@@ -96,11 +95,6 @@ def save_tiny_text_model(
     out_dir = check_out_dir(out_dir, overwrite)
     size = resolve_text_size(size_overrides)  # before touching the disk: bad sizes fail fast
     model, tok = _build(task, seed, size)
-    meta = {
-        "task": task,
-        "seed": seed,
-        "num_params": model.num_parameters(),
-        "size": dataclasses.asdict(size),
-    }
+    meta = provenance(model, size, task=task, seed=seed)
     save_model_atomically(model, tok, out_dir, {TEXT_MODEL_META_FILE: meta})
     return out_dir

@@ -202,30 +202,22 @@ def build_tokenizer(arch: str, chat_template: str, model_max_length: int) -> Pre
             # as the extra special tokens itself (replacing any list given here).
         )
     elif arch == "gemma3":
-        tok = PreTrainedTokenizerFast(
-            tokenizer_object=_train_bpe(_GEMMA3_SPECIAL_TOKENS, _EXTRA_CORPUS["gemma3"]),
-            bos_token="<bos>",  # the template writes it, so nothing adds it automatically
-            eos_token="<end_of_turn>",  # what ends a model turn; <eos> stays in the vocabulary
-            pad_token="<pad>",
-            unk_token="<unk>",
-            padding_side="left",
-            clean_up_tokenization_spaces=False,
-            extra_special_tokens={
+        tok = _gemma_tokenizer(
+            "gemma3",
+            _GEMMA3_SPECIAL_TOKENS,
+            "<end_of_turn>",
+            {
                 "boi_token": "<start_of_image>",
                 "eoi_token": "<end_of_image>",
                 "image_token": "<image_soft_token>",
             },
         )
     elif arch == "gemma4":
-        tok = PreTrainedTokenizerFast(
-            tokenizer_object=_train_bpe(_GEMMA4_SPECIAL_TOKENS, _EXTRA_CORPUS["gemma4"]),
-            bos_token="<bos>",  # the template writes it, so nothing adds it automatically
-            eos_token="<turn|>",  # what ends a model turn; <eos> stays in the vocabulary
-            pad_token="<pad>",
-            unk_token="<unk>",
-            padding_side="left",
-            clean_up_tokenization_spaces=False,
-            extra_special_tokens={
+        tok = _gemma_tokenizer(
+            "gemma4",
+            _GEMMA4_SPECIAL_TOKENS,
+            "<turn|>",
+            {
                 "image_token": "<|image|>",
                 "boi_token": "<|image>",
                 "eoi_token": "<image|>",
@@ -277,6 +269,22 @@ def build_tokenizer(arch: str, chat_template: str, model_max_length: int) -> Pre
                 f"tiny tokenizer splits {text!r} into {len(ids)} tokens; extend _synthetic_corpus"
             )
     return tok
+
+
+def _gemma_tokenizer(
+    arch: str, special_tokens: tuple[str, ...], eos_token: str, extra_special_tokens: dict[str, str]
+) -> PreTrainedTokenizerFast:
+    """Gemma 3 and 4 spell their <bos>/<pad>/<unk> alike and differ in the end-of-turn token and the image tokens."""
+    return PreTrainedTokenizerFast(
+        tokenizer_object=_train_bpe(special_tokens, _EXTRA_CORPUS[arch]),
+        bos_token="<bos>",  # the template writes it, so nothing adds it automatically
+        eos_token=eos_token,  # what ends a model turn; <eos> stays in the vocabulary
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        extra_special_tokens=extra_special_tokens,
+    )
 
 
 def _as_family_class(tok: PreTrainedTokenizerFast, class_name: str):
