@@ -33,7 +33,7 @@ def test_score_completions_hand_made():
     completions = [
         "<think> image</think>\nAnswer: A",  # right, clean
         [{"role": "assistant", "content": "<think> image</think>\nAnswer: B"}],  # wrong (label C), clean
-        "<think> image</think> D",  # right, format ok, not clean (no "Answer:")
+        "<think> image</think> D",  # right, lenient format ok, not clean (no "Answer:")
         "Answer: B",  # right, no think block
         "no idea",  # no letter
     ]
@@ -45,7 +45,7 @@ def test_score_completions_hand_made():
     assert r.letters == {"A": 1, "B": 2, "D": 1, "": 1}
     # Same verdicts as the rewards GRPO trains on.
     assert [x == 1.0 for x in mc_idx_reward(completions, [0, 2, 3, 1, 0])] == [True, False, True, True, False]
-    assert sum(think_format_reward(completions)) == 3
+    assert sum(think_format_reward(completions)) == 2  # the asked format: "<think> image</think> D" is not it
     # A clean answer that did not stop at end-of-sequence is not clean; the letter still counts.
     r = score_completions(["<think> image</think>\nAnswer: A"], [0], ended=[False])
     assert (r.accuracy, r.clean_rate) == (1.0, 0.0)

@@ -221,6 +221,64 @@ def test_mc_idx_reward_uses_choices_column_and_logs_parsed_letters():
 def test_think_format_cases(text, expected):
     assert R.think_format_reward([text]) == [expected]
     assert R.think_format_reward([msg(text)]) == [expected]
+    assert R.think_format_lenient_reward([text]) == [expected]  # the lenient one agrees on these
+
+
+# The drifted completions of the demo's last step before the strict reward (issue 14): the lenient reward paid 1.
+JUNK = ['<think> image</think>\nAnswer" A', "<think> image</think>\nAnswers A", "<think> image</think>\nAnswer\ufffd A",
+        "<think> image</think>\nAnswer hexagon C", "<think> image</think>\nAnswer cyan\ufffd C",
+        "<think> image</think>\nAnswerYou A", "<think> image</think>\nA B"]
+
+
+def test_strict_format_rejects_the_demos_junk_the_lenient_one_paid_for():
+    assert R.think_format_reward(JUNK) == [0.0] * len(JUNK)
+    assert R.think_format_lenient_reward(JUNK) == [1.0] * len(JUNK)
+    ok = ["<think> image</think>\nAnswer: B", "<think>red</think>   \n\nAnswer: B  \n", msg("<think> x</think>\nAnswer: B")]
+    assert R.think_format_reward(ok, choices=[["a", "b", "c", "d"]] * 3) == [1.0, 1.0, 1.0]
+    bad = ["<think> x</think>\nAnswer: B\nbecause", "<think> x</think>\nAnswer: E", "<think> x</think>\nthen Answer: B",
+           "<think> x</think>\nAnswer: b", "<think> x</think>\nAnswer: A or B"]
+    assert R.think_format_reward(bad, choices=[["a", "b", "c", "d"]] * 5) == [0.0] * 5
+    # Without a choices column any capital letter is valid.
+    assert R.think_format_reward(["<think> x</think>\nAnswer: E"]) == [1.0]
+
+
+def test_think_format_binds_a_pattern_and_a_prefilled_think():
+    final = R.ThinkFormatReward(r"Final: \((?P<letter>[A-D])\)")
+    assert final(["<think> x</think>\nFinal: (C)", "<think> x</think>\nAnswer: C"]) == [1.0, 0.0]
+    prefilled = R.ThinkFormatReward(think_prefilled=True)  # Qwen3 thinking templates open <think> in the prompt
+    assert prefilled(["reasoning</think>\nAnswer: A", "<think>r</think>\nAnswer: A", "</think>\nAnswer: A"]) == [1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="named group"):
+        R.ThinkFormatReward(r"Answer: ([A-Z])")
+    bound = R.bind_think_format([R.think_format_reward, R.mc_idx_reward], answer_pattern=final.answer_pattern)
+    assert bound[0].answer_pattern == final.answer_pattern and bound[1] is R.mc_idx_reward
+    assert R.think_format_reward.answer_pattern == R.ThinkFormatReward().answer_pattern  # the default is untouched
+
+
+def test_default_system_prompt_and_pattern_agree():
+    """The prompt shows the model the line the pattern pays for: built from one example, checked together."""
+    import re
+
+    from trl_mdi import answer_format as F
+    from trl_mdi.data import DEFAULT_SYSTEM_PROMPT
+
+    assert DEFAULT_SYSTEM_PROMPT == F.DEFAULT_SYSTEM_PROMPT and F.DEFAULT_ANSWER_EXAMPLE in DEFAULT_SYSTEM_PROMPT
+    for letter in "ABCD":
+        line = F.DEFAULT_ANSWER_EXAMPLE.replace("X", letter)
+        m = re.fullmatch(F.DEFAULT_ANSWER_PATTERN, line)
+        assert m is not None and m.group("letter") == letter
+    assert "<think>...</think>" in DEFAULT_SYSTEM_PROMPT
+
+
+@pytest.mark.parametrize("text, label, expected", [
+    ("<think>x</think>\nAnswer: A or B", 0, 0.0),  # a hedge names two letters: 0 even when one is right
+    ("<think>x</think>\nA B", 0, 0.0),
+    ("Answer: A or B", 1, 0.0),
+    ("Answer: A. On reflection, final answer: C", 2, 1.0),  # a correction ending on one letter is that letter
+    ("<think>A or B?</think>\nAnswer: B", 1, 1.0),  # hesitation inside the think block does not count
+    ("I think the right one is D.", 3, 1.0),
+])
+def test_hedged_answers_score_zero(text, label, expected):
+    assert R.mc_idx_reward([text], [label], choices=[["a", "b", "c", "d"]]) == [expected]
 
 
 def test_trl_think_format_pays_for_the_shortcuts_ours_rejects():
@@ -348,7 +406,8 @@ def test_zero_spread_fraction_hand_made():
 
 
 def test_registry_contents_and_defaults():
-    assert set(R.REWARD_REGISTRY) == {"mc_idx", "think_format", "mdi_balance", "mdi_group", "accuracy"}
+    assert set(R.REWARD_REGISTRY) == {"mc_idx", "think_format", "think_format_lenient", "mdi_balance", "mdi_group",
+                                      "accuracy"}
     assert R.REWARD_REGISTRY["accuracy"].__module__ == "trl.rewards.accuracy_rewards"
     assert set(R.DEFAULT_REWARDS) <= set(R.REWARD_REGISTRY)
     assert len(R.DEFAULT_REWARD_WEIGHTS) == len(R.DEFAULT_REWARDS)
@@ -357,7 +416,8 @@ def test_registry_contents_and_defaults():
     assert weights == [4.0, 1.0, 1.0]
     # Registry rewards survive pickling (TRL's async rollout worker sends them to a child process).
     for fn in R.REWARD_REGISTRY.values():
-        assert pickle.loads(pickle.dumps(fn)) is fn
+        copy = pickle.loads(pickle.dumps(fn))
+        assert copy is fn or copy == fn  # functions by reference; ThinkFormatReward (a frozen dataclass) by value
 
 
 def test_required_inputs_agree_with_signatures():

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from transformers.utils import logging
 from trl import GRPOConfig
 
+from .answer_format import DEFAULT_ANSWER_PATTERN, compile_answer_pattern
 from .tprl.formulas import validate_scaling_min, validate_top_p
 from .tprl.perturb import check_perturbation
 
@@ -121,6 +122,10 @@ class MDIGRPOConfig(GRPOConfig):
 
         > Reward stack
 
+        answer_pattern (`str`, *optional*, defaults to `r"Answer: (?P<letter>[A-Z])"`):
+            The final line `think_format` pays for (a regex fully matching that line, with a group `letter`); the
+            default matches the `Answer: X` that the default system prompt asks for (`trl_mdi.answer_format`).
+            Change both together: a custom system prompt with the default pattern gets a warning.
         reward_funcs (`list[str]`, *optional*):
             Reward function names from the registry (`trl_mdi.rewards`) or import paths `pkg.module:function`, used
             when the trainer is built without `reward_funcs`. Defaults to `mc_idx think_format mdi_balance` with
@@ -220,6 +225,11 @@ class MDIGRPOConfig(GRPOConfig):
         default=10, metadata={"help": "Draw attention maps at step 1 and every N steps (0: never)."}
     )
     attention_maps_per_step: int = field(default=2, metadata={"help": "Rollouts per map step that get a map."})
+    answer_pattern: str = field(
+        default=DEFAULT_ANSWER_PATTERN,
+        metadata={"help": "Regex the final answer line must fully match for think_format (group 'letter' is the "
+                  "answer); the default matches the 'Answer: X' the default system prompt asks for."},
+    )
     reward_funcs: list[str] | None = field(
         default=None,
         metadata={"help": _reward_names_help()},  # generated from the registry: cannot drift from it
@@ -273,6 +283,7 @@ class MDIGRPOConfig(GRPOConfig):
                      "attention_map_every_n_steps", "attention_maps_per_step"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        compile_answer_pattern(self.answer_pattern)
         if self.perturbation_seed is None:
             self.perturbation_seed = self.seed
         if isinstance(self.reward_funcs, str):

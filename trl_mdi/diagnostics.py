@@ -143,7 +143,8 @@ def map_record(index: int, image, token_mass_by_segment: dict[str, Any], image_g
 
 
 def rollout_record(index: int, prompt, completion, images: list, rewards: dict, total: float | None,
-                   advantage: float | None, row: dict, completion_length: int, attention: dict | None) -> dict:
+                   advantage: float | None, row: dict, completion_length: int, attention: dict | None,
+                   answer_format=None) -> dict:
     """One rollout, reduced to plain Python (cheap to gather across processes)."""
     sizes = [getattr(img, "size", None) for img in images]
     return {
@@ -156,10 +157,23 @@ def rollout_record(index: int, prompt, completion, images: list, rewards: dict, 
             "reward": total,
             "advantage": advantage,
             "answer": gold_answer(row),
+            **_parsed_and_format(completion_string(completion), row, answer_format),
             "completion_length": completion_length,
         },
         "attention": None if attention is None else {**attention, "index": index},
     }
+
+
+def _parsed_and_format(text: str, row: dict, answer_format) -> dict:
+    """The answer letter as mc_idx reads it ("A/B" for a hedge) and whether the completion is in the asked format."""
+    from .rewards import parse_mc_answer
+
+    choices = row.get("choices")
+    n = len(choices) if choices is not None and len(choices) > 0 else 10
+    out = {"parsed": parse_mc_answer(text, n)[1]}
+    if answer_format is not None:
+        out["format_ok"] = bool(answer_format([text], choices=[choices])[0])
+    return out
 
 
 def _without_image_payloads(prompt: Any) -> Any:
@@ -195,7 +209,7 @@ class ConsoleSummaryCallback(TrainerCallback):
 
 def write_batch(live_logs: LiveDiagnostics, step: int, epoch: float, *, inputs: list[dict], scored, attention,
                 map_rows: list[int], reward_names: list[str], reward_weights, advantages, segments_spec,
-                processing_class) -> None:
+                processing_class, answer_format=None) -> None:
     """One generation batch into the live logs: gathered from every process (all must call it), written by the main.
 
     ``scored`` is the batch's ``ScoredRollouts`` (rewards, signals, texts), ``attention`` its ``ModalityAttention``
@@ -204,7 +218,8 @@ def write_batch(live_logs: LiveDiagnostics, step: int, epoch: float, *, inputs: 
     records = gather_rollout_records(
         rows=inputs, prompts=scored.prompts, completions=scored.completions, lengths=scored.lengths,
         attention_rows=signals.rollout_rows(scored.signals) if scored.signals is not None else None,
-        rewards=scored.rewards, reward_names=reward_names, reward_weights=reward_weights, advantages=advantages)
+        rewards=scored.rewards, reward_names=reward_names, reward_weights=reward_weights, advantages=advantages,
+        answer_format=answer_format)
     maps = (attention_map_records(attention, [row_images(x) for x in inputs], map_rows, segments_spec,
                                   processing_class) if map_rows else [])
     live_logs.write(step, epoch, records, maps)
@@ -212,7 +227,7 @@ def write_batch(live_logs: LiveDiagnostics, step: int, epoch: float, *, inputs: 
 
 def gather_rollout_records(*, rows: list[dict], prompts: list, completions: list, lengths: list[int],
                            attention_rows: list[dict] | None, rewards, reward_names: list[str], reward_weights,
-                           advantages) -> list[dict]:
+                           advantages, answer_format=None) -> list[dict]:
     """Every process's rollouts of this batch as plain records, with rewards and advantages filled in.
 
     All processes must call it (it gathers). ``rows``/``prompts``/``completions``/``lengths``/``attention_rows`` are
@@ -222,7 +237,8 @@ def gather_rollout_records(*, rows: list[dict], prompts: list, completions: list
 
     attention_rows = attention_rows if attention_rows is not None else [None] * len(rows)
     local = [
-        rollout_record(i, p, c, row_images(x), {}, None, None, {k: x.get(k) for k in ("label_idx", "choices")}, n, a)
+        rollout_record(i, p, c, row_images(x), {}, None, None, {k: x.get(k) for k in ("label_idx", "choices")}, n, a,
+                       answer_format)
         for i, (p, c, x, n, a) in enumerate(zip(prompts, completions, rows, lengths, attention_rows))
     ]
     records = gather_object(local)

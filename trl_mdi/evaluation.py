@@ -7,7 +7,6 @@ accuracy figure of the project is computed the same way, with the reward's own a
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -15,9 +14,7 @@ from typing import Any
 
 import torch
 
-from .rewards import LETTERS, completion_text, extract_choice_letter
-
-_CLEAN = re.compile(r"\s*<think>[^<>]*[^<>\s][^<>]*</think>\nAnswer: [A-Z]\s*")
+from .rewards import LETTERS, completion_text
 
 
 @dataclasses.dataclass
@@ -25,9 +22,9 @@ class EvalResult:
     """Greedy held-out accuracy and what the answers looked like."""
 
     accuracy: float
-    format_rate: float  # fraction of completions think_format_reward pays for
-    answered_rate: float  # fraction with a parseable letter
-    clean_rate: float  # fraction exactly "<think>...</think>\nAnswer: X" (then end of sequence, when known)
+    format_rate: float  # fraction of completions the lenient think format accepts (any text after </think>)
+    answered_rate: float  # fraction with a parseable, unhedged letter
+    clean_rate: float  # fraction in the asked format (think_format_reward's rule), ended at end of sequence
     letters: dict[str, int]  # parsed letter -> count ("" = none)
     completions: list[str]
     seconds: float = 0.0
@@ -49,7 +46,8 @@ def score_completions(completions: Sequence[Any], labels: Sequence[int], num_cho
     >>> round(r.accuracy, 3), round(r.format_rate, 3), round(r.clean_rate, 3), r.letters
     (0.333, 0.333, 0.333, {'A': 1, 'C': 1, '': 1})
     """
-    from .rewards import think_format_reward
+    from .answer_format import clean_format
+    from .rewards import parse_mc_answer, think_format_lenient_reward
 
     if len(completions) != len(labels):
         raise ValueError(f"{len(completions)} completions but {len(labels)} labels")
@@ -57,11 +55,11 @@ def score_completions(completions: Sequence[Any], labels: Sequence[int], num_cho
         raise ValueError("nothing to score: no completions")
     counts = [num_choices] * len(labels) if isinstance(num_choices, int) else list(num_choices)
     texts = [completion_text(c) for c in completions]
-    parsed = [extract_choice_letter(t, n) for t, n in zip(texts, counts)]
+    parsed = [parse_mc_answer(t, n)[0] for t, n in zip(texts, counts)]
     correct = sum(p is not None and p == LETTERS[int(y)] for p, y in zip(parsed, labels))
-    fmt = think_format_reward(texts)
+    fmt = think_format_lenient_reward(texts)
     ended = [True] * len(texts) if ended is None else list(ended)
-    clean = sum(bool(e) and _CLEAN.fullmatch(t) is not None for t, e in zip(texts, ended))
+    clean = sum(bool(e) and clean_format(t, choices=[None] * n) for t, e, n in zip(texts, ended, counts))
     return EvalResult(
         accuracy=correct / len(texts),
         format_rate=sum(fmt) / len(texts),

@@ -13,6 +13,7 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
 from . import signals as S
+from .answer_format import template_prefills_think
 from .attention import ModalityAttention, probe_attention, trailing_completion_layout
 from .attention.model_facts import load_model_config, model_facts
 from .config import MDIGRPOConfig
@@ -23,11 +24,7 @@ from .data.images import (
     report_bad_images,
     row_images,
 )
-from .diagnostics import (
-    ConsoleSummaryCallback,
-    LiveDiagnostics,
-    write_batch,
-)
+from .diagnostics import ConsoleSummaryCallback, LiveDiagnostics, write_batch
 from .drop_in import (
     check_filter_key,
     check_image_columns_for_tprl,
@@ -40,6 +37,8 @@ from .filtering import apply_group_filter, group_filter_keep
 from .forward import fit_width, rebuild_forward_inputs, rng_untouched
 from .records import BatchRecord, PolicyForward, ScoredRollouts, StepTiming
 from .rewards import (
+    ThinkFormatReward,
+    bind_think_format,
     resolve_reward_funcs,
     reward_name,
     zero_spread_fraction,
@@ -89,7 +88,8 @@ class MDIGRPOTrainer(GRPOTrainer):
             reward_funcs = [reward_funcs]
         named = reward_funcs if reward_funcs is not None else args.reward_funcs
         names, args.reward_weights = reward_stack_for_model(named, args.reward_weights, facts)
-        funcs = resolve_reward_funcs(list(names), args.reward_weights)
+        # think_format pays for the format the prompt asks: bind this run's pattern (a fresh instance per trainer).
+        funcs = bind_think_format(resolve_reward_funcs(list(names), args.reward_weights), answer_pattern=args.answer_pattern)
         resolve_attention_metrics(args, facts, funcs, user_named_rewards=named is not None)
         segment_names = model_segment_names(args, facts)
         check_reward_inputs(funcs, dataset_columns(train_dataset, eval_dataset),
@@ -114,6 +114,10 @@ class MDIGRPOTrainer(GRPOTrainer):
         if self.live_logs is not None:
             self.add_callback(self.live_logs)  # closes the log files when training ends
         check_world_size(self.accelerator.num_processes)
+        # The format check the rewards, the clean-format metric and the logs share (one definition everywhere).
+        prefilled = template_prefills_think(self.processing_class, self.chat_template_kwargs)
+        self._answer_format = ThinkFormatReward(args.answer_pattern, think_prefilled=prefilled)
+        self.reward_funcs = bind_think_format(self.reward_funcs, think_prefilled=prefilled)
 
     # --------------------------------------------------------------------------------------------- overrides
     def _generate(self, prompts):
@@ -180,6 +184,9 @@ class MDIGRPOTrainer(GRPOTrainer):
                     signals = self._attach_signals(record.forward.attention, inputs, mode)
             record.timing.scoring += time.perf_counter() - start
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        clean = self.accelerator.gather(torch.tensor(self._answer_format(completions, [x.get("choices") for x in inputs]),
+                                                     device=self.accelerator.device))  # NCCL gathers device tensors
+        self._metrics[mode]["completions/clean_format_frac"].append(float(clean.mean()))
         if record is not None:
             bad = self.accelerator.gather(record.bad_rows.to(rewards.device))
             # Rollouts of an unreadable image are unscorable: NaN rewards give them advantage 0 and keep them out
@@ -347,4 +354,5 @@ class MDIGRPOTrainer(GRPOTrainer):
         write_batch(self.live_logs, step, float(self.state.epoch or 0.0), inputs=inputs, scored=record.scored,
                     attention=attention, map_rows=record.map_rows, reward_names=self.reward_func_names,
                     reward_weights=self.reward_weights, advantages=self.accelerator.gather(out["advantages"]),
-                    segments_spec=self.args.attention_layer_segments, processing_class=self.processing_class)
+                    segments_spec=self.args.attention_layer_segments, processing_class=self.processing_class,
+                    answer_format=self._answer_format)

@@ -11,13 +11,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from ..answer_format import DEFAULT_SYSTEM_PROMPT  # built from the answer format it asks for
 from .columns import DatasetError
-
-DEFAULT_SYSTEM_PROMPT = (
-    "You are a helpful assistant. Think inside <think>...</think>, then give the final line 'Answer: X'."
-)
-"""The system prompt of the training script: asks for a <think> block and a final 'Answer: X' line, which is
-what think_format_reward and mc_idx_reward check."""
 
 DEFAULT_MAX_IMAGE_SIDE = 1024
 

@@ -95,7 +95,9 @@ class RolloutLogWriter(StepLogFile):
     A rollout is a dict with (all optional except ``completion``):
         prompt (str or messages), image_sizes ([(w, h), ...] or PIL images), completion (str or messages),
         rewards ({name: value or None}, unweighted components), reward (weighted total), advantage,
-        answer (gold), correct (bool; else derived from the first reward named in ``accuracy_rewards``, > 0),
+        answer (gold), parsed (the letter the answer reward read; "A/B" for a hedge), format_ok (whether the
+        completion is in the asked format), correct (bool; else derived from the first reward named in
+        ``accuracy_rewards``, > 0),
         group (prompt group id; else consecutive blocks of ``num_generations``), completion_length (tokens),
         index (shown as #; default its position).
     """
@@ -164,7 +166,8 @@ class RolloutLogWriter(StepLogFile):
             parts.append(self._full(r, pos, names, self._group_of(r, pos)))
         if rest:
             parts.append(f"### Other rollouts ({len(rest)})\n")
-            header = ["#", "group", *names, "total", "advantage", "correct", "length", "answer", "completion"]
+            header = ["#", "group", *names, "total", "advantage", "correct", "length", "parsed", "gold", "format",
+                      "completion"]
             rows = []
             for pos, r in enumerate(rest, start=len(full)):
                 text = clean(message_text(r.get("completion")))
@@ -172,7 +175,8 @@ class RolloutLogWriter(StepLogFile):
                 rewards = r.get("rewards") or {}
                 rows.append([r.get("index", pos), self._group_of(r, pos), *[rewards.get(n) for n in names], r.get("reward"),
                              r.get("advantage"), self._mark(self._correct(r)), r.get("completion_length", len(text)),
-                             None if r.get("answer") is None else str(r["answer"]), preview])
+                             r.get("parsed"), None if r.get("answer") is None else str(r["answer"]),
+                             self._format_mark(r.get("format_ok")), preview])
             parts.append(md_table(header, rows))
         stats = self._summary(rollouts, names)
         parts.append("### Step summary\n")
@@ -202,10 +206,22 @@ class RolloutLogWriter(StepLogFile):
                                                         ["advantage", r.get("advantage")]]
         out = [title, "", f"**Prompt** · {len(sizes)} image(s)", "", fence(prompt, "text"),
                f"**Completion** · {length}", "", fence(clean(text, self.preview_chars), "text")]
+        answer = [f"**Parsed answer:** {escape_inline(r['parsed'])}"] if r.get("parsed") is not None else []
+        if "parsed" in r and r.get("parsed") is None:
+            answer = ["**Parsed answer:** none"]
         if r.get("answer") is not None:
-            out += [f"**Gold answer:** {escape_inline(r['answer'])}", ""]
+            answer.append(f"**Gold answer:** {escape_inline(r['answer'])}")
+        if r.get("format_ok") is not None:
+            answer.append(f"**Format:** {self._format_mark(r['format_ok'])}")
+        if answer:
+            out += [" · ".join(answer), ""]
         out += [md_table(["reward", "value"], table)]
         return "\n".join(out)
+
+    def _format_mark(self, ok: bool | None) -> str | None:
+        if ok is None:
+            return None
+        return ("✅ asked" if ok else "✗ not the asked format") if self.colorize else ("asked" if ok else "not asked")
 
     def _summary(self, rollouts: list[dict], names: list[str]) -> dict[str, Any]:
         stats: dict[str, Any] = {"rollouts": len(rollouts)}
@@ -215,6 +231,9 @@ class RolloutLogWriter(StepLogFile):
         stats["advantage mean |A|"] = _mean(None if r.get("advantage") is None else abs(r["advantage"]) for r in rollouts)
         verdicts = [c for c in (self._correct(r) for r in rollouts) if c is not None]
         stats["accuracy"] = sum(verdicts) / len(verdicts) if verdicts else None
+        formats = [r["format_ok"] for r in rollouts if r.get("format_ok") is not None]
+        if formats:
+            stats["clean format (asked answer line)"] = sum(formats) / len(formats)
         tokens = all("completion_length" in r for r in rollouts)
         lengths = [r["completion_length"] if tokens else len(clean(message_text(r.get("completion")))) for r in rollouts]
         if lengths:

@@ -7,7 +7,8 @@ leaves it out of that reward). Completions may be strings or message lists
 
     name          function              needs                        returns
     mc_idx        mc_idx_reward         dataset column label_idx     1 / 0, None without a label
-    think_format  think_format_reward   -                            1 / 0
+    think_format  think_format_reward   row choices (optional)       1 / 0: the asked format (answer_format)
+    think_format_lenient  think_format_lenient_reward  -             1 / 0: any text after </think>
     mdi_balance   mdi_balance_reward    trainer field mdi_balance    2 * balance - 1 in [-1, 1]
     mdi_group     mdi_group_reward      trainer field mdi_group_score  group-relative, in [-1, 1]
     accuracy      accuracy_reward       dataset column solution      TRL's math-verify reward
@@ -27,10 +28,14 @@ helpers), ``registry`` (names, defaults, resolution). Everything is re-exported 
 """
 
 from .functions import (
+    ThinkFormatReward,
     accuracy_reward,
+    bind_think_format,
     mc_idx_reward,
     mdi_balance_reward,
     mdi_group_reward,
+    parse_mc_answer,
+    think_format_lenient_reward,
     think_format_reward,
 )
 from .groups import zero_spread_fraction
@@ -65,5 +70,9 @@ __all__ = [
     "resolve_rewards",
     "reward_help",
     "think_format_reward",
+    "think_format_lenient_reward",
+    "ThinkFormatReward",
+    "bind_think_format",
+    "parse_mc_answer",
     "zero_spread_fraction",
 ]

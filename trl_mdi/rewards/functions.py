@@ -3,6 +3,7 @@ and TRL's ``accuracy_reward`` (re-exported)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable
@@ -10,9 +11,11 @@ from typing import Any
 
 from trl.rewards import accuracy_reward
 
+from ..answer_format import DEFAULT_ANSWER_PATTERN, clean_format, compile_answer_pattern, hedged_letters
 from .parsing import LETTERS, completion_text, extract_choice_letter
 
-__all__ = ["accuracy_reward", "mc_idx_reward", "mdi_balance_reward", "mdi_group_reward", "think_format_reward"]
+__all__ = ["ThinkFormatReward", "accuracy_reward", "bind_think_format", "parse_mc_answer", "mc_idx_reward", "mdi_balance_reward", "mdi_group_reward",
+           "think_format_lenient_reward", "think_format_reward"]
 
 
 def _label_index(label: Any) -> int | None:
@@ -32,6 +35,20 @@ def _label_index(label: Any) -> int | None:
     return int(value)
 
 
+def parse_mc_answer(text: str, num_choices: int = 10) -> tuple[str | None, str | None]:
+    """(the letter ``mc_idx`` scores, what the logs show): the tolerant parser's letter, or None with "A/B" shown when
+    the answer hedges (``trl_mdi.answer_format.hedged_letters``).
+
+    >>> parse_mc_answer("<think>x</think> Answer: A or B", 4), parse_mc_answer("Answer: C", 4)
+    ((None, 'A/B'), ('C', 'C'))
+    """
+    hedged = hedged_letters(text, num_choices)
+    if len(hedged) > 1:
+        return None, "/".join(hedged)  # "A or B" answers nothing
+    letter = extract_choice_letter(text, num_choices)
+    return letter, letter
+
+
 def mc_idx_reward(
     completions: list,
     label_idx: list,
@@ -43,12 +60,16 @@ def mc_idx_reward(
 
     ``label_idx`` holds int indices (0 = A); a None or NaN label gives None (not applicable). When
     the dataset has a ``choices`` column (A-OKVQA does), only its first ``len(choices)`` letters can
-    be answers, which rules out stray "E".."J"; without it, A-J. Parsing: ``extract_choice_letter``.
+    be answers, which rules out stray "E".."J"; without it, A-J. Parsing: ``extract_choice_letter``. An answer
+    that hedges scores 0: the last answer statement (or, without one, the answer text) names two or more letters
+    ("Answer: A or B", "A B"; ``trl_mdi.answer_format.hedged_letters``); a correction that ends on one letter is
+    read as that letter.
     A label outside the allowed letters is a data error and raises ValueError. Inside the trainer, the
     parsed letters go to the completions table as column "parsed_choice".
 
-    >>> mc_idx_reward(["Answer: B", [{"role": "assistant", "content": "I'd say A."}], "B"], [1, 1, None])
-    [1.0, 0.0, None]
+    >>> mc_idx_reward(["Answer: B", [{"role": "assistant", "content": "I'd say A."}], "B", "Answer: A or B"],
+    ...               [1, 1, None, 1])
+    [1.0, 0.0, None, 0.0]
     """
     if len(label_idx) != len(completions):
         raise ValueError(f"got {len(completions)} completions but {len(label_idx)} label_idx values")
@@ -57,8 +78,8 @@ def mc_idx_reward(
     for i, (completion, raw_label) in enumerate(zip(completions, label_idx)):
         row_choices = choices[i] if choices is not None else None
         num_choices = len(row_choices) if row_choices is not None and len(row_choices) > 0 else 10
-        letter = extract_choice_letter(completion_text(completion), num_choices)
-        parsed.append(letter)
+        letter, shown = parse_mc_answer(completion_text(completion), num_choices)
+        parsed.append(shown)
         label = _label_index(raw_label)
         if label is None:
             rewards.append(None)
@@ -80,21 +101,58 @@ def mc_idx_reward(
 _THINK_FORMAT = re.compile(r"\s*<think>(.*?)</think>(.*)", re.DOTALL)
 
 
-def think_format_reward(completions: list, **kwargs) -> list[float]:
-    """Think format: 1.0 for one non-empty <think>...</think> block followed by a non-empty answer.
+@dataclasses.dataclass(frozen=True)
+class ThinkFormatReward:
+    """Think format: 1.0 when the completion is in the format the system prompt asks, else 0.0.
 
-    The completion must open with ``<think>`` (leading whitespace allowed), hold exactly one
-    ``<think>`` and one ``</think>``, some reasoning between them and some answer text after them.
+    One non-empty ``<think>...</think>`` block, then, after optional whitespace, a final line that fully matches
+    ``answer_pattern`` (default ``Answer: X``, X a letter valid for the row's ``choices``, or any capital letter
+    where the row has none), and nothing but whitespace after it (``trl_mdi.answer_format.clean_format``). With
+    ``think_prefilled`` (the chat template opens ``<think>`` in the prompt, as Qwen3 thinking templates do) the
+    completion's own ``</think>`` closes the block. The trainer binds ``answer_pattern`` from
+    ``MDIGRPOConfig.answer_pattern`` and ``think_prefilled`` from the chat template.
 
-    Why not TRL's ``trl.rewards.think_format_reward``: it fits our templates in one respect (Qwen2.5-VL,
-    Qwen3-VL and SmolVLM do not prefill "<think>", so the model writes the opening tag), but it pays
-    1.0 for an empty ``<think></think>``, for a completion that stops right after ``</think>`` and for
-    a stray second ``</think>``: exactly the shortcuts a policy learns when format is rewarded.
-    It also reads only message lists. With a template that prefills "<think>" into the prompt
-    (Qwen3.5 thinking), every completion here scores 0; ``zero_spread_fraction`` makes that visible.
+    Why strict: a reward that pays for any text after ``</think>`` lets GRPO drift to junk such as
+    ``Answer" A`` or ``AnswerYou A`` that the answer parser still reads (seen in the demo before this reward).
+    The lenient reward remains as ``think_format_lenient``.
 
-    >>> think_format_reward(["<think>It is red.</think>Answer: A", "<think></think>Answer: A",
-    ...                      [{"role": "assistant", "content": "Answer: A"}]])
+    >>> ThinkFormatReward()(["<think>It is red.</think>\\nAnswer: A", "<think>It is red.</think>\\nAnswers A"],
+    ...                     choices=[["red", "blue"]] * 2)
+    [1.0, 0.0]
+    """
+
+    answer_pattern: str = DEFAULT_ANSWER_PATTERN
+    think_prefilled: bool = False
+    __name__ = "think_format_reward"  # TRL logs rewards/<__name__>/...
+
+    def __post_init__(self):
+        compile_answer_pattern(self.answer_pattern)  # a bad pattern fails at construction
+
+    def __call__(self, completions: list, choices: list | None = None, **kwargs) -> list[float]:
+        pattern = compile_answer_pattern(self.answer_pattern)
+        rows = choices if choices is not None else [None] * len(completions)
+        return [1.0 if clean_format(completion_text(c), pattern, ch, think_prefilled=self.think_prefilled) else 0.0
+                for c, ch in zip(completions, rows)]
+
+
+think_format_reward = ThinkFormatReward()
+
+
+def bind_think_format(reward_funcs: list, **settings) -> list:
+    """The reward list with every ThinkFormatReward replaced by a copy holding ``settings`` (answer_pattern,
+    think_prefilled): the registry's default instance is never changed."""
+    return [dataclasses.replace(f, **settings) if isinstance(f, ThinkFormatReward) else f for f in reward_funcs]
+
+
+def think_format_lenient_reward(completions: list, **kwargs) -> list[float]:
+    """Lenient think format: 1.0 for one non-empty <think>...</think> block followed by any non-empty text.
+
+    The completion must open with ``<think>`` (leading whitespace allowed), hold exactly one ``<think>`` and one
+    ``</think>``, some reasoning between them and some answer text after them. It pays for answers in any shape
+    (``Answer" A`` included): use ``think_format`` (the default) unless a free-form answer is wanted.
+
+    >>> think_format_lenient_reward(["<think>It is red.</think>Answer: A", "<think></think>Answer: A",
+    ...                              [{"role": "assistant", "content": "Answer: A"}]])
     [1.0, 0.0, 0.0]
     """
     rewards = []

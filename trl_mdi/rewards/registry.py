@@ -13,6 +13,7 @@ from .functions import (
     mc_idx_reward,
     mdi_balance_reward,
     mdi_group_reward,
+    think_format_lenient_reward,
     think_format_reward,
 )
 
@@ -43,7 +44,10 @@ TRL_PROVIDED = frozenset(
 
 REWARD_REGISTRY: dict[str, Callable[..., list[float | None]]] = {
     "mc_idx": mc_idx_reward,
+    # The default: the format the system prompt asks (trl_mdi.answer_format); the trainer binds its pattern.
     "think_format": think_format_reward,
+    # Any non-empty text after </think>: pays for junk like 'Answer" A' (kept for free-form answers).
+    "think_format_lenient": think_format_lenient_reward,
     "mdi_balance": mdi_balance_reward,
     "mdi_group": mdi_group_reward,
     "accuracy": accuracy_reward,
@@ -160,7 +164,7 @@ def reward_help() -> str:
     """CLI help for the reward options, generated from ``REWARD_REGISTRY`` so it cannot drift.
 
     >>> print(reward_help().splitlines()[1])
-      mc_idx        Multiple-choice accuracy: 1.0 when the parsed answer letter is the label's, else 0.0. [dataset column: label_idx]
+      mc_idx                Multiple-choice accuracy: 1.0 when the parsed answer letter is the label's, else 0.0. [dataset column: label_idx]
     """
     width = max(len(name) for name in REWARD_REGISTRY) + 2
     lines = [
