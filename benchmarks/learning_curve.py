@@ -397,8 +397,10 @@ def report(runs: list[Run], s: Settings, recipe: WarmupRecipe, argv: list[str], 
         "enable_perception_filtering, enable_trajectory_reweighting (defaults: top-p 0.2 / 0.2, beta_min 0.8, "
         "patch_blackening).",
         f"- Evaluation: greedy, max_new_tokens {s.eval_max_new_tokens}, suppress_tokens=[image_token_id], every "
-        f"{s.eval_every} GRPO steps; accuracy by `extract_choice_letter` (the mc_idx parser). 'format': "
-        "think_format_reward pays; 'clean': exactly `<think>…</think>\\nAnswer: X` then end of sequence. Times "
+        f"{s.eval_every} GRPO steps; accuracy by the mc_idx reward's rule (`parse_mc_answer`: a hedged answer such as "
+        "'Answer: A or B' is wrong). 'format': the lenient think format (any text after </think>); 'clean': the format "
+        "the prompt asks, by think_format_reward's own rule (one think block, then a final line 'Answer: X', nothing "
+        "after it), then end of sequence. Times "
         "exclude the evaluations (they add "
         + ", ".join(f"{r.eval_seconds:.0f} s" for r in runs) + " to the runs, in table order).",
         "",

@@ -34,7 +34,21 @@ def test_make_demo_learns_and_its_logs_show_it(tmp_path):
     warm, trained = scores
     assert 0.35 <= warm <= 0.8, f"the warm-up should leave room for GRPO, got {warm}"
     assert trained >= 0.9 and trained - warm >= 0.25, (warm, trained)
-    assert (out / "grpo" / "checkpoint-200" / "trainer_state.json").is_file()
+    state = out / "grpo" / "checkpoint-200" / "trainer_state.json"
+    assert state.is_file()
+
+    # The answers stay in the asked format (issue 14: the lenient format reward let them drift to 'Answer" A'):
+    # the final greedy answers and the last 20 steps' rollouts, by the format reward's own rule.
+    clean = [float(x) for x in re.findall(r"held-out greedy \(200 validation questions\).*?, clean ([0-9.]+)", text)]
+    assert len(clean) == 2 and clean[1] >= 0.9, clean
+    import json
+
+    history = [h for h in json.loads(state.read_text())["log_history"] if "completions/clean_format_frac" in h]
+    first = [h["completions/clean_format_frac"] for h in history[:20]]
+    last = [h["completions/clean_format_frac"] for h in history[-20:]]
+    # Sampled at temperature 1, a few rollouts per step are noise ('Answer:' then a stray byte); they earn 0 format
+    # and 0 answer. Recorded run: 0.784 (first 20 steps) -> 0.836 (last 20). The point is no drift to paid junk.
+    assert len(last) == 20 and sum(last) / 20 >= 0.75 and sum(last) / 20 >= sum(first) / 20 - 0.05, (first, last)
 
     # The live log the README tells a user to `tail -f`: the trend line of its last step spans the whole run.
     rollout_logs = sorted(logs.glob("rollout_results_*.md"))

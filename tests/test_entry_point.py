@@ -338,3 +338,13 @@ def test_eval_only_measures_without_training(tiny_vlm_dir, prepared_aokvqa_dir, 
     assert {"attention/mdi_early", "attention/mdi_middle", "attention/mdi_late", "attention/mdi"} <= set(summary)
     assert (logs / "r.md").read_text().count("## Step 1") >= 1 and (logs / "a.md").exists()
     assert not (out / "model.safetensors").exists()  # nothing trained, nothing saved
+
+
+def test_custom_system_prompt_with_the_default_answer_pattern_warns(capsys, base_args):
+    code, _, err = run_main(capsys, *base_args, "--dry_run", "--system_prompt", "Reply with the letter only.")
+    assert code == 0 and "--system_prompt is custom but --answer_pattern is the default" in err
+    code, _, err = run_main(capsys, *base_args, "--dry_run", "--system_prompt", "End with 'Final: (X)'.",
+                            "--answer_pattern", r"Final: \((?P<letter>[A-Z])\)")
+    assert code == 0 and "--answer_pattern is the default" not in err
+    code, _, err = run_main(capsys, *base_args, "--dry_run", "--answer_pattern", "Answer: ([A-Z])")
+    assert code == 2 and "named group" in err

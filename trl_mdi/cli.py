@@ -44,6 +44,7 @@ from .cli_args import (  # noqa: F401  (re-exported: the entry point's public na
     script_defaults,
 )
 from .cli_checks import (  # noqa: F401
+    answer_format_warning,
     check_peft,
     check_reward_data,
     check_segments,
@@ -131,6 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.model_init_kwargs = model_init_kwargs(m, t)
     if is_main:
         print(format_effective_config(run, data), flush=True)
+        warning = answer_format_warning(run)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
     if s.dry_run:
         log("dry run: configuration, model config, processor and data checked; exiting before training")
         return 0

@@ -143,3 +143,15 @@ def check_reward_data(run: ParsedRun, data: TrainingData, model_config) -> None:
                            "--reward_weights 4 1 1.") from None
 
 
+def answer_format_warning(run: ParsedRun) -> str | None:
+    """A warning when a custom --system_prompt meets the default answer pattern with think_format in the stack:
+    the reward would pay for a line the prompt may no longer ask for (change --answer_pattern with the prompt)."""
+    from .answer_format import DEFAULT_ANSWER_PATTERN, DEFAULT_SYSTEM_PROMPT
+
+    names, _ = effective_rewards(run.training)
+    custom = run.data.system_prompt not in (None, DEFAULT_SYSTEM_PROMPT)
+    if custom and "think_format" in names and run.training.answer_pattern == DEFAULT_ANSWER_PATTERN:
+        return ("warning: --system_prompt is custom but --answer_pattern is the default "
+                f"{DEFAULT_ANSWER_PATTERN!r}: think_format pays only for a final 'Answer: X' line. If your prompt asks "
+                "for another answer line, set --answer_pattern to match it.")
+    return None

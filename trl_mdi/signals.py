@@ -47,6 +47,7 @@ class Signal:
     reward: bool = False  # handed to reward functions as a named argument
     metric: bool = False  # logged as attention/<name>: mean over rollouts where finite
     log: str | None = None  # attention log column header ("{segment}" expands too)
+    label: str | None = None  # its name in the attention log's step summary when it is no column (default: log)
 
     @property
     def per_segment(self) -> bool:
@@ -69,9 +70,9 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("aei_image", "attention efficiency of image keys, P_O / Q_O", lambda x: x.segment["aei_image"],
            reward=True, metric=True, log="AEI vision"),
     Signal("aei_text_{segment}", "AEI of text keys in one layer segment", lambda x: x.segment["aei_text"],
-           reward=True, metric=True),
+           reward=True, metric=True, label="AEI text {segment}"),
     Signal("aei_image_{segment}", "AEI of image keys in one layer segment", lambda x: x.segment["aei_image"],
-           reward=True, metric=True),
+           reward=True, metric=True, label="AEI vision {segment}"),
     Signal("mdi_balance", "the brief's balance, clip(1 - |log MDI| / log R, 0, 1): 1 at MDI = 1, 0 outside (1/R, R)",
            lambda x: M.mdi_balance(x.segment["mdi"], x.balance_ratio), reward=True, metric=True, log="balance"),
     Signal("image_mass", "attention mass of the generated tokens on image keys (mean over heads, tokens, layers)",
@@ -187,8 +188,8 @@ def log_means(segments: Sequence[str]) -> list[tuple[str, str]]:
     for s in SIGNALS:
         if s.metric:
             segs = [g for g in segments if g != "all"]
-            labels = [(s.log or s.name.replace("_", " ")).format(segment=g) for g in segs] if s.per_segment else [
-                s.log or s.name.replace("_", " ")]
+            label = s.log or s.label or s.name.replace("_", " ")
+            labels = [label.format(segment=g) for g in segs] if s.per_segment else [label]
             out += list(zip(expand(s, segments), labels))
     return out
 
