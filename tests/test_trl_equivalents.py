@@ -68,6 +68,11 @@ def test_training_vlm(arch, tiny_vlm_dir, image_data, tmp_path):
     logs = train_and_check(trainer)
     assert finite_mdi(logs), [h.get("attention/mdi") for h in logs]
     assert logs[0]["attention/rows_unmeasured"] == 0.0 and logs[0]["attention/rows_without_image"] == 0.0
+    # The attention log's header says which layers were measured (a hybrid model's linear layers are not).
+    header = trainer.live_logs.attention_path.read_text().split("## Step", 1)[0]
+    assert "measured layers" in header
+    if arch.startswith("qwen3_5"):
+        assert "2 measured: 1, 3" in header and "linear_attention layers have no attention weights" in header
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
