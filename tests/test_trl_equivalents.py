@@ -194,3 +194,28 @@ def test_text_only_explicit_attention_request_is_a_clear_error(text_models, text
     with pytest.raises(ValueError, match=f"text-only.*{match}"):
         MDIGRPOTrainer(model=str(text_models[0]), reward_funcs=named or [spread_reward], args=args,
                        train_dataset=text_data)
+
+
+def test_a_thinking_template_that_prefills_think_is_detected_and_bound(tiny_vlm_dir, image_data, tmp_path):
+    """Qwen3 thinking templates open <think> in the prompt: the completion's own </think> closes the block, and the
+    format reward must know it (else every well-formed completion would score 0)."""
+    from pathlib import Path
+
+    import trl
+    from transformers import AutoProcessor
+
+    from trl_mdi.rewards import ThinkFormatReward
+
+    path = str(tiny_vlm_dir("qwen3_5"))
+    processor = AutoProcessor.from_pretrained(path)
+    processor.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3_5_think.jinja").read_text()
+    names = ["think_format", spread_reward]
+    trainer = MDIGRPOTrainer(model=path, reward_funcs=names, args=grpo_args(tmp_path), train_dataset=image_data,
+                             processing_class=processor)
+    bound = [f for f in trainer.reward_funcs if isinstance(f, ThinkFormatReward)]
+    assert len(bound) == 1 and bound[0].think_prefilled and trainer._answer_format.think_prefilled
+    assert bound[0](["the shape is red</think>\nAnswer: A", "<think>red</think>\nAnswer: A"]) == [1.0, 0.0]
+    # The same template with thinking switched off through TRL's chat_template_kwargs prefills nothing.
+    off = MDIGRPOTrainer(model=path, reward_funcs=names, train_dataset=image_data, processing_class=processor,
+                         args=grpo_args(tmp_path / "off", chat_template_kwargs={"enable_thinking": False}))
+    assert not [f for f in off.reward_funcs if isinstance(f, ThinkFormatReward)][0].think_prefilled
