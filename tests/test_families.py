@@ -132,3 +132,37 @@ def test_llava_next_measures_directly(tiny_vlm_dir):
     path = tiny_vlm_dir("llava_next")
     res = measure_modality_attention(_load(path), **_batch(AutoProcessor.from_pretrained(path)))
     assert res.n_image[0] > 0 and res.valid.all()
+
+
+@pytest.mark.parametrize("arch, kwargs", [("qwen2_5_vl", {}), ("qwen3_5", {}), ("gemma3", {"sliding_window": 8})])
+def test_per_query_image_mass_equals_eager(tiny_vlm_dir, arch, kwargs):
+    """The per-token perception signal: each generated token's attention mass on image keys, averaged over heads
+    and the late segment's measured layers, equals eager attention weights (1e-5), and is 0 at non-query positions."""
+    path = tiny_vlm_dir(arch, **kwargs)
+    batch = _batch(AutoProcessor.from_pretrained(path))
+    res = measure_modality_attention(_load(path), **batch, token_segment="late")
+    late = res.segments()["late"]
+    assert res.token_layers == tuple(late) and res.query_image_mass.shape == batch["input_ids"].shape
+    eager = _load(path, "eager")
+    with torch.no_grad():
+        out = eager(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_attentions=True,
+                    **{k: v for k, v in batch.items() if k not in MODEL_KEYS})
+    maps = dict(zip(res.layers, [a for a in out.attentions if a is not None]))  # eager maps of the measured layers
+    img = torch.isin(batch["input_ids"], torch.tensor(image_token_ids(eager.config))) & batch["attention_mask"].bool()
+    per_layer = [torch.einsum("bhqk,bk->bq", maps[layer].double(), img.double()) / maps[layer].shape[1] for layer in late]
+    ref = torch.stack(per_layer).mean(0) * batch["completion_mask"]
+    err = (res.query_image_mass.double() - ref).abs().max().item()
+    assert err < 1e-5, f"{arch}: max |probe - eager| = {err:.2e}"
+    assert (res.query_image_mass[~batch["completion_mask"].bool()] == 0).all()
+    # The per-token values average to the layer mean the probe reports per row (same queries, same layers).
+    row_mean = res.query_image_mass.sum(1) / res.n_queries.clamp(min=1)
+    torch.testing.assert_close(row_mean, res.image[:, late].mean(1).nan_to_num(0.0), atol=1e-5, rtol=0)
+
+
+def test_per_query_image_mass_falls_back_to_all_layers(tiny_vlm_dir):
+    path = tiny_vlm_dir("qwen2_5_vl", num_layers=1)  # thirds of one layer: only "middle"
+    batch = _batch(AutoProcessor.from_pretrained(path))
+    with pytest.warns(UserWarning, match="segment 'late' does not exist on this model"):
+        res = measure_modality_attention(_load(path), **batch, token_segment="late")
+    assert res.token_layers == (0,)
+    assert measure_modality_attention(_load(path), **batch).query_image_mass is None  # only when asked for

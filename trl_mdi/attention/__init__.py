@@ -31,7 +31,8 @@ from .layout import (
     token_layout,
     trailing_completion_layout,
 )
-from .probe import PROBE_ATTN_IMPLEMENTATION, measure_modality_attention, probe_attention, unwrap_model
+from .model_facts import unwrap_model
+from .probe import PROBE_ATTN_IMPLEMENTATION, measure_modality_attention, probe_attention
 from .result import COMPLETION, GROUPS, IMAGE, PROMPT_TEXT, SPECIAL, ModalityAttention
 
 __all__ = [

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .layout import image_token_ids
 
 # Layer kinds that never call the attention interface: no softmax over keys, hence nothing to measure.
@@ -92,6 +94,16 @@ def load_model_config(model: Any, model_init_kwargs: dict | None = None):
 
         kwargs = {k: v for k, v in (model_init_kwargs or {}).items() if k in ("revision", "trust_remote_code")}
         return AutoConfig.from_pretrained(model, **kwargs)
-    from .probe import unwrap_model
-
     return unwrap_model(model).config
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers PreTrainedModel inside DDP / DeepSpeed engines and PEFT wrappers."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):  # PEFT
+            model = model.get_base_model()
+        elif hasattr(model, "module") and isinstance(model.module, torch.nn.Module):  # DDP / DeepSpeed
+            model = model.module
+    return model

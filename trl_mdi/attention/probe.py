@@ -18,6 +18,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .layout import TokenLayout, forward_tensors, image_token_ids, template_text_exclusion_mask, token_layout
+from .model_facts import model_facts, unwrap_model
 from .result import COMPLETION, GROUPS, IMAGE, PROMPT_TEXT, SPECIAL, ModalityAttention
 
 PROBE_ATTN_IMPLEMENTATION = "trl_mdi_probe"
@@ -32,10 +33,16 @@ _ACTIVE: contextvars.ContextVar[_ProbeState | None] = contextvars.ContextVar("tr
 class _ProbeState:
     """Per-probe accumulator. One forward call of the model = one entry in ``calls``."""
 
-    def __init__(self, num_layers: int, layout_fn: Callable[[dict], TokenLayout], image_map_rows: Sequence[int]):
+    def __init__(self, num_layers: int, layout_fn: Callable[[dict], TokenLayout], image_map_rows: Sequence[int],
+                 token_layers: Sequence[int] = ()):
         self.num_layers = num_layers
         self.layout_fn = layout_fn
         self.image_map_rows = list(image_map_rows)
+        # Layers whose per-query image mass is summed into a (B, L) map (mean taken in result()): the per-token
+        # perception signal, O(L) like the rest (one column of the group SDPA the probe runs anyway).
+        self.token_layers = set(int(i) for i in token_layers)
+        self.token_maps: list[torch.Tensor] = []
+        self.token_layers_seen: set[int] = set()
         self.calls: list[tuple[TokenLayout, torch.Tensor, dict[int, torch.Tensor]]] = []
         # Layers whose attention function ran: softmax-attention layers only (a hybrid model's linear-attention
         # layers never call it, so their masses stay NaN and they are left out of every segment).
@@ -50,6 +57,7 @@ class _ProbeState:
         # Attention maps only for the requested rows of this call (global row index -> local)
         local = {r - self._rows_seen: r for r in self.image_map_rows if self._rows_seen <= r < self._rows_seen + b}
         self.calls.append((layout, masses, {}))
+        self.token_maps.append(torch.zeros(b, layout.query_mask.shape[1]))
         self._map_rows = local
         self._rows_seen += b
         self._layer_counter = 0
@@ -94,6 +102,9 @@ class _ProbeState:
         n_q = layout.n_queries.to(per_query.device).clamp(min=1).float()
         layer_mass = per_query.sum(dim=1) / n_q[:, None]
         masses[:, layer] = torch.where(layout.n_queries[:, None].to(layer_mass.device) > 0, layer_mass, float("nan")).cpu()
+        if layer in self.token_layers:
+            self.token_maps[-1][:, q0:q1] += per_query[..., IMAGE].cpu()  # 0 at positions that are no query
+            self.token_layers_seen.add(int(layer))
         for local_row in self._map_rows:
             maps.setdefault(local_row, torch.zeros(self.num_layers, int(layout.counts[local_row, IMAGE])))
             is_img = layout.groups[local_row, :, IMAGE].bool()
@@ -118,8 +129,9 @@ class _ProbeState:
                 "model made of linear-attention layers only), so there is no attention to measure"
             )
         measured = tuple(sorted(self.recorded_layers))
+        n_token_layers = len(self.token_layers_seen)
         parts = []
-        for layout, masses, maps in self.calls:
+        for (layout, masses, maps), tokens in zip(self.calls, self.token_maps):
             counts = layout.counts.cpu()
             parts.append(
                 ModalityAttention(
@@ -134,6 +146,8 @@ class _ProbeState:
                     n_queries=layout.n_queries.cpu(),
                     image_token_mass=maps,
                     measured_layers=measured,
+                    query_image_mass=tokens / n_token_layers if n_token_layers else None,
+                    token_layers=tuple(sorted(self.token_layers_seen)) if n_token_layers else None,
                 )
             )
         if not parts:
@@ -159,18 +173,6 @@ AttentionMaskInterface.register(PROBE_ATTN_IMPLEMENTATION, sdpa_mask)
 # --------------------------------------------------------------------------------------------------
 # Model plumbing
 # --------------------------------------------------------------------------------------------------
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers PreTrainedModel inside DDP / DeepSpeed engines and PEFT wrappers."""
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        if hasattr(model, "get_base_model") and callable(model.get_base_model):  # PEFT
-            model = model.get_base_model()
-        elif hasattr(model, "module") and isinstance(model.module, torch.nn.Module):  # DDP / DeepSpeed
-            model = model.module
-    return model
-
-
 def _text_config(model: torch.nn.Module):
     config = model.config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -181,17 +183,19 @@ def probe_attention(
     model: torch.nn.Module,
     layout_fn: Callable[[dict], TokenLayout],
     image_map_rows: Sequence[int] = (),
+    token_layers: Sequence[int] = (),
 ) -> Iterator[_ProbeState]:
     """Context manager: every forward of ``model`` inside the block is measured.
 
     ``layout_fn(forward_kwargs) -> TokenLayout`` decides per forward call which keys are image / text /
     completion and which queries are measured. Results accumulate over calls (chunked forwards), in
-    order; read them with ``state.result()`` after the block.
+    order; read them with ``state.result()`` after the block. ``token_layers``: also return, per query token, its
+    image mass averaged over these layers (``ModalityAttention.query_image_mass``).
     """
     base = unwrap_model(model)
     text_config = _text_config(base)
     num_layers = int(text_config.num_hidden_layers)
-    state = _ProbeState(num_layers, layout_fn, image_map_rows)
+    state = _ProbeState(num_layers, layout_fn, image_map_rows, token_layers)
     # The backbone (``base.model`` for *ForConditionalGeneration) receives input_ids and the 2-D mask on every path
     # (plain, PEFT, DDP, DeepSpeed); some families pass input_ids positionally (LLaVA-NeXT), so positional
     # arguments are bound to the forward's parameter names.
@@ -228,6 +232,8 @@ def measure_modality_attention(
     text_keys: str = "all",
     tokenizer=None,
     image_map_rows: Sequence[int] = (),
+    token_segment: str | None = None,
+    segments: str | dict | None = "thirds",
     **multimodal_inputs,
 ) -> ModalityAttention:
     """Measure, per row and text layer, the attention mass of the generated tokens on each key group.
@@ -252,6 +258,11 @@ def measure_modality_attention(
         tokenizer: the processor's tokenizer; required for ``text_keys="content"``.
         image_map_rows: row indices for which to also return the mass on every individual image token
             (``ModalityAttention.image_token_mass``), for attention maps.
+        token_segment: a layer segment of ``segments`` (e.g. ``"late"``): also return, per query token, the
+            attention mass on image keys averaged over heads and over that segment's measured layers
+            (``ModalityAttention.query_image_mass``, (B, L), 0 at positions that are no query): a per-token
+            perception signal. A segment the model does not have (1-2 layers, few softmax layers) falls back to
+            ``"all"`` with a warning.
         **multimodal_inputs: pixel_values, image_grid_thw, mm_token_type_ids, pixel_attention_mask, ...
             exactly as the processor or GRPOTrainer produce them.
 
@@ -289,6 +300,22 @@ def measure_modality_attention(
     # The masses come from inside the layers: ask for one position of logits, not (B, L, vocab), which at a real
     # vocabulary (152k for Qwen2.5-VL) costs more memory than the whole rest of the forward.
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
-    with torch.no_grad(), probe_attention(model, layout_fn, image_map_rows) as state:
+    token_layers = _segment_layers(base, segments, token_segment) if token_segment else ()
+    with torch.no_grad(), probe_attention(model, layout_fn, image_map_rows, token_layers) as state:
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra, **multimodal_inputs)
     return state.result()
+
+
+def _segment_layers(model: torch.nn.Module, segments, name: str) -> list[int]:
+    """The measured layers of segment ``name`` on this model (``"all"`` when the model has no such segment)."""
+    import warnings
+
+    from .metrics import layer_segments
+
+    facts = model_facts(model.config)
+    found = layer_segments(facts.num_layers, segments, list(facts.measured_layers))
+    if name not in found:
+        warnings.warn(f"segment {name!r} does not exist on this model (segments: {sorted(found)}): per-token image "
+                      "mass averaged over all measured layers instead", stacklevel=3)
+        name = "all"
+    return found[name]

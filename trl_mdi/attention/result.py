@@ -35,6 +35,8 @@ class ModalityAttention:
             softmax-attention layer. A hybrid model's linear-attention layers have no attention weights: their
             masses are NaN and every segment, ``"all"`` included, is formed over the measured layers only.
             ``None`` (a result built by hand) means every layer.
+        query_image_mass: when asked for (``token_segment`` / ``token_layers``), (B, L): for every measured query
+            token, its attention mass on image keys, averaged over heads and over ``token_layers``; 0 elsewhere.
     """
 
     image: torch.Tensor
@@ -48,6 +50,8 @@ class ModalityAttention:
     n_queries: torch.Tensor
     image_token_mass: dict[int, torch.Tensor] = field(default_factory=dict)
     measured_layers: tuple[int, ...] | None = None
+    query_image_mass: torch.Tensor | None = None  # (B, L) per query token, mean over heads and token_layers
+    token_layers: tuple[int, ...] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -97,8 +101,15 @@ class ModalityAttention:
         measured = {p.measured_layers for p in parts}
         if len(measured) > 1:
             raise ValueError(f"cannot concatenate results measured on different layers: {sorted(measured, key=str)}")
-        names = [f for f in ModalityAttention.__dataclass_fields__ if f not in ("image_token_mass", "measured_layers")]
+        special = ("image_token_mass", "measured_layers", "query_image_mass", "token_layers")
+        names = [f for f in ModalityAttention.__dataclass_fields__ if f not in special]
+        tokens = None
+        if all(p.query_image_mass is not None for p in parts):
+            width = max(p.query_image_mass.shape[1] for p in parts)
+            tokens = torch.cat([torch.nn.functional.pad(p.query_image_mass, (0, width - p.query_image_mass.shape[1]))
+                                for p in parts])
         return ModalityAttention(
             **{n: torch.cat([getattr(p, n) for p in parts]) for n in names}, image_token_mass=maps,
-            measured_layers=measured.pop(),
+            measured_layers=measured.pop(), query_image_mass=tokens,
+            token_layers=parts[0].token_layers if tokens is not None else None,
         )
