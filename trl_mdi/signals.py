@@ -119,16 +119,30 @@ def field_names(segments: Sequence[str], *, reward: bool | None = None) -> list[
     return [n for s in SIGNALS if reward is None or s.reward == reward for n in expand(s, segments)]
 
 
+def signal_of(name: str) -> Signal | None:
+    """The table entry a field name belongs to: an exact fixed name first (``mdi_balance`` is its own signal, not
+    MDI of a segment called "balance"), then a per-segment template.
+
+    >>> signal_of("mdi_late").name, signal_of("mdi_balance").name, signal_of("label_idx")
+    ('mdi_{segment}', 'mdi_balance', None)
+    """
+    for s in SIGNALS:
+        if not s.per_segment and s.name == name:
+            return s
+    for s in SIGNALS:
+        if s.per_segment and re.fullmatch(re.escape(s.name).replace(r"\{segment\}", r"[A-Za-z_]\w*"), name):
+            return s
+    return None
+
+
 def reward_field_pattern(name: str) -> bool:
     """Whether a reward input named ``name`` is (for some segment names) a signal the trainer provides.
 
     >>> reward_field_pattern("mdi_late"), reward_field_pattern("aei_text"), reward_field_pattern("label_idx")
     (True, True, False)
     """
-    for s in SIGNALS:
-        if s.reward and re.fullmatch(re.escape(s.name).replace(r"\{segment\}", r"[A-Za-z_]\w*"), name):
-            return True
-    return False
+    signal = signal_of(name)
+    return signal is not None and signal.reward
 
 
 def reserved_segment_names() -> set[str]:
@@ -252,21 +266,16 @@ def group_signals(gathered: dict[str, torch.Tensor], group_size: int) -> dict[st
 
 def batch_metrics(gathered: dict[str, torch.Tensor]) -> dict[str, float]:
     """attention/* from the gathered table: each metric signal's mean where finite, plus ``BATCH_METRICS``."""
-    metric = {n for s in SIGNALS if s.metric for n in ([s.name] if not s.per_segment else [])}
-    per_segment = [s for s in SIGNALS if s.metric and s.per_segment]
-    for name in gathered:
-        if any(re.fullmatch(re.escape(s.name).replace(r"\{segment\}", r"\w+"), name) for s in per_segment):
-            metric.add(name)
+    signals = {name: signal_of(name) for name in gathered}
+    mdi_names = [n for n, s in signals.items() if s is not None and s.name in ("mdi", "mdi_{segment}")]
     values = {
         "attention/rows_without_image": float((gathered["n_image"] == 0).float().mean()),
         "attention/rows_unmeasured": float((gathered["n_queries"] == 0).float().mean()),
-        "attention/rows_mdi_inf": float(torch.stack([torch.isinf(gathered[k]) for k in gathered
-                                                     if k == "mdi" or (k.startswith("mdi_") and k in metric
-                                                                       and k != "mdi_balance")]).any(0)
+        "attention/rows_mdi_inf": float(torch.stack([torch.isinf(gathered[n]) for n in mdi_names]).any(0)
                                         .float().mean()),
     }
-    for name in gathered:
-        if name in metric:
+    for name, signal in signals.items():
+        if signal is not None and signal.metric:
             v = gathered[name][torch.isfinite(gathered[name])]
             if v.numel():
                 values[f"attention/{name}"] = float(v.mean())
