@@ -150,12 +150,16 @@ def test_per_query_image_mass_equals_eager(tiny_vlm_dir, arch, kwargs):
     maps = dict(zip(res.layers, [a for a in out.attentions if a is not None]))  # eager maps of the measured layers
     img = torch.isin(batch["input_ids"], torch.tensor(image_token_ids(eager.config))) & batch["attention_mask"].bool()
     per_layer = [torch.einsum("bhqk,bk->bq", maps[layer].double(), img.double()) / maps[layer].shape[1] for layer in late]
-    ref = torch.stack(per_layer).mean(0) * batch["completion_mask"]
+    # Recorded at every generated token and at the position that chose the first one (the last prompt token).
+    cm = batch["completion_mask"].bool()
+    positions = (cm | torch.nn.functional.pad(cm[:, 1:], (0, 1))) & batch["attention_mask"].bool()
+    assert (positions.sum(1) == cm.sum(1) + 1).all()
+    ref = torch.stack(per_layer).mean(0) * positions
     err = (res.query_image_mass.double() - ref).abs().max().item()
     assert err < 1e-5, f"{arch}: max |probe - eager| = {err:.2e}"
-    assert (res.query_image_mass[~batch["completion_mask"].bool()] == 0).all()
+    assert (res.query_image_mass[~positions] == 0).all()
     # The per-token values average to the layer mean the probe reports per row (same queries, same layers).
-    row_mean = res.query_image_mass.sum(1) / res.n_queries.clamp(min=1)
+    row_mean = (res.query_image_mass * cm).sum(1) / res.n_queries.clamp(min=1)
     torch.testing.assert_close(row_mean, res.image[:, late].mean(1).nan_to_num(0.0), atol=1e-5, rtol=0)
 
 

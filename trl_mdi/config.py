@@ -9,7 +9,7 @@ from transformers.utils import logging
 from trl import GRPOConfig
 
 from .answer_format import DEFAULT_ANSWER_PATTERN, compile_answer_pattern
-from .tprl.formulas import validate_scaling_min, validate_top_p
+from .tprl.formulas import PERCEPTION_SIGNALS, validate_scaling_min, validate_top_p
 from .tprl.perturb import check_perturbation
 
 TEXT_KEY_CHOICES = ("all", "content")
@@ -77,6 +77,16 @@ class MDIGRPOConfig(GRPOConfig):
             the whole generation batch gathered from all processes (VPPO normalises per device); mean(alpha) = 1.
         trajectory_scaling_min (`float`, *optional*, defaults to `0.8`):
             beta_min in [0, 1]: the multiplier of the least visually dependent rollout.
+        perception_signal (`str`, *optional*, defaults to `"perturbation"`):
+            The per-token visual dependency both use. `"perturbation"` (VPPO): `s_t` above, one extra no-grad
+            forward with I'. `"attention"`: `a_t`, the image attention mass of the position that chose token t
+            (mean over heads and the `perception_attention_segment` layers), from the probe's forward: no extra
+            forward (none at all when TRL runs its old-log-prob forward).
+        perception_attention_segment (`str`, *optional*, defaults to `"late"`):
+            Layer segment `a_t` averages over; a segment the model lacks falls back to `all`, with a log line.
+        perception_signal_compare (`bool`, *optional*, defaults to `False`):
+            Compute both signals (costs the perturbed forward) and log `tprl/signal_rank_corr`, their per-sequence
+            Spearman correlation over the completion tokens of rows with an image, averaged over rows.
         perception_perturbation (`str`, *optional*, defaults to `"patch_blackening"`):
             How I' is made from I, on the PIL image before the processor: `patch_blackening`, `gaussian_noise`,
             `blur` or `black`.
@@ -181,6 +191,18 @@ class MDIGRPOConfig(GRPOConfig):
     trajectory_scaling_min: float = field(
         default=0.8, metadata={"help": "TAS beta_min in [0, 1]: multiplier of the least image-dependent rollout."}
     )
+    perception_signal: str = field(
+        default="perturbation",
+        metadata={"help": "Per-token visual dependency for TPRL: 'perturbation' (VPPO, one extra forward with a "
+                  "perturbed image) or 'attention' (image attention mass from the probe, no extra forward)."},
+    )
+    perception_attention_segment: str = field(
+        default="late", metadata={"help": "Layer segment the 'attention' perception signal averages over."}
+    )
+    perception_signal_compare: bool = field(
+        default=False,
+        metadata={"help": "Compute both perception signals and log tprl/signal_rank_corr (their Spearman correlation)."},
+    )
     perception_perturbation: str = field(
         default="patch_blackening",
         metadata={"help": "How the perturbed image is made: patch_blackening, gaussian_noise, blur or black."},
@@ -241,6 +263,16 @@ class MDIGRPOConfig(GRPOConfig):
         return self.enable_perception_filtering or self.enable_trajectory_reweighting
 
     @property
+    def uses_perturbed_forward(self) -> bool:
+        """Whether VPPO's perturbed-image forward runs (its signal is used, or both are compared)."""
+        return (self.uses_visual_dependency and self.perception_signal == "perturbation") or self.perception_signal_compare
+
+    @property
+    def uses_token_attention(self) -> bool:
+        """Whether the probe records the per-token image mass (the attention signal is used, or compared)."""
+        return (self.uses_visual_dependency and self.perception_signal == "attention") or self.perception_signal_compare
+
+    @property
     def uses_tprl(self) -> bool:
         return self.enable_entropy_filtering or self.uses_visual_dependency
 
@@ -275,6 +307,8 @@ class MDIGRPOConfig(GRPOConfig):
                                blur_radius=self.perturbation_blur_radius)
         except ValueError as e:
             raise ValueError(f"perception_perturbation: {e}") from None
+        if self.perception_signal not in PERCEPTION_SIGNALS:
+            raise ValueError(f"perception_signal must be one of {PERCEPTION_SIGNALS}, got {self.perception_signal!r}")
         if self.on_bad_image not in ("skip", "error"):
             raise ValueError(f"on_bad_image must be 'skip' or 'error', got {self.on_bad_image!r}")
         if self.filter_low > self.filter_high:

@@ -207,19 +207,40 @@ class ConsoleSummaryCallback(TrainerCallback):
             print_step_summary(state.global_step, shown, colorize=self.colorize)
 
 
+def perception_strips(scores, completion_ids, completion_mask, tokenizer, *, top_p: float, signal: str,
+                      rows: int) -> list[dict | None]:
+    """For the first ``rows`` local rollouts, each completion token with its perception score and whether the
+    perception filter keeps it (the same per-sequence top-p selection, ``top_p_token_mask``); None for the others."""
+    from .forward import fit_width
+    from .tprl import top_p_token_mask
+
+    mask = completion_mask.bool().cpu()
+    scores = fit_width(scores.float().cpu(), mask.shape[1])
+    kept = top_p_token_mask(scores, mask, top_p)
+    strips: list[dict | None] = []
+    for i in range(len(mask)):
+        if i >= rows:
+            strips.append(None)
+            continue
+        ids = completion_ids[i].cpu()[mask[i]].tolist()
+        strips.append({"signal": signal, "top_p": top_p, "tokens": [tokenizer.decode([t]) for t in ids],
+                       "scores": scores[i][mask[i]].tolist(), "kept": kept[i][mask[i]].tolist()})
+    return strips
+
+
 def write_batch(live_logs: LiveDiagnostics, step: int, epoch: float, *, inputs: list[dict], scored, attention,
                 map_rows: list[int], reward_names: list[str], reward_weights, advantages, segments_spec,
-                processing_class, answer_format=None) -> None:
+                processing_class, answer_format=None, strips: list[dict | None] | None = None) -> None:
     """One generation batch into the live logs: gathered from every process (all must call it), written by the main.
 
     ``scored`` is the batch's ``ScoredRollouts`` (rewards, signals, texts), ``attention`` its ``ModalityAttention``
-    (None with metrics off), ``advantages`` already gathered.
+    (None with metrics off), ``advantages`` already gathered, ``strips`` the local rows' ``perception_strips``.
     """
     records = gather_rollout_records(
         rows=inputs, prompts=scored.prompts, completions=scored.completions, lengths=scored.lengths,
         attention_rows=signals.rollout_rows(scored.signals) if scored.signals is not None else None,
         rewards=scored.rewards, reward_names=reward_names, reward_weights=reward_weights, advantages=advantages,
-        answer_format=answer_format)
+        answer_format=answer_format, strips=strips)
     maps = (attention_map_records(attention, [row_images(x) for x in inputs], map_rows, segments_spec,
                                   processing_class) if map_rows else [])
     live_logs.write(step, epoch, records, maps)
@@ -227,7 +248,7 @@ def write_batch(live_logs: LiveDiagnostics, step: int, epoch: float, *, inputs: 
 
 def gather_rollout_records(*, rows: list[dict], prompts: list, completions: list, lengths: list[int],
                            attention_rows: list[dict] | None, rewards, reward_names: list[str], reward_weights,
-                           advantages, answer_format=None) -> list[dict]:
+                           advantages, answer_format=None, strips: list[dict | None] | None = None) -> list[dict]:
     """Every process's rollouts of this batch as plain records, with rewards and advantages filled in.
 
     All processes must call it (it gathers). ``rows``/``prompts``/``completions``/``lengths``/``attention_rows`` are
@@ -241,6 +262,9 @@ def gather_rollout_records(*, rows: list[dict], prompts: list, completions: list
                        answer_format)
         for i, (p, c, x, n, a) in enumerate(zip(prompts, completions, rows, lengths, attention_rows))
     ]
+    for rec, strip in zip(local, strips or []):
+        if strip is not None:
+            rec["rollout"]["perception"] = strip
     records = gather_object(local)
     totals = (rewards * reward_weights.to(rewards.device)).nansum(dim=1).tolist()
     advantages = advantages.tolist()

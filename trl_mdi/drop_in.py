@@ -51,6 +51,12 @@ def resolve_attention_metrics(args, facts: ModelFacts, funcs: Sequence, user_nam
     reweighting (both measure how tokens depend on the image).
     """
     if facts.is_vlm:
+        if args.compute_attention_metrics is False and args.uses_token_attention:
+            raise ValueError(
+                "perception_signal='attention' (or perception_signal_compare) reads the attention probe, but "
+                "compute_attention_metrics=False turns it off. Leave compute_attention_metrics unset, or use "
+                "perception_signal='perturbation'."
+            )
         args.compute_attention_metrics = args.compute_attention_metrics is not False
         return args.compute_attention_metrics
     requests = []
@@ -95,6 +101,24 @@ def model_segment_names(args, facts: ModelFacts) -> list[str]:
     logger.info("MDIGRPOTrainer: %s; segments: %s%s", facts.describe_layers(), describe_segments(segments),
                 f"; skipped in ranges: {skipped}" if skipped else "")
     return [n for n in segments if n != "all"]
+
+
+def perception_token_layers(args, facts: ModelFacts) -> tuple[int, ...]:
+    """The measured layers the attention perception signal averages over; () when it is not used.
+
+    ``args.perception_attention_segment`` of ``args.attention_layer_segments`` on this model; a model without that
+    segment (thirds of 1 or 2 measured layers, an explicit spec without it) falls back to ``all``, said in one line.
+    """
+    if not args.uses_token_attention:
+        return ()
+    segments = M.layer_segments(facts.num_layers, args.attention_layer_segments, list(facts.measured_layers))
+    name = args.perception_attention_segment
+    if name not in segments:
+        logger.warning("MDIGRPOTrainer: perception_signal='attention' averages over segment %r, which this model does "
+                       "not have (segments: %s): using all measured layers (%s) instead", name,
+                       ", ".join(segments), describe_segments({"all": segments["all"]}))
+        name = "all"
+    return tuple(segments[name])
 
 
 def check_image_columns_for_tprl(args, splits: dict[str, list[str] | None]) -> None:

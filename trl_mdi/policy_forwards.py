@@ -23,7 +23,7 @@ from .tprl import perturb_images, token_visual_dependency
 
 class PolicyForwards:
     """Needs the GRPOTrainer attributes it reads: model, args, accelerator, state, processing_class, _tokenizer,
-    chat_template_kwargs, and the trainer's _mode() and _image_ids."""
+    chat_template_kwargs, and the trainer's _mode(), _image_ids and _token_layers."""
 
     def _policy_forward_inputs(self, inputs, prompts, completion_ids_list) -> dict[str, Any]:
         return rebuild_forward_inputs(self.processing_class, self._tokenizer.pad_token_id, self.chat_template_kwargs,
@@ -36,8 +36,16 @@ class PolicyForwards:
             return
         tokenizer = self._tokenizer if self.args.attention_text_keys == "content" else None
         layout = trailing_completion_layout(completion_length, self._image_ids, tokenizer)
-        with probe_attention(self.model, layout, map_rows) as state:
+        with probe_attention(self.model, layout, map_rows, self._token_layers) as state:
             yield state
+
+    def _measured_forward(self, state, completion_length: int, logps=None, entropies=None) -> PolicyForward:
+        """What a probed policy forward gives: the attention result and, when TPRL ranks by attention, a_t (B, C)."""
+        attention = state.result() if state is not None else None
+        image_attention = None
+        if attention is not None and attention.query_image_mass is not None:
+            image_attention = attention.completion_image_attention(completion_length)
+        return PolicyForward(attention=attention, logps=logps, entropies=entropies, image_attention=image_attention)
 
     def _policy_logps(self, fwd: dict[str, Any], compute_entropy: bool = False):
         """One no-grad policy forward through TRL's own log-prob path (same chunking, fused head).
@@ -60,19 +68,20 @@ class PolicyForwards:
         return logps, entropies
 
     def _scoring_forward(self, map_rows: list[int], fwd: dict[str, Any]) -> PolicyForward:
-        """The one extra no-grad forward: attention probe and, for TPRL, log-probs under the real image, entropies."""
+        """The one extra no-grad forward: attention probe (with a_t for TPRL by attention) and, when TPRL needs them,
+        log-probs under the real image (the perturbation signal) and entropies (the entropy filter)."""
         completion_length = fwd["logits_to_keep"]
-        if not self.args.uses_tprl:
-            # Only the attention masses are wanted: let the LM head score one position per row instead of the whole
+        needs_head = self.args.uses_perturbed_forward or self.args.enable_entropy_filtering
+        if not needs_head:
+            # Only attention is wanted (masses, a_t): let the LM head score one position per row instead of the whole
             # completion (TRL's fused head skips positions whose label is -100). At Qwen's 152k vocabulary the head
             # is about a tenth of the forward's FLOPs; the probe still measures every completion token.
             fwd = {**fwd, "logits_to_keep": 1}
         with self._maybe_probe(map_rows, completion_length) as state:
             logps, entropies = self._policy_logps(fwd, compute_entropy=self.args.enable_entropy_filtering)
-        attention = state.result() if state is not None else None
-        if not self.args.uses_tprl:
-            return PolicyForward(attention=attention)
-        return PolicyForward(attention=attention, logps=logps, entropies=entropies)
+        if not needs_head:
+            return self._measured_forward(state, completion_length)
+        return self._measured_forward(state, completion_length, logps, entropies)
 
     def _visual_dependency(self, inputs, prompts, completion_ids_list, logps: torch.Tensor,
                            has_image: torch.Tensor) -> torch.Tensor:

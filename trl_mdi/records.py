@@ -24,8 +24,13 @@ class PolicyForward:
     attention: ModalityAttention | None = None
     logps: torch.Tensor | None = None  # (B, C) log-probs of the completion under the real image
     entropies: torch.Tensor | None = None  # (B, C) token entropies of the generation-time policy
-    visual_dependency: torch.Tensor | None = None  # (B, C) s_t, zero for rows without an image
+    visual_dependency: torch.Tensor | None = None  # (B, C) s_t from the perturbed image, zero for rows without one
+    image_attention: torch.Tensor | None = None  # (B, C) a_t, image mass of the position choosing each token
     has_image: torch.Tensor | None = None  # (B,) bool
+
+    def perception(self, signal: str) -> torch.Tensor | None:
+        """The per-token visual dependency TPRL ranks by: ``"perturbation"`` (s_t) or ``"attention"`` (a_t)."""
+        return self.visual_dependency if signal == "perturbation" else self.image_attention
 
 
 @dataclass

@@ -22,12 +22,13 @@ from .data.images import (
     report_bad_images,
     row_images,
 )
-from .diagnostics import ConsoleSummaryCallback, LiveDiagnostics, write_batch
+from .diagnostics import ConsoleSummaryCallback, LiveDiagnostics, perception_strips, write_batch
 from .drop_in import (
     check_filter_key,
     check_image_columns_for_tprl,
     check_world_size,
     model_segment_names,
+    perception_token_layers,
     resolve_attention_metrics,
     reward_stack_for_model,
 )
@@ -42,7 +43,7 @@ from .rewards import (
     zero_spread_fraction,
 )
 from .rewards.inputs import check_reward_inputs, dataset_columns
-from .tprl import apply_tprl
+from .tprl import apply_tprl, signal_rank_corr
 
 logger = logging.get_logger(__name__)
 
@@ -96,6 +97,7 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
         train_dataset, eval_dataset = lazy_images(train_dataset), lazy_images(eval_dataset)
         self._model_facts = facts  # fixed for the run: which layers the probe must find, the image token ids
         self._image_ids = list(facts.image_token_ids)
+        self._token_layers = perception_token_layers(args, facts)  # layers a_t averages over; () when unused
         self._batch: BatchRecord | None = None  # the one per-batch channel between TRL's stages (records.py)
         self.live_logs = (
             LiveDiagnostics(args, is_main_process=args.process_index == 0,
@@ -162,8 +164,7 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
             out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                              *args, **kwargs)
         record.timing.scoring += time.perf_counter() - start
-        record.forward = PolicyForward(attention=state.result() if state is not None else None, logps=out[0],
-                                       entropies=out[1])
+        record.forward = self._measured_forward(state, logits_to_keep, logps=out[0], entropies=out[1])
         return out
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -175,9 +176,11 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
                 record.forward = self._scoring_forward(record.map_rows, fwd)
             if record.forward is not None:
                 record.forward.has_image = has_image = torch.tensor([bool(row_images(x)) for x in inputs])
-                if self.args.uses_visual_dependency:
+                if self.args.uses_perturbed_forward:
                     record.forward.visual_dependency = self._visual_dependency(
                         inputs, prompts, completion_ids_list, record.forward.logps, has_image)
+                if record.forward.image_attention is not None:  # no image: nothing to depend on, as for s_t
+                    record.forward.image_attention *= has_image.to(record.forward.image_attention)[:, None]
                 if record.forward.attention is not None:
                     signals = self._attach_signals(record.forward.attention, inputs, mode)
             record.timing.scoring += time.perf_counter() - start
@@ -238,6 +241,10 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
             self._filter_groups(out, scored.rewards, mode)
         if self.args.uses_tprl:
             self._apply_tprl(out, record.forward, mode)
+        if self.args.perception_signal_compare and record.forward is not None:
+            self._metrics[mode]["tprl/signal_rank_corr"].append(signal_rank_corr(
+                record.forward.visual_dependency, record.forward.image_attention, out["completion_mask"],
+                record.forward.has_image, self.accelerator.gather))
         record.tokens = float(self.accelerator.gather(out["prompt_mask"].sum() + out["completion_mask"].sum()).sum())
         record.samples = float(len(inputs) * self.accelerator.num_processes)
         self._metrics[mode]["perf/generation_seconds"].append(record.timing.generation)
@@ -274,7 +281,8 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
         self._metrics[mode]["filter/groups_dropped_frac"].append(1.0 - float(keep.float().mean()))
 
     def _apply_tprl(self, out: dict[str, Any], forward: PolicyForward, mode: str) -> None:
-        metrics = apply_tprl(out, self.args, entropies=forward.entropies, visual_dependency=forward.visual_dependency,
+        metrics = apply_tprl(out, self.args, entropies=forward.entropies,
+                             visual_dependency=forward.perception(self.args.perception_signal),
                              has_image=forward.has_image, gather=self.accelerator.gather,
                              process_index=self.accelerator.process_index)
         for name, value in metrics.items():
@@ -283,8 +291,14 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
     def _write_live_logs(self, step: int, inputs: list[dict], record: BatchRecord, out: dict[str, Any]) -> None:
         """Gather this batch's rollouts (all ranks take part) and append them to the live logs (main process)."""
         attention = record.forward.attention if record.forward is not None else None
+        scores = record.forward.perception(self.args.perception_signal) if record.forward is not None else None
+        strips = None
+        if scores is not None and self.accelerator.process_index == 0:  # the first rows are the fully printed ones
+            strips = perception_strips(scores, out["completion_ids"], out["completion_mask"], self._tokenizer,
+                                       top_p=self.args.top_p_perception_tokens, signal=self.args.perception_signal,
+                                       rows=self.args.log_full_rollouts_per_step)
         write_batch(self.live_logs, step, float(self.state.epoch or 0.0), inputs=inputs, scored=record.scored,
                     attention=attention, map_rows=record.map_rows, reward_names=self.reward_func_names,
                     reward_weights=self.reward_weights, advantages=self.accelerator.gather(out["advantages"]),
                     segments_spec=self.args.attention_layer_segments, processing_class=self.processing_class,
-                    answer_format=self._answer_format)
+                    answer_format=self._answer_format, strips=strips)

@@ -109,6 +109,15 @@ def token_layout(
 
 
 
+def token_query_mask(layout: TokenLayout) -> torch.Tensor:
+    """(B, L) bool: the measured queries and every valid position just before one, where the per-token image mass
+    (``ModalityAttention.query_image_mass``) is recorded. Position p's logits choose token p + 1, so the mass at p is
+    what the model looked at when it chose token p + 1."""
+    q = layout.query_mask
+    before = torch.nn.functional.pad(q[:, 1:], (0, 1), value=False)
+    return (q | before) & (layout.groups.sum(-1) > 0)
+
+
 def forward_tensors(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     input_ids = kwargs.get("input_ids")
     if input_ids is None:

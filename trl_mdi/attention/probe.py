@@ -17,7 +17,14 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .layout import TokenLayout, forward_tensors, image_token_ids, template_text_exclusion_mask, token_layout
+from .layout import (
+    TokenLayout,
+    forward_tensors,
+    image_token_ids,
+    template_text_exclusion_mask,
+    token_layout,
+    token_query_mask,
+)
 from .model_facts import model_facts, unwrap_model
 from .result import COMPLETION, GROUPS, IMAGE, PROMPT_TEXT, SPECIAL, ModalityAttention
 
@@ -75,6 +82,12 @@ class _ProbeState:
         q0, q1 = layout.span
         if q1 <= q0:
             return  # no measured query in this call: masses stay NaN and rows are flagged invalid
+        tokens = layer in self.token_layers
+        if tokens:
+            # The token map also covers the position just before each query: its logits chose that query's token,
+            # so the attention it paid is what decided the token (the first generated token is decided at the last
+            # prompt position). One more query column, still O(L).
+            q0 = max(q0 - 1, 0)
         bsz, n_heads, q_len, _ = query.shape
         if q_len != layout.query_mask.shape[1]:
             raise RuntimeError(
@@ -96,14 +109,15 @@ class _ProbeState:
         ncols = max(head_dim, g.shape[-1])
         v = F.pad(g, (0, ncols - g.shape[-1]))[:, None].expand(bsz, n_heads, -1, -1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)[..., : g.shape[-1]]
-        per_query = out.float().mean(dim=1)  # (B, q, G): mean over heads
-        qmask = layout.query_mask[:, q0:q1].to(per_query.device)
-        per_query = per_query.masked_fill(~qmask[..., None], 0.0)  # padded queries may be NaN (no visible key)
+        raw = out.float().mean(dim=1)  # (B, q, G): mean over heads
+        qmask = layout.query_mask[:, q0:q1].to(raw.device)
+        per_query = raw.masked_fill(~qmask[..., None], 0.0)  # padded queries may be NaN (no visible key)
         n_q = layout.n_queries.to(per_query.device).clamp(min=1).float()
         layer_mass = per_query.sum(dim=1) / n_q[:, None]
         masses[:, layer] = torch.where(layout.n_queries[:, None].to(layer_mass.device) > 0, layer_mass, float("nan")).cpu()
-        if layer in self.token_layers:
-            self.token_maps[-1][:, q0:q1] += per_query[..., IMAGE].cpu()  # 0 at positions that are no query
+        if tokens:
+            tmask = token_query_mask(layout)[:, q0:q1].to(raw.device)
+            self.token_maps[-1][:, q0:q1] += raw[..., IMAGE].masked_fill(~tmask, 0.0).cpu()  # 0 at other positions
             self.token_layers_seen.add(int(layer))
         for local_row in self._map_rows:
             maps.setdefault(local_row, torch.zeros(self.num_layers, int(layout.counts[local_row, IMAGE])))

@@ -35,8 +35,11 @@ class ModalityAttention:
             softmax-attention layer. A hybrid model's linear-attention layers have no attention weights: their
             masses are NaN and every segment, ``"all"`` included, is formed over the measured layers only.
             ``None`` (a result built by hand) means every layer.
-        query_image_mass: when asked for (``token_segment`` / ``token_layers``), (B, L): for every measured query
-            token, its attention mass on image keys, averaged over heads and over ``token_layers``; 0 elsewhere.
+        query_image_mass: when asked for (``token_segment`` / ``token_layers``), (B, L): at every measured query
+            and at the position just before each, that position's attention mass on image keys, averaged over heads
+            and over ``token_layers``; 0 elsewhere. Position p's logits choose token p + 1, so
+            ``query_image_mass[:, p - 1]`` is how much the model looked at the image when it chose token p
+            (``completion_image_attention`` aligns it to the completion).
     """
 
     image: torch.Tensor
@@ -89,6 +92,18 @@ class ModalityAttention:
         """MDI / AEI per layer segment (see :func:`trl_mdi.metrics.segment_metrics`); text = prompt text."""
         seg = self.segments(segments)
         return M.segment_metrics(self.prompt_text, self.image, self.n_prompt_text, self.n_image, seg)
+
+    def completion_image_attention(self, completion_length: int) -> torch.Tensor:
+        """(B, C): per completion token t of a forward whose last C positions are the completion, the image mass of
+        the position that chose it, ``a_t = query_image_mass[:, L - C - 1 + t]`` (heads and ``token_layers``
+        averaged). Values at padded completion positions mean nothing: mask with the completion mask. The attention
+        perception signal of TPRL (``perception_signal="attention"``)."""
+        if self.query_image_mass is None:
+            raise ValueError("no per-token image mass was measured: pass token_segment / token_layers to the probe")
+        length = self.query_image_mass.shape[1]
+        if not 0 < completion_length < length:
+            raise ValueError(f"completion_length must be in [1, {length - 1}], got {completion_length}")
+        return self.query_image_mass[:, length - completion_length - 1 : length - 1]
 
     @staticmethod
     def cat(parts: Sequence[ModalityAttention]) -> ModalityAttention:

@@ -216,6 +216,8 @@ class RolloutLogWriter(StepLogFile):
         if answer:
             out += [" · ".join(answer), ""]
         out += [md_table(["reward", "value"], table)]
+        if r.get("perception"):
+            out += ["", *perception_strip_lines(r["perception"])]
         return "\n".join(out)
 
     def _format_mark(self, ok: bool | None) -> str | None:
@@ -248,6 +250,17 @@ class RolloutLogWriter(StepLogFile):
                 flat += len(vals) <= 1 or max(vals) == min(vals)
             stats["groups with zero reward spread"] = f"{flat} / {len(groups)}"
         return stats
+
+
+def perception_strip_lines(strip: dict, top: int = 5) -> list[str]:
+    """A rollout's completion with the tokens the perception filter keeps in ⟦brackets⟧, then its top tokens."""
+    tokens, scores, kept = strip["tokens"], strip["scores"], strip["kept"]
+    marked = "".join(f"⟦{t}⟧" if k else t for t, k in zip(tokens, kept))
+    best = sorted(range(len(tokens)), key=lambda i: -scores[i])[:top]
+    ranked = " · ".join(f"`{escape_inline(tokens[i]).strip() or repr(tokens[i])}` {format_value(scores[i])}" for i in best)
+    head = (f"**Perception ({strip['signal']})** · ⟦kept⟧ = each completion's top {strip['top_p']:.0%} of tokens, "
+            f"{sum(kept)} of {len(tokens)}")
+    return [head, "", fence(clean(marked), "text"), f"Highest: {ranked}", ""]
 
 
 def _cell(v: Any) -> Any:

@@ -5,13 +5,16 @@ scaling), ``perturb`` (the seeded image perturbations I' that visual dependency 
 (the masks and multipliers applied to TRL's output). The names below are the package's public API.
 """
 
-from .apply import apply_tprl
+from .apply import apply_tprl, signal_rank_corr
 from .formulas import (
     DEGENERATE_SPREAD,
     LOG_RATIO_CLAMP,
+    PERCEPTION_SIGNALS,
     SCORE_CLAMP,
     TrajectoryScaling,
+    average_ranks,
     combine_masks,
+    rank_correlation,
     sequence_mean,
     token_visual_dependency,
     top_p_token_mask,
@@ -22,7 +25,8 @@ from .formulas import (
 from .perturb import PERTURBATIONS, check_perturbation, image_generator, perturb_image, perturb_images
 
 __all__ = [
-    "DEGENERATE_SPREAD", "LOG_RATIO_CLAMP", "PERTURBATIONS", "SCORE_CLAMP", "TrajectoryScaling", "apply_tprl",
-    "check_perturbation", "combine_masks", "image_generator", "perturb_image", "perturb_images", "sequence_mean",
+    "DEGENERATE_SPREAD", "LOG_RATIO_CLAMP", "PERCEPTION_SIGNALS", "PERTURBATIONS", "SCORE_CLAMP", "TrajectoryScaling",
+    "apply_tprl", "average_ranks", "check_perturbation", "combine_masks", "image_generator", "perturb_image",
+    "perturb_images", "rank_correlation", "sequence_mean", "signal_rank_corr",
     "token_visual_dependency", "top_p_token_mask", "trajectory_scaling", "validate_scaling_min", "validate_top_p",
 ]

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..forward import fit_width
-from .formulas import combine_masks, sequence_mean, top_p_token_mask, trajectory_scaling
+from .formulas import combine_masks, rank_correlation, sequence_mean, top_p_token_mask, trajectory_scaling
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
 
@@ -64,3 +64,18 @@ def apply_tprl(out: dict[str, Any], args, *, entropies: torch.Tensor | None, vis
         metrics["tprl/scaling_factor_min"] = float(scaling.alpha.min())
         metrics["tprl/scaling_factor_max"] = float(scaling.alpha.max())
     return metrics
+
+
+def signal_rank_corr(perturbation: torch.Tensor, attention: torch.Tensor, completion_mask: torch.Tensor,
+                     has_image: torch.Tensor, gather: Gather) -> float:
+    """``tprl/signal_rank_corr``: Spearman's rho between the two perception signals (s_t from the perturbed image,
+    a_t from attention) over each sequence's valid completion tokens, averaged over the rows with an image of the
+    batch gathered from every process. Rows where rho is undefined (fewer than 2 tokens, a constant signal) are left
+    out of the mean; NaN when no row has one."""
+    width = completion_mask.shape[1]
+    rho = rank_correlation(fit_width(perturbation, width).cpu(), fit_width(attention, width).cpu(),
+                           completion_mask.cpu())
+    rho[~has_image.cpu().bool()] = float("nan")
+    rho = gather(rho.float().to(completion_mask.device)).cpu()
+    rho = rho[~rho.isnan()]
+    return float(rho.mean()) if len(rho) else float("nan")

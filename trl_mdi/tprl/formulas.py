@@ -12,6 +12,9 @@ Every tensor is (B, C) over completion tokens, B rollouts by C completion positi
     s_t   = clamp(exp(d_t) - d_t - 1, 0, 10)                          token visual dependency (k3 of KL)
     TGF   : per sequence keep the top k_i = ceil(p * L_i) tokens by s_t (perception) or entropy (entropy);
             both on -> OR. The 0/1 mask multiplies the per-token loss; the loss normaliser is unchanged.
+    a_t   = mean_{heads, layers of a segment} attention mass on image keys of the position choosing token t
+                                                                      (perception_signal="attention": s_t := a_t)
+    rho_i = Spearman(s_t, a_t) over the valid tokens of row i         how well attention tracks perturbation
     S_i   = mean_{t valid} s_t                                        trajectory visual dependency
     n_i   = (S_i - min S) / (max S - min S)                           min-max over the batch
     mu    = mean(n);  beta_max = beta_min + (1 - beta_min) / mu
@@ -32,6 +35,8 @@ LOG_RATIO_CLAMP = 20.0
 SCORE_CLAMP = 10.0
 # VPPO's threshold below which a batch's score spread counts as zero (scores live in [0, 10]).
 DEGENERATE_SPREAD = 1e-6
+# The per-token visual dependency TGF and TAS can rank by: VPPO's perturbed-image score, or the probe's image mass.
+PERCEPTION_SIGNALS = ("perturbation", "attention")
 
 
 def validate_top_p(value: float, name: str = "top_p") -> float:
@@ -120,6 +125,45 @@ def sequence_mean(values: torch.Tensor, completion_mask: torch.Tensor) -> torch.
         dim=1
     )
     return total / valid.sum(dim=1).clamp(min=1).to(dtype)
+
+
+def average_ranks(values: torch.Tensor) -> torch.Tensor:
+    """1-D ranks 1..n of ``values``, ties sharing the mean of the ranks they span (Spearman's convention).
+
+    >>> average_ranks(torch.tensor([0.5, 0.1, 0.5, 0.9]))
+    tensor([2.5000, 1.0000, 2.5000, 4.0000], dtype=torch.float64)
+    """
+    order = torch.argsort(values, stable=True)
+    _, inverse, counts = torch.unique_consecutive(values[order], return_inverse=True, return_counts=True)
+    first = torch.cumsum(counts, 0) - counts  # 0-based position where each run of equal values starts
+    mean_rank = first.double() + (counts.double() + 1.0) / 2.0
+    ranks = torch.empty(len(values), dtype=torch.float64, device=values.device)
+    ranks[order] = mean_rank[inverse]
+    return ranks
+
+
+def rank_correlation(a: torch.Tensor, b: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """Per row, Spearman's rho between ``a`` and ``b`` over the valid tokens: the Pearson correlation of their
+    average ranks, ``rho_i = cov(R(a_i), R(b_i)) / (sd(R(a_i)) sd(R(b_i)))``. (B,) float64; NaN for a row with
+    fewer than 2 valid tokens or whose ranks are constant in either signal (rho is undefined there).
+
+    >>> m = torch.ones(3, 4)
+    >>> a = torch.tensor([[1.0, 2, 3, 4], [1, 2, 3, 4], [1, 1, 1, 1]])
+    >>> rank_correlation(a, torch.tensor([[10.0, 20, 30, 40], [4, 3, 2, 1], [1, 2, 3, 4]]), m)
+    tensor([ 1., -1., nan], dtype=torch.float64)
+    """
+    _check_same_2d(a, completion_mask, "a", "completion_mask")
+    _check_same_2d(b, completion_mask, "b", "completion_mask")
+    out = torch.full((a.shape[0],), float("nan"), dtype=torch.float64)
+    for i, valid in enumerate(completion_mask != 0):
+        if valid.sum() < 2:
+            continue
+        ra, rb = average_ranks(a[i][valid].double()), average_ranks(b[i][valid].double())
+        ra, rb = ra - ra.mean(), rb - rb.mean()
+        denom = (ra.square().sum() * rb.square().sum()).sqrt()
+        if denom > 0:
+            out[i] = float((ra * rb).sum() / denom)
+    return out
 
 
 def top_p_token_mask(scores: torch.Tensor, completion_mask: torch.Tensor, top_p: float) -> torch.Tensor:
