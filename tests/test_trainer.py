@@ -120,11 +120,14 @@ def test_trains_logs_attention_and_hands_fields_to_rewards(model_dir, grpo_train
 )
 def test_at_most_one_extra_forward_per_generation(model_dir, grpo_train_dataset, tmp_path, monkeypatch,
                                                   overrides, expected_extra):
+    """A reward reads MDI before the loss: one no-grad forward measures it (tests/test_training_forward_probe.py
+    covers the metrics-only case, which needs none)."""
     counts = {}
     for attention in (False, True):
         counter = ForwardCounter(monkeypatch)
         args = make_args(tmp_path / str(attention), compute_attention_metrics=attention, max_steps=2, **overrides)
-        trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=args,
+        rewards = [spread_reward] + ([RecordingReward()] if attention else [])
+        trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=rewards, args=args,
                                  train_dataset=grpo_train_dataset)
         trainer.train()
         assert counter.per_generation, "no generation happened"
@@ -275,7 +278,9 @@ def test_trainer_measurement_equals_the_probe_on_the_same_rollouts(model_dir, gr
         return forward
 
     monkeypatch.setattr(MDIGRPOTrainer, "_scoring_forward", scoring_forward)
-    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=make_args(tmp_path, max_steps=2),
+    # A reward reads MDI, so the trainer measures in its own forward before the rewards.
+    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward, RecordingReward()],
+                             args=make_args(tmp_path, max_steps=2),
                              train_dataset=grpo_train_dataset)
     trainer.train()
     assert checked == [4, 4], checked

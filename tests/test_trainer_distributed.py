@@ -110,5 +110,7 @@ def test_every_family_under_zero3_in_one_launch(tiny_vlm_dir, tmp_path):
         for r in ranks:
             assert r["world_size"] == 2 and r["distributed_type"].endswith("DEEPSPEED"), (arch, r)
             assert 0.4 < r["local_param_fraction"] < 0.6, (arch, r["local_param_fraction"])  # really sharded
+            # No reward reads attention: measured inside the sharded training forward, no extra forward.
+            assert r["placement"] == "training_forward", (arch, r["placement"])
         logs = ranks[0]["logs"]
         assert len(logs) == 2 and all(0 < h["attention/mdi"] < float("inf") for h in logs), (arch, logs)

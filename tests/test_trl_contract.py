@@ -51,6 +51,14 @@ def test_tool_mask_only_enters_the_loss_mask():
     src = inspect.getsource(GRPOTrainer._compute_loss)
     assert 'mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]' in src
     assert "attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)" in src
+    # Metrics-only attention is measured in the training forward: compute_loss must reach _compute_loss, and that the
+    # grad-enabled log-prob forward (no separate fused/Liger loss path that would bypass it), and the slice dict's
+    # extra keys must survive TRL's shuffle and split (tensors with a batch dimension do).
+    assert "return self._compute_loss(model, inputs)" in inspect.getsource(GRPOTrainer.compute_loss)
+    assert "= self._get_per_token_logps_and_entropies(" in src
+    prepare = inspect.getsource(GRPOTrainer._prepare_inputs)
+    assert "generation_batch = shuffle_sequence_dict(generation_batch)" in prepare
+    assert "split_tensor_dict(generation_batch, self.args.steps_per_generation)" in prepare
     # The DAPO normaliser is counted at generation time, before our filtering.
     gen = inspect.getsource(GRPOTrainer._generate_and_score_completions)
     assert "num_items_in_batch = self.accelerator.gather(loss_mask.sum()).sum()" in gen

@@ -39,8 +39,9 @@ class MDIGRPOConfig(GRPOConfig):
 
         compute_attention_metrics (`bool` or `None`, *optional*, defaults to `None`):
             Measure, after each generation, the attention of the generated tokens on image vs text keys for every
-            rollout (exact, O(L) memory; one no-grad forward of the policy per generation batch, or none when TRL
-            already runs one for the old log-probs). Feeds the `mdi*` reward fields and the `attention/*` metrics.
+            rollout (exact, O(L) memory; inside TRL's old-log-prob or training forward when nothing reads it before
+            the loss, else one no-grad forward per generation batch: docs/differences.md). Feeds the `mdi*` reward
+            fields and the `attention/*` metrics.
             `None` (default): on for a vision-language model, off (with one warning) for a text-only one. `True` on
             a model without an image token is an error at construction.
         mdi_balance_ratio (`float`, *optional*, defaults to `2.0`):
@@ -146,7 +147,8 @@ class MDIGRPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Measure per-rollout attention of generated tokens on image vs text (MDI, AEI) after each "
-            "generation: exact, O(L) memory, at most one extra no-grad forward per generation batch. Default "
+            "generation: exact, O(L) memory, at most one extra no-grad forward per generation batch (none when no "
+            "reward or TPRL reads it before the loss: measured in the training forward). Default "
             "(unset): on for vision-language models, off for text-only ones."
         },
     )

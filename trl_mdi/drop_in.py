@@ -14,6 +14,7 @@ from transformers.utils import logging
 
 from .attention import metrics as M
 from .attention.model_facts import ModelFacts
+from .attention.probe import NATIVE_IMPLEMENTATIONS
 from .rewards import default_reward_stack, required_reward_inputs, reward_name
 from .signals import reward_field_pattern
 
@@ -119,6 +120,51 @@ def perception_token_layers(args, facts: ModelFacts) -> tuple[int, ...]:
                        ", ".join(segments), describe_segments({"all": segments["all"]}))
         name = "all"
     return tuple(segments[name])
+
+
+def attention_consumers(args, funcs: Sequence) -> list[str]:
+    """What needs this batch's attention before the loss: rewards reading an ``mdi*`` / ``aei*`` field (online filtering
+    included: it filters on rewards), and TPRL (its filters and multipliers enter the loss). [] = metrics only."""
+    needs = []
+    for f in funcs:
+        fields = [n for n in required_reward_inputs(f) if reward_field_pattern(n)] if callable(f) else []
+        if fields:
+            needs.append(f"reward {reward_name(f)} reads {', '.join(fields)}")
+    if args.uses_tprl:
+        needs.append("TPRL")
+    if args.perception_signal_compare:
+        needs.append("perception_signal_compare")  # compares a_t with s_t from the perturbed forward, before the loss
+    return needs
+
+
+def probe_placement(args, funcs: Sequence, attn_implementation: str | None, trl_runs_policy_forward: bool) -> str:
+    """Where the attention probe measures each generation batch, said in one log line at start:
+
+    - ``"off"``: attention metrics off;
+    - ``"trl_forward"``: inside TRL's no-grad old-log-prob forward (TRL runs one: no extra forward);
+    - ``"extra_forward"``: one extra no-grad forward before the rewards (a consumer needs the attention first, or the
+      model's attention implementation is one the probe cannot run beside unchanged);
+    - ``"training_forward"``: inside the grad-enabled training forward, each slice of the batch at its first pass
+      (metrics and logs only: zero extra forwards; written once the batch's last slice is measured).
+    """
+    if not args.compute_attention_metrics:
+        return "off"
+    if trl_runs_policy_forward:
+        logger.info("MDIGRPOTrainer: attention measured inside TRL's old-log-prob forward (no extra forward)")
+        return "trl_forward"
+    needs = attention_consumers(args, funcs)
+    if needs:
+        why = f"{'; '.join(needs)} before the loss"
+    elif attn_implementation not in NATIVE_IMPLEMENTATIONS:
+        why = (f"the probe runs beside {' and '.join(NATIVE_IMPLEMENTATIONS)} attention only, and this model uses "
+               f"{attn_implementation!r}: inside the training forward it would change the kernel of the loss")
+    else:
+        logger.info("MDIGRPOTrainer: attention measured inside TRL's training forward (nothing reads it before the "
+                    "loss: metrics and logs only): no extra forward; a batch's metrics and logs are written once its "
+                    "last slice has trained")
+        return "training_forward"
+    logger.info("MDIGRPOTrainer: attention measured in one extra no-grad forward per generation batch (%s)", why)
+    return "extra_forward"
 
 
 def check_image_columns_for_tprl(args, splits: dict[str, list[str] | None]) -> None:

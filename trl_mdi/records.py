@@ -72,6 +72,7 @@ class BatchRecord:
     timing: StepTiming = field(default_factory=StepTiming)
     tokens: float = 0.0  # prompt + completion tokens of the generation batch, all processes
     samples: float = 0.0
+    in_training_forward: bool = False  # the probe measures in the training forward (no forward before the rewards)
 
     @property
     def generated(self) -> bool:
@@ -89,3 +90,32 @@ class BatchRecord:
             return {"perf/update_seconds": wall}
         return {"perf/update_seconds": max(wall - self.timing.generation - self.timing.scoring, 0.0),
                 "perf/tokens_per_second": self.tokens / wall, "perf/samples_per_second": self.samples / wall}
+
+
+@dataclass
+class PendingMeasurement:
+    """A generation batch whose attention is measured in the training forward, slice by slice (TRL shuffles and splits
+    the batch; each slice carries its rows' local indices). Complete once every row has been measured; then its
+    metrics and live logs are written. ``out`` keeps what the logs need of TRL's output (advantages gathered,
+    completion ids and mask, local)."""
+
+    step: int
+    inputs: list[dict]
+    record: BatchRecord
+    out: dict[str, torch.Tensor]
+    parts: list[tuple[list[int], ModalityAttention]] = field(default_factory=list)
+    active_rows: list[int] | None = None  # the slice being trained now (set around its loss computation)
+
+    @property
+    def complete(self) -> bool:
+        return sum(len(rows) for rows, _ in self.parts) == len(self.inputs)
+
+    def slice_map_rows(self) -> list[int]:
+        """Positions in the active slice of the rows the attention maps want."""
+        return [i for i, row in enumerate(self.active_rows or []) if row in self.record.map_rows]
+
+    def attention(self) -> ModalityAttention:
+        """The whole batch's result, rows back in generation order."""
+        rows = [r for part_rows, _ in self.parts for r in part_rows]
+        order = sorted(range(len(rows)), key=rows.__getitem__)
+        return ModalityAttention.cat([a for _, a in self.parts]).take(order)

@@ -13,7 +13,7 @@ from trl import GRPOTrainer
 from . import signals as S
 from .answer_format import template_prefills_think
 from .attention import ModalityAttention
-from .attention.model_facts import load_model_config, model_facts
+from .attention.model_facts import load_model_config, model_facts, unwrap_model
 from .config import MDIGRPOConfig
 from .data.images import (
     check_images_on_every_rank,
@@ -29,12 +29,13 @@ from .drop_in import (
     check_world_size,
     model_segment_names,
     perception_token_layers,
+    probe_placement,
     resolve_attention_metrics,
     reward_stack_for_model,
 )
 from .filtering import apply_group_filter, group_filter_keep
 from .policy_forwards import PolicyForwards
-from .records import BatchRecord, PolicyForward, ScoredRollouts, StepTiming
+from .records import BatchRecord, PendingMeasurement, PolicyForward, ScoredRollouts, StepTiming
 from .rewards import (
     ThinkFormatReward,
     bind_think_format,
@@ -47,6 +48,8 @@ from .tprl import apply_tprl, signal_rank_corr
 
 logger = logging.get_logger(__name__)
 
+ROLLOUT_KEY = "trl_mdi_rollout"  # (B,) local row indices carried through TRL's shuffle and split into slices
+
 
 class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
     """GRPOTrainer that measures, per rollout, how much the generated tokens attend to the image vs the text.
@@ -55,7 +58,8 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
     details):
 
     1. **Attention probe** (`trl_mdi.attention`): every rollout measured per layer, exact, O(L) memory; it rides on
-       TRL's own no-grad policy forward when TRL runs one, else one extra no-grad forward through TRL's log-prob path.
+       TRL's own no-grad policy forward when TRL runs one, on TRL's training forward when nothing reads it before the
+       loss, else one extra no-grad forward through TRL's log-prob path (`drop_in.probe_placement`).
     2. **Per-rollout signals** (`trl_mdi.signals`): `mdi`, `mdi_<segment>`, `mdi_balance`, `mdi_group_score`, AEI...
        added to the rows TRL hands to reward functions (None without image tokens), and logged as `attention/*`.
     3. **Rewards by name** (`trl_mdi.rewards`): registry names or import paths; the 4:1:1 stack by default; every
@@ -99,6 +103,8 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
         self._image_ids = list(facts.image_token_ids)
         self._token_layers = perception_token_layers(args, facts)  # layers a_t averages over; () when unused
         self._batch: BatchRecord | None = None  # the one per-batch channel between TRL's stages (records.py)
+        # A batch measured in the training forward lives across micro-steps, like TRL's own _buffered_inputs.
+        self._pending: PendingMeasurement | None = None
         self.live_logs = (
             LiveDiagnostics(args, is_main_process=args.process_index == 0,
                             reward_names=[reward_name(f) for f in funcs], num_generations=args.num_generations,
@@ -118,6 +124,8 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
         prefilled = template_prefills_think(self.processing_class, self.chat_template_kwargs)
         self._answer_format = ThinkFormatReward(args.answer_pattern, think_prefilled=prefilled)
         self.reward_funcs = bind_think_format(self.reward_funcs, think_prefilled=prefilled)
+        attn = unwrap_model(self.model).config.get_text_config()._attn_implementation
+        self._probe_placement = probe_placement(args, self.reward_funcs, attn, self._trl_runs_policy_forward())
 
     # --------------------------------------------------------------------------------------------- overrides
     def _generate(self, prompts):
@@ -150,7 +158,33 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
             if owned:
                 self._batch = None
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # Popped, so that a slice is measured once: at its first pass (later passes reuse the buffered dict).
+        rows = inputs.pop(ROLLOUT_KEY, None)
+        pending = self._pending
+        if rows is None or pending is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        pending.active_rows = rows.tolist()
+        try:
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            pending.active_rows = None
+        if pending.complete:
+            self._pending = None
+            self._finish_measurement(pending)
+        return loss
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        pending = self._pending
+        if pending is not None and pending.active_rows is not None and torch.is_grad_enabled():
+            # The training forward of a slice at its first pass (weights = the generating policy's): the model's own
+            # kernels compute the loss; the probe measures beside them, detached (probe.py).
+            with self._maybe_probe(pending.slice_map_rows(), logits_to_keep) as state:
+                out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                                 *args, **kwargs)
+            pending.parts.append((pending.active_rows, state.result()))
+            pending.active_rows = None  # one forward per slice
+            return out
         record = self._batch
         if (record is None or not record.timing.rides_trl_forward or record.forward is not None
                 or model is not self.model or torch.is_grad_enabled()):
@@ -171,7 +205,8 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
         record, mode, signals = self._batch, self._mode(), None
         if record is not None:
             record.timing.rewards_started = start = time.perf_counter()
-            if (self.args.compute_attention_metrics or self.args.uses_tprl) and record.forward is None:
+            if ((self.args.compute_attention_metrics or self.args.uses_tprl) and record.forward is None
+                    and not record.in_training_forward):
                 fwd = self._policy_forward_inputs(inputs, prompts, completion_ids_list)
                 record.forward = self._scoring_forward(record.map_rows, fwd)
             if record.forward is not None:
@@ -231,6 +266,7 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
             rows = [i for i, x in enumerate(inputs) if len(row_images(x)) == 1]
             record.map_rows = rows[: self.args.attention_maps_per_step]
         record.timing = StepTiming(started=time.perf_counter(), rides_trl_forward=self._trl_runs_policy_forward())
+        record.in_training_forward = mode == "train" and self._probe_placement == "training_forward"
         out = super()._generate_and_score_completions(inputs)
         scored = record.scored
         if scored.bad.any():
@@ -249,9 +285,21 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
         record.samples = float(len(inputs) * self.accelerator.num_processes)
         self._metrics[mode]["perf/generation_seconds"].append(record.timing.generation)
         self._metrics[mode]["perf/scoring_seconds"].append(record.timing.scoring)
-        if self.live_logs is not None:
+        if record.in_training_forward:
+            out[ROLLOUT_KEY] = torch.arange(len(inputs), device=out["advantages"].device)  # survives TRL's shuffle
+            kept = {"advantages": self.accelerator.gather(out["advantages"]), "completion_ids": out["completion_ids"],
+                    "completion_mask": out["completion_mask"]}
+            self._pending = PendingMeasurement(step, inputs, record, kept)
+        elif self.live_logs is not None:
             self._write_live_logs(step, inputs, record, out)
         return out
+
+    def _finish_measurement(self, pending: PendingMeasurement) -> None:
+        """A batch measured in the training forward: its signals into the metrics, then its live logs (all ranks)."""
+        pending.record.forward = PolicyForward(attention=pending.attention())
+        pending.record.scored.signals = self._attach_signals(pending.record.forward.attention, pending.inputs, "train")
+        if self.live_logs is not None:
+            self._write_live_logs(pending.step, pending.inputs, pending.record, pending.out)
 
     def _trl_runs_policy_forward(self) -> bool:
         """Whether TRL's _generate_and_score_completions runs a no-grad policy forward (old log-probs) this step.

@@ -32,7 +32,7 @@ def main():
         trainer.train()
         acc = trainer.accelerator
         record = {"model": model_dir, "rank": acc.process_index, "world_size": acc.num_processes,
-                  "distributed_type": str(acc.distributed_type),
+                  "distributed_type": str(acc.distributed_type), "placement": trainer._probe_placement,
                   "logs": [h for h in trainer.state.log_history if "loss" in h] if acc.is_main_process else []}
         ds_params = [p for p in trainer.model.parameters() if hasattr(p, "ds_numel")]
         if ds_params:

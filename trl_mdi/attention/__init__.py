@@ -13,11 +13,13 @@ are passed (the span that holds them), so the extra cost is a fraction of one at
 Scoping. The probe registers its attention function under its own name ("trl_mdi_probe", never
 replacing "sdpa" or another built-in), points only the *text* config at it for the duration of a
 ``with`` block, and restores the previous implementation on exit, exceptions included. Inside the
-block the text attention output is computed by transformers' own SDPA path with the same mask, so the
-model's outputs are those of its SDPA implementation. The vision tower is untouched.
+block the text attention output is computed by the model's own kernel and mask function when it uses SDPA or eager
+attention (so a probed training forward computes exactly the loss and gradients it computes without the probe), and
+by transformers' SDPA path otherwise (FlashAttention, flex: the probe's no-grad forwards then run SDPA).
+The vision tower is untouched.
 
 Layout: ``result`` (``ModalityAttention``), ``layout`` (token groups and measured queries), ``probe`` (the
-registered attention function, ``probe_attention``, ``measure_modality_attention``). Every name is
+registered attention function, ``probe_attention``), ``measure`` (``measure_modality_attention``). Every name is
 re-exported here (public names only); importing this package registers ``"trl_mdi_probe"`` (via ``probe``).
 """
 
@@ -31,8 +33,9 @@ from .layout import (
     token_layout,
     trailing_completion_layout,
 )
+from .measure import measure_modality_attention
 from .model_facts import unwrap_model
-from .probe import PROBE_ATTN_IMPLEMENTATION, measure_modality_attention, probe_attention
+from .probe import PROBE_ATTN_IMPLEMENTATION, probe_attention
 from .result import COMPLETION, GROUPS, IMAGE, PROMPT_TEXT, SPECIAL, ModalityAttention
 
 __all__ = [

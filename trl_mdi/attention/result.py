@@ -105,6 +105,19 @@ class ModalityAttention:
             raise ValueError(f"completion_length must be in [1, {length - 1}], got {completion_length}")
         return self.query_image_mass[:, length - completion_length - 1 : length - 1]
 
+    def take(self, rows: Sequence[int]) -> ModalityAttention:
+        """The result for ``rows`` (new row i = old row ``rows[i]``), attention maps re-keyed to the new rows."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        new_of = {int(old): new for new, old in enumerate(index.tolist())}
+        special = ("image_token_mass", "measured_layers", "query_image_mass", "token_layers")
+        names = [f for f in ModalityAttention.__dataclass_fields__ if f not in special]
+        return ModalityAttention(
+            **{n: getattr(self, n)[index] for n in names},
+            image_token_mass={new_of[k]: v for k, v in self.image_token_mass.items() if k in new_of},
+            measured_layers=self.measured_layers, token_layers=self.token_layers,
+            query_image_mass=self.query_image_mass[index] if self.query_image_mass is not None else None,
+        )
+
     @staticmethod
     def cat(parts: Sequence[ModalityAttention]) -> ModalityAttention:
         """Concatenate results along the batch (row indices of attention maps are shifted)."""
