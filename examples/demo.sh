@@ -8,6 +8,8 @@
 #   4. train with GRPO: examples/scripts/grpo_vlm.py under accelerate, 2 processes, DeepSpeed ZeRO-3 on CPU,
 #      attention metrics on, hyperparameters from examples/configs/demo.yaml; the logs show the reward rising
 #   5. score the trained model on the warm-up's 200 held-out questions (greedy), to compare with step 1
+#   6. profile the attention of both models layer by layer (python -m trl_mdi.profile) on the 64 held-out
+#      validation questions of step 3, which GRPO never trained on: tables and pictures in $OUT/profile
 set -euo pipefail
 OUT="${1:-demo_run}"
 PY="${PYTHON:-.venv/bin/python}"
@@ -20,19 +22,19 @@ export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore::FutureWarning}"
 mkdir -p "$OUT"
 START=$SECONDS
 
-echo "== 1/5 tiny Qwen2-VL, supervised warm-up -> $OUT/tiny-warm"
+echo "== 1/6 tiny Qwen2-VL, supervised warm-up -> $OUT/tiny-warm"
 "$PY" -m trl_mdi.warmup --out "$OUT/tiny-warm" --overwrite
 
-echo "== 2/5 synthetic A-OKVQA-format data -> $OUT/aokvqa_synthetic"
+echo "== 2/6 synthetic A-OKVQA-format data -> $OUT/aokvqa_synthetic"
 # The warm-up's question kinds and option order; seed 1, so the GRPO prompts are not the warm-up's 200 examples.
 "$PY" -m trl_mdi.synthetic --out "$OUT/aokvqa_synthetic" --kinds color --option_order fixed --seed 1 \
     --n_train 2000 --n_validation 64 --n_test 64 --overwrite
 
-echo "== 3/5 prepare for TRL -> $OUT/aokvqa_trl_data_simple"
+echo "== 3/6 prepare for TRL -> $OUT/aokvqa_trl_data_simple"
 "$PY" data_prep/prepare_aokvqa_for_trl.py --dataset_path "$OUT/aokvqa_synthetic" \
     --out_dir "$OUT/aokvqa_trl_data_simple" --subset_size 200 --seed 0 --overwrite
 
-echo "== 4/5 GRPO training, 2 processes, DeepSpeed ZeRO-3 on CPU -> $OUT/grpo"
+echo "== 4/6 GRPO training, 2 processes, DeepSpeed ZeRO-3 on CPU -> $OUT/grpo"
 echo "   (the first run on a machine compiles a DeepSpeed op: about 40 s more)"
 rm -rf "$OUT/grpo"
 mkdir -p "$OUT/grpo"
@@ -43,8 +45,13 @@ touch "$OUT/grpo/.started"  # files newer than this are this run's logs
     --dataset_path "$OUT/aokvqa_trl_data_simple" \
     --output_dir "$OUT/grpo"
 
-echo "== 5/5 held-out accuracy after GRPO (step 1 printed it after the warm-up)"
+echo "== 5/6 held-out accuracy after GRPO (step 1 printed it after the warm-up)"
 "$PY" -m trl_mdi.warmup --evaluate "$OUT/grpo"
+
+echo "== 6/6 attention by layer before and after GRPO, on the held-out validation questions -> $OUT/profile"
+"$PY" -m trl_mdi.profile --model_name_or_path "$OUT/tiny-warm" "$OUT/grpo" \
+    --dataset_path "$OUT/aokvqa_trl_data_simple" --split validation --max_new_tokens 8 --batch_size 32 \
+    --threads 1 --out "$OUT/profile"
 
 CKPT=$(ls -d "$OUT"/grpo/checkpoint-* 2>/dev/null | sort -t- -k2 -n | tail -1 || true)
 LOGS=$(find "${TRL_MDI_LOG_DIR:-training_logs}" "$OUT/grpo" -name '*.md' ! -name README.md -newer "$OUT/grpo/.started" 2>/dev/null | sort || true)
@@ -58,4 +65,6 @@ echo "checkpoint:     ${CKPT:-none}"
 echo "metrics:        ${CKPT:+$CKPT/trainer_state.json} (log_history: rewards/*, attention/* for every step)"
 for f in $LOGS; do echo "Markdown log:   $f   (tail -f it during a run)"; done
 for d in $MAPS; do echo "attention maps: $d/ ($(ls "$d" | wc -l) PNG files)"; done
+echo "profile:        $OUT/profile/profile.md (per-layer tables, before vs after GRPO)"
+echo "pictures:       $OUT/profile/mdi_by_layer.png, $OUT/profile/mass_by_layer.png"
 [ -n "$LOGS$MAPS" ] || echo "Markdown logs / attention maps: none written"

@@ -58,3 +58,10 @@ def test_make_demo_learns_and_its_logs_show_it(tmp_path):
     first, last = map(float, last_trend)
     assert last >= first + 0.5, f"mean weighted reward should rise over the demo: {first} -> {last}"
     assert len(list(logs.glob("attention_diagnostics_*_maps/*.png"))) >= 20
+
+    # Step 6: the per-layer attention profile of the warm-started and the trained model on the held-out questions,
+    # compared layer by layer, and where its pictures are.
+    profile = json.loads((out / "profile" / "profile.json").read_text())
+    assert [m["profile"]["rows"]["measured"] for m in profile["models"]] == [64, 64]
+    assert profile["comparison"]["by"] == "layer" and (out / "profile" / "mdi_by_layer.png").stat().st_size > 10_000
+    assert f"pictures:       {out}/profile/mdi_by_layer.png" in text
