@@ -1,5 +1,6 @@
 """The live Markdown logs as the trainer writes them: format, values, hostile completions, resume, growth."""
 
+import functools
 import re
 from pathlib import Path
 
@@ -52,7 +53,8 @@ class Recorded:
     """Wraps a reward and records every value it returns, in rollout order."""
 
     def __init__(self, fn):
-        self.fn, self.__name__, self.values = fn, fn.__name__, []
+        self.fn, self.values = fn, []
+        functools.update_wrapper(self, fn)  # the wrapped signature: the trainer reads which signals a reward takes
 
     def __call__(self, *args, **kwargs):
         out = self.fn(*args, **kwargs)
@@ -186,3 +188,19 @@ def test_logging_off_writes_nothing(model_dir, grpo_train_dataset, tmp_path):
     trainer.train()
     assert not any(p.exists() for p in _logs(tmp_path))
     assert torch.is_grad_enabled()
+
+
+def test_attention_log_links_a_per_layer_mdi_picture_every_n_steps(model_dir, grpo_train_dataset, tmp_path):
+    """Step 1 and every attention_map_every_n_steps: a per-layer MDI picture of the step's rollouts (the profile
+    command's plotting code), linked from the attention log so that `tail -f` readers can open it."""
+    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward],
+                             args=make_args(tmp_path, max_steps=3, attention_map_every_n_steps=2),
+                             train_dataset=grpo_train_dataset)
+    trainer.train()
+    log = tmp_path / "logs" / "attention.md"
+    text = log.read_text()
+    links = re.findall(r"!\[MDI by layer, step (\d+)\]\(([^)]+)\)", text)
+    assert [int(step) for step, _ in links] == [1, 2]
+    for _, rel in links:
+        png = log.parent / rel
+        assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000

@@ -7,6 +7,7 @@ gathered from every process; only the main process writes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -16,6 +17,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from . import signals
+from .attention import ModalityAttention
 from .data.images import row_images
 from .logs import AttentionLogWriter, RolloutLogWriter, default_log_paths, print_step_summary
 from .logs.maps import render_segment_maps, token_grid_hw
@@ -103,8 +105,25 @@ class LiveDiagnostics(TrainerCallback):
         return bool(self.args.compute_attention_metrics and every and self.args.attention_maps_per_step
                     and (step == 1 or step % every == 0))
 
-    def write(self, step: int, epoch: float, records: list[dict], maps: list[dict]) -> None:
-        """Write one generation batch (main process). ``records``: gathered per-rollout dicts."""
+    def wants_layer_picture(self, step: int) -> bool:
+        """Steps whose attention block links a per-layer MDI picture: step 1 and every attention_map_every_n_steps."""
+        every = self.args.attention_map_every_n_steps
+        return bool(self.args.compute_attention_metrics and every and (step == 1 or step % every == 0))
+
+    def _layer_picture(self, step: int, attention) -> str:
+        """Draw this step's MDI by layer (the profile command's plotting code); the path relative to the log."""
+        from .plots import plot_mdi_by_layer
+        from .profile import layer_profile, mdi_curve
+
+        path = self.attention.maps_dir / f"step{int(step):06d}_mdi_by_layer.png"
+        curve = mdi_curve(layer_profile(attention, self.args.attention_layer_segments))
+        plot_mdi_by_layer({f"step {step} ({attention.image.shape[0]} rollouts)": curve}, path,
+                          title=f"MDI by layer · step {step}")
+        return os.path.relpath(path, self.attention.path.parent)
+
+    def write(self, step: int, epoch: float, records: list[dict], maps: list[dict], layers=None) -> None:
+        """Write one generation batch (main process). ``records``: gathered per-rollout dicts; ``layers``: the batch's
+        gathered ``ModalityAttention`` on steps that get a per-layer picture."""
         if not self.is_main:
             return
         self.open(step - 1)
@@ -121,11 +140,17 @@ class LiveDiagnostics(TrainerCallback):
                 links.append((m["index"], rel))
             except (OSError, ValueError) as e:  # a map is a nicety: never stop training for one
                 summary["map error"] = str(e)[:200]
+        picture = None
+        if layers is not None:
+            try:
+                picture = self._layer_picture(step, layers)
+            except (OSError, ValueError) as e:
+                summary["layer picture error"] = str(e)[:200]
         # Records arrive in TRL's order (each prompt's generations consecutive): the same # and group as the rollout log.
         ng = self.num_generations or 0
         rows = [{"index": i, **({"group": i // ng} if ng else {}), **r["attention"]}
                 for i, r in enumerate(records) if r.get("attention") is not None]
-        self.attention.write_step(step, epoch, rows, summary or None, maps=links)
+        self.attention.write_step(step, epoch, rows, summary or None, maps=links, layer_picture=picture)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
@@ -243,7 +268,13 @@ def write_batch(live_logs: LiveDiagnostics, step: int, epoch: float, *, inputs: 
         answer_format=answer_format, strips=strips)
     maps = (attention_map_records(attention, [row_images(x) for x in inputs], map_rows, segments_spec,
                                   processing_class) if map_rows else [])
-    live_logs.write(step, epoch, records, maps)
+    layers = None
+    if attention is not None and live_logs.wants_layer_picture(step):  # the same decision on every rank
+        from accelerate.utils import gather_object
+
+        light = dataclasses.replace(attention, image_token_mass={}, query_image_mass=None, token_layers=None)
+        layers = ModalityAttention.cat(gather_object([light]))
+    live_logs.write(step, epoch, records, maps, layers)
 
 
 def gather_rollout_records(*, rows: list[dict], prompts: list, completions: list, lengths: list[int],

@@ -7,6 +7,7 @@ with ``GRPOTrainer`` works unchanged and only a request that cannot be met stops
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Sequence
 
@@ -127,7 +128,8 @@ def attention_consumers(args, funcs: Sequence) -> list[str]:
     included: it filters on rewards), and TPRL (its filters and multipliers enter the loss). [] = metrics only."""
     needs = []
     for f in funcs:
-        fields = [n for n in required_reward_inputs(f) if reward_field_pattern(n)] if callable(f) else []
+        # Every named parameter, optional ones included (``mdi=None``): a reward reads the signals it names.
+        fields = [n for n in inspect.signature(f).parameters if reward_field_pattern(n)] if callable(f) else []
         if fields:
             needs.append(f"reward {reward_name(f)} reads {', '.join(fields)}")
     if args.uses_tprl:

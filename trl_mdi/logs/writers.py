@@ -301,8 +301,9 @@ class AttentionLogWriter(StepLogFile):
         return path, Path(os.path.relpath(path, self.path.parent)).as_posix()
 
     def write_step(self, step: int, epoch: float | None, rollouts: list[dict], summary: dict | None = None,
-                   maps: Sequence[tuple[int, str]] = ()) -> bool:
-        """Append one step block; returns False when it was not written (failed or disabled log)."""
+                   maps: Sequence[tuple[int, str]] = (), layer_picture: str | None = None) -> bool:
+        """Append one step block; returns False when it was not written (failed or disabled log). ``layer_picture``:
+        a per-layer MDI picture of this step, relative to the log."""
         if self.failed:
             self.dropped_writes += 1
             return False
@@ -326,6 +327,9 @@ class AttentionLogWriter(StepLogFile):
         history = [d for _, d in self.records] + [data]
         parts.append(trend_line([d.get("mdi") for d in history], self.trend_width, "Mean MDI trend:") + "  ")
         parts.append(trend_line([d.get("balance") for d in history], self.trend_width, "Mean balance trend:") + "\n")
+        if layer_picture:
+            parts.append("### MDI by layer\n")
+            parts.append(f"![MDI by layer, step {int(step)}]({quote(Path(layer_picture).as_posix())})\n")
         if maps:
             parts.append("### Attention maps\n")
             for idx, rel in maps:
