@@ -7,6 +7,7 @@ accuracy figure of the project is computed the same way, with the reward's own a
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -28,6 +29,17 @@ class EvalResult:
     letters: dict[str, int]  # parsed letter -> count ("" = none)
     completions: list[str]
     seconds: float = 0.0
+    # With measure_attention: per row, the MDI of its greedy answer for "all" measured layers and each layer
+    # segment (e.g. "late"); NaN for a row without a generated token.
+    mdi: dict[str, list[float]] | None = None
+
+    def mean_mdi(self, segment: str = "all", rows: Sequence[int] | None = None) -> float:
+        """Mean MDI of ``segment`` over ``rows`` (default all) where finite; NaN when none is (or not measured)."""
+        if self.mdi is None:
+            return float("nan")
+        values = self.mdi[segment] if rows is None else [self.mdi[segment][i] for i in rows]
+        finite = [v for v in values if math.isfinite(v)]
+        return sum(finite) / len(finite) if finite else float("nan")
 
     def summary(self) -> str:
         spread = " ".join(f"{k or '-'}:{v}" for k, v in sorted(self.letters.items()))
@@ -71,12 +83,17 @@ def score_completions(completions: Sequence[Any], labels: Sequence[int], num_cho
 
 
 @torch.no_grad()
-def evaluate_accuracy(model, processor, ds, *, batch_size: int = 50, max_new_tokens: int = 16) -> EvalResult:
+def evaluate_accuracy(model, processor, ds, *, batch_size: int = 50, max_new_tokens: int = 16,
+                      measure_attention: bool = False, segments: str | dict | None = "thirds") -> EvalResult:
     """Greedy held-out multiple-choice accuracy of ``model`` on ``ds`` (rows of ``synthetic_dataset``).
 
     Prompts are rendered as GRPOTrainer renders them (``prepare_multimodal_messages`` + the processor's chat
     template with the generation prompt); generation is greedy with ``suppress_tokens=[image_token_id]``, the one
     departure GRPOTrainer's sampling makes from a plain ``generate``. The model's train/eval mode is restored.
+
+    ``measure_attention``: also measure, per row, the MDI of the greedy answer (``measure_modality_attention`` on
+    prompt + answer, the answer's tokens up to its end-of-sequence as queries, as the trainer measures rollouts;
+    text = every prompt token that is no image token), for all measured layers and each of ``segments``.
     """
     from trl.data_utils import prepare_multimodal_messages
 
@@ -87,6 +104,7 @@ def evaluate_accuracy(model, processor, ds, *, batch_size: int = 50, max_new_tok
     image_token_id = model.config.image_token_id
     texts: list[str] = []
     ended: list[bool] = []
+    mdi: dict[str, list[float]] = {}
     try:
         for lo in range(0, len(ds), batch_size):
             batch = ds[lo : lo + batch_size]
@@ -102,11 +120,37 @@ def evaluate_accuracy(model, processor, ds, *, batch_size: int = 50, max_new_tok
             new = out[:, inputs["input_ids"].shape[1]:]
             texts += tok.batch_decode(new, skip_special_tokens=True)
             ended += (new == tok.eos_token_id).any(dim=1).tolist()
+            if measure_attention:
+                for name, values in _answer_mdi(model, inputs, new, tok.eos_token_id, segments).items():
+                    mdi.setdefault(name, []).extend(values)
     finally:
         model.train(was_training)
     result = score_completions(texts, ds["label_idx"], [len(c) for c in ds["choices"]], ended)
+    result.mdi = mdi if measure_attention else None
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _answer_mdi(model, inputs, new: torch.Tensor, eos_token_id: int, segments) -> dict[str, list[float]]:
+    """Per-row MDI of generated answers ``new`` (B, C) after the left-padded prompts of ``inputs``."""
+    from .attention import measure_modality_attention
+
+    pos = torch.arange(new.shape[1], device=new.device)
+    is_eos = new == eos_token_id
+    first_eos = torch.where(is_eos, pos, torch.full_like(pos, new.shape[1])).amin(dim=1, keepdim=True)
+    answer = pos <= first_eos  # the answer's tokens and its end-of-sequence, none of the padding after it
+    ids = torch.cat([inputs["input_ids"], new], dim=1)
+    attention_mask = torch.cat([inputs["attention_mask"], answer.long()], dim=1)
+    completion_mask = torch.cat([torch.zeros_like(inputs["attention_mask"]), answer.long()], dim=1)
+    mm = {}
+    for key, value in inputs.items():
+        if key in ("input_ids", "attention_mask"):
+            continue
+        if torch.is_tensor(value) and value.shape == inputs["input_ids"].shape:  # per-token (mm_token_type_ids)
+            value = torch.nn.functional.pad(value, (0, new.shape[1]))
+        mm[key] = value
+    result = measure_modality_attention(model, ids, attention_mask, completion_mask, **mm)
+    return {name: m["mdi"].tolist() for name, m in result.segment_metrics(segments).items()}
 
 
 # ------------------------------------------------------------------------------------------------ warm start

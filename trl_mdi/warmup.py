@@ -84,6 +84,7 @@ class WarmupRecipe:
     option_order: str = "fixed"
     image_size: int = 56
     blank_images: bool = False
+    conflict_rate: float = 0.2  # language-prior kinds only: share of rows whose image contradicts the prior
     epochs: float = 6.0
     learning_rate: float = 1e-3
     lr_scheduler_type: str = "linear"
@@ -97,6 +98,8 @@ class WarmupRecipe:
             raise ValueError(f"option_order must be one of {OPTION_ORDERS}, got {self.option_order!r}")
         if not self.kinds or any(k not in KINDS for k in self.kinds):
             raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {self.kinds}")
+        if not 0.0 <= self.conflict_rate <= 1.0:
+            raise ValueError(f"conflict_rate must be in [0, 1], got {self.conflict_rate}")
         if self.n_train < 1 or self.epochs <= 0 or self.learning_rate <= 0 or self.batch_size < 1:
             raise ValueError("n_train and batch_size must be >= 1, epochs and learning_rate > 0")
         self.kinds = tuple(self.kinds)
@@ -107,9 +110,11 @@ class WarmupRecipe:
 
 def synthetic_dataset(n: int, *, split: str = "train", seed: int = 0, kinds: Sequence[str] = ("color",),
                       option_order: str = "fixed", image_size: int = 56, blank_images: bool = False,
-                      system_prompt: str | None = DEFAULT_SYSTEM_PROMPT):
+                      system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, conflict_rate: float = 0.2):
     """``n`` synthetic questions as GRPO training rows: conversational ``prompt``, ``image``, ``label_idx``,
-    ``choices``, ``question_id``, plus ``answer`` (the correct choice's text).
+    ``choices``, ``question_id``, plus ``answer`` (the correct choice's text), ``conflict`` (True where the image
+    contradicts the language prior of a ``prior_color`` question; ``conflict_rate`` of those rows) and
+    ``prior_idx`` (the index of the choice the wording suggests, -1 for kinds without a prior).
 
     Rows are converted with the prep script's ``convert_row``, so the prompt text is exactly what
     ``data_prep/prepare_aokvqa_for_trl.py`` writes. Each (split, seed) is its own random stream, so "validation"
@@ -119,11 +124,14 @@ def synthetic_dataset(n: int, *, split: str = "train", seed: int = 0, kinds: Seq
 
     rows = []
     for raw in generate_synthetic_rows(n, split=split, seed=seed, kinds=tuple(kinds), option_order=option_order,
-                                       image_size=image_size, blank_images=blank_images):
+                                       image_size=image_size, blank_images=blank_images, conflict_rate=conflict_rate):
         row, why = convert_row(raw)
         if row is None:  # cannot happen for synthetic rows; fail loudly rather than return fewer
             raise RuntimeError(f"synthetic row {raw['question_id']} was rejected by convert_row: {why}")
         row["answer"] = row["choices"][row["label_idx"]]
+        # convert_row keeps the A-OKVQA columns only; the prior's bookkeeping is carried over here.
+        row["conflict"] = bool(raw["conflict"])
+        row["prior_idx"] = row["choices"].index(raw["prior_answer"]) if raw["prior_answer"] is not None else -1
         rows.append({**row, **to_conversational(row, system_prompt)})
     return Dataset.from_list(rows).cast_column("image", Image())
 
@@ -174,7 +182,8 @@ def warm_start(recipe: WarmupRecipe | None = None, out_dir: str | Path | None = 
     model, processor = build_tiny_vlm(recipe.arch, seed=recipe.model_seed, **recipe.model_size)
     train = sft_dataset(synthetic_dataset(recipe.n_train, split="train", seed=recipe.data_seed, kinds=recipe.kinds,
                                           option_order=recipe.option_order, image_size=recipe.image_size,
-                                          blank_images=recipe.blank_images), recipe.think)
+                                          blank_images=recipe.blank_images, conflict_rate=recipe.conflict_rate),
+                        recipe.think)
     tmp = tempfile.mkdtemp(prefix="trl_mdi_warmup_") if work_dir is None else work_dir
     try:
         args = SFTConfig(
@@ -236,6 +245,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--option_order", choices=OPTION_ORDERS, default=d.option_order)
     p.add_argument("--image_size", type=int, default=d.image_size)
     p.add_argument("--blank_images", action="store_true", help="warm up on blank images (the control)")
+    p.add_argument("--conflict_rate", type=float, default=d.conflict_rate,
+                   help="prior_color rows whose image contradicts the object's usual colour (share)")
     p.add_argument("--epochs", type=float, default=d.epochs)
     p.add_argument("--learning_rate", type=float, default=d.learning_rate)
     p.add_argument("--lr_scheduler_type", default=d.lr_scheduler_type)
@@ -252,7 +263,7 @@ def _held_out(recipe: WarmupRecipe, n: int):
     """The ``n`` held-out validation questions of ``recipe``'s data (the same rows for the warm-up and later)."""
     return synthetic_dataset(n, split="validation", seed=recipe.data_seed, kinds=recipe.kinds,
                              option_order=recipe.option_order, image_size=recipe.image_size,
-                             blank_images=recipe.blank_images)
+                             blank_images=recipe.blank_images, conflict_rate=recipe.conflict_rate)
 
 
 def _evaluate_saved(model_dir: Path, recipe: WarmupRecipe, n_eval: int) -> int:

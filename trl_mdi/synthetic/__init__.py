@@ -1,4 +1,5 @@
-"""A tiny synthetic A-OKVQA: drawn shapes whose questions can only be answered from the image.
+"""A tiny synthetic A-OKVQA: drawn shapes whose questions can only be answered from the image (and, opt-in,
+questions whose wording carries a language prior that the image sometimes contradicts).
 
 The writer lays files out like a local copy of the Hub dataset ``HuggingFaceM4/A-OKVQA``::
 
@@ -9,11 +10,13 @@ The writer lays files out like a local copy of the Hub dataset ``HuggingFaceM4/A
 
 so ``data_prep/prepare_aokvqa_for_trl.py`` (and ``datasets.load_dataset``) read it exactly as the real one.
 
-Question kinds (``kinds``, an equal mix or ``{kind: weight}``):
+Question kinds (``kinds``, an equal mix or ``{kind: weight}``; the default is the first three):
 
-    color  one big shape on a neutral background: "What color is the triangle?"
-    shape  one big shape: "Which shape is drawn in the image?"
-    count  1..max_count small copies of one shape, at most one per grid cell: "How many ...?"
+    color        one big shape on a neutral background: "What color is the triangle?"
+    shape        one big shape: "Which shape is drawn in the image?"
+    count        1..max_count small copies of one shape, at most one per grid cell: "How many ...?"
+    prior_color  one big shape standing for an object with a canonical colour: "What color is the banana?";
+                 drawn in that colour except on ``conflict_rate`` of the rows (see `prior`)
 
 Why it is built this way:
 
@@ -31,7 +34,15 @@ Why it is built this way:
    variants match row for row (same question ids).
 5. Determinism: each split has its own ``random.Random`` seeded from (seed, split), images are PNG
    encoded without antialiasing, so a fixed seed gives byte-identical files, and changing n_train does
-   not change the validation rows.
+   not change the validation rows. Adding the prior kinds changed no row of the other kinds: their plan draws
+   from the stream only when a prior kind is asked for.
+6. The prior kinds break rule 1 on purpose: the object's name predicts the answer on every non-conflict row
+   (tomato/red, grass/green, sky/blue, banana/yellow; options are those four colours) and the image
+   decides only on conflict rows, where the answer is still the image's colour. Conflict rows are exactly
+   ``round(conflict_rate * rows)`` of each prior kind, spread over the letters, so conflict and non-conflict rows
+   are each letter-balanced (rule 2 holds on both subsets). The drawn shape is independent of the object, so the
+   image carries no hint of the prior. Each in-memory row says ``conflict`` (bool) and ``prior_answer``; the
+   parquet files keep the exact A-OKVQA schema and drop both (``trl_mdi.warmup.synthetic_dataset`` keeps them).
 
 Layout: `rows` generates the rows in memory; writing the files and the CLI are here.
 """
@@ -49,6 +60,7 @@ import yaml
 
 from trl_mdi.aokvqa import aokvqa_features, write_parquet_atomic
 
+from .prior import PRIOR_COLORS, PRIOR_KINDS, PRIOR_OBJECTS
 from .rows import (
     BACKGROUNDS,
     COLORS,
@@ -66,7 +78,7 @@ from .rows import (
 
 __all__ = [
     "COLORS", "SHAPES", "PLURALS", "NUMBER_WORDS", "BACKGROUNDS", "KINDS", "DEFAULT_KINDS", "OPTION_ORDERS",
-    "NUM_CHOICES", "SPLITS", "draw_shape", "generate_synthetic_rows",
+    "NUM_CHOICES", "SPLITS", "PRIOR_KINDS", "PRIOR_OBJECTS", "PRIOR_COLORS", "draw_shape", "generate_synthetic_rows",
     "rows_to_table", "write_synthetic_aokvqa", "main",
     "aokvqa_features", "write_parquet_atomic",
 ]  # fmt: skip
@@ -118,6 +130,7 @@ def write_synthetic_aokvqa(
     max_count: int = 4,
     blank_images: bool = False,
     overwrite: bool = False,
+    conflict_rate: float = 0.2,
 ) -> dict[str, Any]:
     """Write a synthetic A-OKVQA laid out like a local copy of the Hub dataset.
 
@@ -152,6 +165,7 @@ def write_synthetic_aokvqa(
                 option_order=option_order,
                 max_count=max_count,
                 blank_images=blank_images,
+                conflict_rate=conflict_rate,
             )
         )
         shards = num_shards[split] if isinstance(num_shards, Mapping) else num_shards
@@ -205,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--option_order", choices=OPTION_ORDERS, default="shuffled")
     parser.add_argument("--max_count", type=int, default=4, help="largest answer of count questions (>= 4)")
     parser.add_argument("--blank_images", action="store_true", help="draw only the background (control)")
+    parser.add_argument("--conflict_rate", type=float, default=0.2,
+                        help="prior_color: share of rows whose image contradicts the object's usual colour")
     parser.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
     args = parser.parse_args(argv)
     result = write_synthetic_aokvqa(
@@ -220,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         max_count=args.max_count,
         blank_images=args.blank_images,
         overwrite=args.overwrite,
+        conflict_rate=args.conflict_rate,
     )
     for split, paths in result["files"].items():
         print(f"{split}: {result['rows'][split]} rows in {len(paths)} file(s): {', '.join(paths)}")

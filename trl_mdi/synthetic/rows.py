@@ -1,5 +1,6 @@
 """Generating synthetic A-OKVQA rows in memory: the vocabularies, the balanced plan of kinds and answer
-letters, the drawn shapes, and the questions (design choices 1 to 5 of `trl_mdi.synthetic`).
+letters, the drawn shapes, and the questions (design choices 1 to 6 of `trl_mdi.synthetic`; the language-prior
+kinds' objects and conflict plan are in `prior`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from PIL import Image, ImageDraw
+
+from .prior import (
+    PRIOR_COLORS,
+    PRIOR_KINDS,
+    PRIOR_OBJECTS,
+    conflict_plan,
+    prior_object,
+    prior_question,
+    prior_rationales,
+)
 
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
@@ -33,8 +44,8 @@ PLURALS = {
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
 # Neutral greys: no shape colour can be confused with the background.
 BACKGROUNDS = ((255, 255, 255), (205, 205, 205), (75, 75, 75))
-KINDS = ("color", "shape", "count")
-DEFAULT_KINDS = KINDS
+DEFAULT_KINDS = ("color", "shape", "count")  # the kinds only the image answers
+KINDS = DEFAULT_KINDS + PRIOR_KINDS
 OPTION_ORDERS = ("shuffled", "fixed")
 NUM_CHOICES = 4  # A-OKVQA always offers four
 SPLITS = ("train", "validation", "test")
@@ -65,6 +76,8 @@ _ID_ALPHABET = "23456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"  # A-
 def _vocabulary(kind: str, max_count: int) -> list[str]:
     if kind == "color":
         return list(COLORS)
+    if kind == "prior_color":
+        return list(PRIOR_COLORS)
     if kind == "shape":
         return list(SHAPES)
     return [str(i) for i in range(1, max_count + 1)]
@@ -197,13 +210,19 @@ def _choices(rng: random.Random, answer: str, vocab: list[str], letter: int, opt
     return choices
 
 
-def _make_row(rng, kind, letter, *, image_size, max_count, option_order, blank):
+def _make_row(rng, kind, letter, *, image_size, max_count, option_order, blank, conflict=False):
     vocab = _vocabulary(kind, max_count)
     # In "fixed" order the options are the first four values and the answer is the one at `letter`;
     # in "shuffled" order the answer is uniform over the vocabulary and placed at `letter`.
     answer = vocab[letter] if option_order == "fixed" else rng.choice(vocab)
     background = rng.choice(BACKGROUNDS)
-    if kind == "color":
+    obj = None
+    if kind == "prior_color":
+        # The object, not the drawn shape, carries the prior: the shape is drawn independently of it.
+        obj = prior_object(answer, conflict, rng)
+        shape, color = rng.choice(SHAPES), answer
+        boxes = [_big_box(rng, image_size)]
+    elif kind == "color":
         shape, color = rng.choice(SHAPES), answer
         boxes = [_big_box(rng, image_size)]
     elif kind == "shape":
@@ -212,7 +231,10 @@ def _make_row(rng, kind, letter, *, image_size, max_count, option_order, blank):
     else:
         shape, color = rng.choice(SHAPES), rng.choice(list(COLORS))
         boxes = _grid_boxes(rng, image_size, int(answer), max_count)
-    question = rng.choice(_QUESTION_TEMPLATES[kind]).format(shape=shape, color=color, plural=PLURALS[shape])
+    if obj is not None:
+        question = prior_question(obj, rng)
+    else:
+        question = rng.choice(_QUESTION_TEMPLATES[kind]).format(shape=shape, color=color, plural=PLURALS[shape])
     choices = _choices(rng, answer, vocab, letter, option_order)
     if kind == "count":
         word = NUMBER_WORDS[int(answer)] if int(answer) < len(NUMBER_WORDS) else answer
@@ -224,6 +246,8 @@ def _make_row(rng, kind, letter, *, image_size, max_count, option_order, blank):
             f"Counting the {color} {PLURALS[shape]} gives {word}.",
             f"The image shows {word} {noun}.",
         ]
+    elif obj is not None:
+        direct, rationales = [answer] * 10, prior_rationales(obj, answer)
     elif kind == "color":
         direct = [answer] * 10
         rationales = [
@@ -254,6 +278,10 @@ def _make_row(rng, kind, letter, *, image_size, max_count, option_order, blank):
         "direct_answers": direct,
         "difficult_direct_answer": kind == "count",
         "rationales": rationales,
+        # In memory only (the A-OKVQA parquet schema has no such columns): whether the image contradicts the
+        # prior the question's wording carries, and that prior answer (None for kinds without a prior).
+        "conflict": bool(conflict),
+        "prior_answer": PRIOR_OBJECTS[obj] if obj is not None else None,
     }
 
 
@@ -268,6 +296,7 @@ def generate_synthetic_rows(
     max_count: int = 4,
     blank_images: bool = False,
     labelled: bool | None = None,
+    conflict_rate: float = 0.2,
 ) -> list[dict[str, Any]]:
     """Generate ``n`` A-OKVQA rows in memory (image as ``{"bytes": png, "path": None}``).
 
@@ -283,6 +312,12 @@ def generate_synthetic_rows(
         blank_images: draw only the background (same questions, options and labels).
         labelled: keep labels; default False for ``split == "test"`` (correct_choice_idx,
             direct_answers and rationales are then None, as in the real test split).
+        conflict_rate: share of each language-prior kind's rows (``prior_color``) whose image contradicts the
+            prior (exact: ``round(rate * rows)``, spread over the answer letters); other kinds ignore it.
+
+    Besides the A-OKVQA columns, every row has ``conflict`` (True on a prior kind's conflict row) and
+    ``prior_answer`` (the answer the wording suggests, None for kinds without a prior); both None when unlabelled.
+    They live in memory only: ``rows_to_table`` and the parquet files keep the exact A-OKVQA schema.
     """
     if option_order not in OPTION_ORDERS:
         raise ValueError(f"option_order must be one of {OPTION_ORDERS}, got {option_order!r}")
@@ -297,8 +332,9 @@ def generate_synthetic_rows(
     rng = random.Random(f"synthetic-aokvqa/{seed}/{split}")
     plan = _kind_plan(n, weights, rng)
     letters = _letter_plan(plan, rng)
+    conflicts = conflict_plan(plan, letters, conflict_rate, rng)
     rows = []
-    for i, (kind, letter) in enumerate(zip(plan, letters)):
+    for i, (kind, letter, conflict) in enumerate(zip(plan, letters, conflicts)):
         row = _make_row(
             rng,
             kind,
@@ -307,8 +343,9 @@ def generate_synthetic_rows(
             max_count=max_count,
             option_order=option_order,
             blank=blank_images,
+            conflict=conflict,
         )
         if not labelled:
-            row.update(correct_choice_idx=None, direct_answers=None, rationales=None)
+            row.update(correct_choice_idx=None, direct_answers=None, rationales=None, conflict=None, prior_answer=None)
         rows.append({"question_id": _question_id(seed, split, i), **row})
     return rows
