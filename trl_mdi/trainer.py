@@ -16,7 +16,6 @@ from .attention import ModalityAttention
 from .attention.model_facts import load_model_config, model_facts, unwrap_model
 from .config import MDIGRPOConfig
 from .data.images import (
-    check_images_on_every_rank,
     decode_row_images,
     lazy_images,
     report_bad_images,
@@ -45,6 +44,7 @@ from .rewards import (
 )
 from .rewards.inputs import check_reward_inputs, dataset_columns
 from .tprl import apply_tprl, signal_rank_corr
+from .vision_pass import images_on_some_processes_only, vision_pass_for_run
 
 logger = logging.get_logger(__name__)
 
@@ -66,7 +66,7 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
        reward's inputs checked at construction (`trl_mdi.rewards.inputs`).
     4. **TPRL** (`trl_mdi.tprl`): token masks into TRL's loss mask, trajectory multipliers into the advantages.
     5. **Online group filtering** (`trl_mdi.filtering`) and **unreadable images** (`trl_mdi.data.images`): such
-       rollouts leave the update; under ZeRO-3, images on some ranks only is a clear error instead of a hang.
+       rollouts leave the update; images on some processes only: a dummy vision pass (`trl_mdi.vision_pass`).
     6. **Live diagnostics** (`trl_mdi.diagnostics`): Markdown logs, attention maps, console summary; `perf/*`.
     7. **Drop-in for any model** (`trl_mdi.drop_in`): a plain `GRPOConfig` is upgraded; what the probe can measure is
        read from the model's config before loading (text-only: metrics off; hybrid: softmax layers only).
@@ -124,6 +124,9 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
         prefilled = template_prefills_think(self.processing_class, self.chat_template_kwargs)
         self._answer_format = ThinkFormatReward(args.answer_pattern, think_prefilled=prefilled)
         self.reward_funcs = bind_think_format(self.reward_funcs, think_prefilled=prefilled)
+        # Mixed batches under ZeRO-3 / DDP: image-less processes run the vision tower on a dummy, times zero.
+        self._vision_pass = vision_pass_for_run(self.model, self.processing_class, self.accelerator.num_processes,
+                                                facts.is_vlm, logger.info)
         attn = unwrap_model(self.model).config.get_text_config()._attn_implementation
         self._probe_placement = probe_placement(args, self.reward_funcs, attn, self._trl_runs_policy_forward())
 
@@ -255,8 +258,8 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
         errors = decode_row_images(inputs)
         report_bad_images(inputs, errors, self.args.on_bad_image, gather_object)
         zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
-        if zero3 and self.accelerator.num_processes > 1:
-            check_images_on_every_rank(inputs, self.accelerator.gather, self.accelerator.device)
+        mixed = images_on_some_processes_only(inputs, self.accelerator, has_vision_pass=self._vision_pass is not None,
+                                              zero3=zero3)
         if any(x.get("image", 0) is None for x in inputs) and not any("images" in x for x in inputs):
             # Same fix as _generate's for the dataset's image column, which TRL uses when a batch holds no image.
             for x in inputs:
@@ -267,7 +270,13 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
             record.map_rows = rows[: self.args.attention_maps_per_step]
         record.timing = StepTiming(started=time.perf_counter(), rides_trl_forward=self._trl_runs_policy_forward())
         record.in_training_forward = mode == "train" and self._probe_placement == "training_forward"
-        out = super()._generate_and_score_completions(inputs)
+        # TRL 1.16 gathers the batch's images for its completion logs only on processes that have some: with images
+        # on some processes only, that gather would pair with another collective. Skip image logging for such batches.
+        log_multimodal, self.log_multimodal = self.log_multimodal, self.log_multimodal and not mixed
+        try:
+            out = super()._generate_and_score_completions(inputs)
+        finally:
+            self.log_multimodal = log_multimodal
         scored = record.scored
         if scored.bad.any():
             apply_group_filter(out, ~self._local(scored.bad, len(inputs)).to(out["advantages"].device),
@@ -302,10 +311,7 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
             self._write_live_logs(pending.step, pending.inputs, pending.record, pending.out)
 
     def _trl_runs_policy_forward(self) -> bool:
-        """Whether TRL's _generate_and_score_completions runs a no-grad policy forward (old log-probs) this step.
-
-        Mirrors TRL 1.16's condition; tests/test_trl_contract.py fails if TRL changes it.
-        """
+        """Whether TRL runs a no-grad policy forward (old log-probs): TRL 1.16's condition (test_trl_contract.py)."""
         generate_every = self.args.steps_per_generation * self.num_iterations
         return self.args.gradient_accumulation_steps % generate_every != 0 or bool(
             self.use_vllm and self.vllm_importance_sampling_correction

@@ -5,6 +5,7 @@ how many no-grad policy forwards it ran per generation batch, how many rollouts 
 logged metrics.
 """
 
+import hashlib
 import json
 import sys
 import time
@@ -55,6 +56,7 @@ def main():
     limit_rows = overrides.pop("limit_rows", None)
     resume = overrides.pop("resume_from_checkpoint", None)
     slow = overrides.pop("slow_reward_seconds", 0.0)
+    no_vision_pass = overrides.pop("no_vision_pass", False)
     if limit_rows:
         ds = ds.select(range(limit_rows))
     if drop_every:
@@ -71,6 +73,9 @@ def main():
     args = MDIGRPOConfig(**kwargs)
     trainer = MDIGRPOTrainer(model_dir, reward_funcs=["mdi_balance", "mdi_group", spread_reward, recording_reward],
                              args=args, train_dataset=ds)
+    if no_vision_pass and trainer._vision_pass is not None:
+        trainer._vision_pass.remove()
+        trainer._vision_pass = None
     trainer.train(resume_from_checkpoint=resume)
     acc = trainer.accelerator
     record = {
@@ -82,6 +87,12 @@ def main():
         "group_scores": group_scores,
         "logs": [h for h in trainer.state.log_history if "loss" in h] if acc.is_main_process else [],
     }
+    record["dummy_vision_passes"] = trainer._vision_pass.count if trainer._vision_pass is not None else None
+    digest = hashlib.sha256()
+    for name, p in sorted(acc.unwrap_model(trainer.model).named_parameters()):
+        digest.update(name.encode() + p.detach().cpu().float().numpy().tobytes())
+    record["param_digest"] = digest.hexdigest()
+    record["global_step"] = trainer.state.global_step
     ds_params = [p for p in trainer.model.parameters() if hasattr(p, "ds_numel")]
     if ds_params:
         record["local_param_fraction"] = sum(p.ds_tensor.numel() for p in ds_params) / sum(p.ds_numel for p in ds_params)

@@ -89,18 +89,25 @@ def report_bad_images(inputs: list[dict], errors: dict[int, str], policy: str, g
         logger.warning("skipping %d rollout(s) with an unreadable image: %s", len(described), "; ".join(described))
 
 
-def check_images_on_every_rank(inputs: list[dict], gather: Callable, device) -> None:
-    """Under ZeRO-3 a batch with images on some processes and none on others would hang: say so instead.
+def images_per_process(inputs: list[dict], gather: Callable, device) -> list[bool]:
+    """Per process, whether its part of the batch holds any image. All processes must call it (one gather)."""
+    has = torch.tensor([float(any(row_images(x) for x in inputs))], device=device)
+    return [bool(f) for f in gather(has).tolist()]
+
+
+def check_images_on_every_rank(flags: list[bool]) -> None:
+    """Under ZeRO-3 without the dummy vision pass (``trl_mdi.vision_pass``), a batch with images on some processes
+    and none on others would hang: say so instead. ``flags``: ``images_per_process``.
 
     The vision tower's sharded weights are gathered collectively, so a process whose batch has no image would never
-    join the gather the others wait in. All processes must call it.
+    join the gather the others wait in.
     """
-    has = torch.tensor([float(any(row_images(x) for x in inputs))], device=device)
-    flags = gather(has)
-    if 0 < flags.sum() < len(flags):
+    if any(flags) and not all(flags):
+        flags = torch.tensor(flags)
         raise RuntimeError(
             "ZeRO-3: this generation batch has images on some processes and none on others "
-            f"(per process: {flags.int().tolist()}). The vision tower would run on some ranks only and the "
-            "sharded-weight gathers would wait forever. Mix text-only and image rows so every per-device batch "
+            f"(per process: {flags.int().tolist()}), and this model cannot take the dummy vision pass that keeps "
+            "processes in step (see the start-up log for why). The vision tower would run on some ranks only and "
+            "the sharded-weight gathers would wait forever. Mix text-only and image rows so every per-device batch "
             "holds at least one image, or train text-only data with DDP / ZeRO-2."
         )
