@@ -1,6 +1,6 @@
 """Step-time overhead of MDIGRPOTrainer over stock GRPOTrainer, measured side by side in one process.
 
-    .venv/bin/python benchmarks/overhead.py            # completions of 32 and 128 tokens, ~10 min on 2 quiet cores
+    .venv/bin/python benchmarks/overhead.py            # completions of 32 and 128 tokens, ~10 min on 2 cores
     .venv/bin/python benchmarks/overhead.py --quick    # fewer rounds
 
 Same tiny Qwen2.5-VL (built offline, deeper and wider than the test one), same synthetic A-OKVQA data, same seed
@@ -94,8 +94,9 @@ def run(variant: str, model_dir: Path, dataset, work: Path, steps: int, completi
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8)
+    # Step times on this shared VM drift by tens of percent between minutes: many short alternating rounds, paired.
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--completion_lengths", type=int, nargs="+", default=[32, 128],
                         help="max_completion_length values to measure (the random model always writes all of them)")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 5 steps")
