@@ -170,3 +170,19 @@ def test_per_query_image_mass_falls_back_to_all_layers(tiny_vlm_dir):
         res = measure_modality_attention(_load(path), **batch, token_segment="late")
     assert res.token_layers == (0,)
     assert measure_modality_attention(_load(path), **batch).query_image_mass is None  # only when asked for
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3"])
+def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
+    """A row with two images next to a one-image row and a text-only row: every image token of the row counts, and
+    the per-layer masses equal eager attention weights (1e-5)."""
+    path = tiny_vlm_dir(arch)
+    processor = AutoProcessor.from_pretrained(path)
+    batch = grpo_batch(processor, ["Compare the two shapes.", "Shape?", "No image here."],
+                       [[shape_image(56, 1), shape_image(56, 2)], shape_image(56, 3), None], [4, 6, 3], seed=5)
+    res = measure_modality_attention(_load(path), **batch)
+    assert res.n_image[0] == 2 * res.n_image[1] > 0 and res.n_image[2] == 0
+    ref, _ = _eager_masses(path, batch)
+    got = torch.stack([res.image, res.prompt_text, res.completion, res.special], dim=-1)[:, list(res.layers)]
+    err = (got.double() - ref.double()).nan_to_num(0.0).abs().max().item()
+    assert err < 1e-5, f"{arch}: max |probe - eager| = {err:.2e}"

@@ -20,8 +20,9 @@ def shape_image(size: int = 56, seed: int = 0) -> Image.Image:
     return img
 
 
-def chat_prompt(processor, text: str, with_image: bool) -> str:
-    content = ([{"type": "image"}] if with_image else []) + [{"type": "text", "text": text}]
+def chat_prompt(processor, text: str, with_image: bool | int) -> str:
+    """The chat-templated prompt with ``with_image`` image placeholders (True = 1) before the text."""
+    content = [{"type": "image"}] * int(with_image) + [{"type": "text", "text": text}]
     messages = [{"role": "user", "content": content}]
     return processor.apply_chat_template(messages, add_generation_prompt=True)
 
@@ -29,7 +30,7 @@ def chat_prompt(processor, text: str, with_image: bool) -> str:
 def grpo_batch(
     processor,
     prompts: Sequence[str],
-    images: Sequence[Image.Image | None],
+    images: Sequence[Image.Image | Sequence[Image.Image] | None],
     completion_lengths: Sequence[int],
     *,
     forbidden_ids: Sequence[int] = (),
@@ -41,9 +42,10 @@ def grpo_batch(
     Returns input_ids, attention_mask, completion_mask (over the full length) and the processor's
     multimodal tensors (mm_token_type_ids extended with zeros over the completion, as TRL does).
     """
-    texts = [chat_prompt(processor, p, img is not None) for p, img in zip(prompts, images)]
     # One image list per row, as TRL passes them: processors that pair images with rows (Gemma 3) need the nesting.
-    imgs = [[img] if img is not None else [] for img in images]
+    # A row is one image, a list of images (multi-image rows) or None.
+    imgs = [list(img) if isinstance(img, (list, tuple)) else [img] if img is not None else [] for img in images]
+    texts = [chat_prompt(processor, p, len(row)) for p, row in zip(prompts, imgs)]
     tok = processor.tokenizer
     tok.padding_side = "left"
     enc = processor(text=texts, images=imgs if any(imgs) else None, return_tensors="pt", padding=True)
