@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from _results import result_args
 
 SECTION = "## Language prior"
 CHANCE = 0.25
@@ -59,18 +60,6 @@ def zero_spread(run: dict, reward: str) -> float:
 def by_variant(runs: list[dict], variants: dict) -> dict[str, list[dict]]:
     out = {name: sorted([r for r in runs if r["variant"] == name], key=lambda r: r["seed"]) for name in variants}
     return {k: v for k, v in out.items() if v}
-
-
-def _result_args(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in OUTPUT_ONLY_FLAGS:
-            skip = True
-        elif not arg.startswith(tuple(f + "=" for f in OUTPUT_ONLY_FLAGS)):
-            out.append(arg)
-    return out
 
 
 def warmup_lines(warm: dict) -> list[str]:
@@ -177,7 +166,7 @@ def report(runs: list[dict], warm: dict, s, recipe, variants: dict, argv: list[s
     """The section "## Language prior" of RESULTS.md, every number from ``runs`` and ``warm``."""
     groups = by_variant(runs, variants)
     size = ", ".join(f"{k}={v}" for k, v in recipe.model_size.items())
-    cmd = " ".join(["benchmarks/language_prior.py", *map(shlex.quote, _result_args(argv))])
+    cmd = " ".join(["benchmarks/language_prior.py", *map(shlex.quote, result_args(argv, OUTPUT_ONLY_FLAGS))])
     measured = warm["seconds"] + sum(r["wall_seconds"] for r in runs)
     stamps = [warm.get("started_at")] + [r.get("ended_at") for r in runs]
     last = max([t for t in stamps[1:] if t is not None], default=time.time())

@@ -42,3 +42,16 @@ def replace_section(title: str, body: str, path: Path = RESULTS) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + new
     path.write_text(text.rstrip("\n") + "\n", encoding="utf-8")
+
+
+def result_args(argv: list[str], output_only_flags: tuple[str, ...]) -> list[str]:
+    """The arguments that decide the results (output-path flags and their values dropped), for 'Reproduce' lines."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in output_only_flags:
+            skip = True
+        elif not arg.startswith(tuple(f + "=" for f in output_only_flags)):
+            out.append(arg)
+    return out

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _results import replace_section, set_offline_env
+from _results import replace_section, result_args, set_offline_env
 
 set_offline_env()
 os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
@@ -362,7 +362,7 @@ def report(runs: list[Run], s: Settings, recipe: WarmupRecipe, argv: list[str], 
            loads: tuple[float, float]) -> str:
     size = ", ".join(f"{k}={v}" for k, v in recipe.model_size.items())
     info = next((r.warmup_info for r in runs if r.warmup_info), None) or {}
-    cmd = " ".join(["benchmarks/learning_curve.py", *map(shlex.quote, _result_args(argv))])
+    cmd = " ".join(["benchmarks/learning_curve.py", *map(shlex.quote, result_args(argv, OUTPUT_ONLY_FLAGS))])
     lines = [
         SECTION,
         "",
@@ -456,19 +456,6 @@ RUNS = {
     "pure": lambda seed: Run(f"pure GRPO, no warm-up (seed {seed})", "pure", "none", seed, mask_truncated=False),
 }
 OUTPUT_ONLY_FLAGS = ("--json", "--work_dir", "--png", "--results")
-
-
-def _result_args(argv: list[str]) -> list[str]:
-    """The arguments that decide the results (output paths dropped), for the 'Reproduce' line."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in OUTPUT_ONLY_FLAGS:
-            skip = True
-        elif not arg.startswith(tuple(f + "=" for f in OUTPUT_ONLY_FLAGS)):
-            out.append(arg)
-    return out
 
 
 def plan(kinds: list[str], seeds: tuple[int, ...]) -> list[Run]:

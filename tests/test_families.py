@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 from trl_mdi import signals as S
 from trl_mdi.attention import image_token_ids, measure_modality_attention
 from trl_mdi.attention.model_facts import model_facts
-from trl_mdi.testing import eager_group_masses, grpo_batch, shape_image
+from trl_mdi.testing import eager_masses, grpo_batch, shape_image
 from trl_mdi.tiny import TINY_ARCHS
 
 
@@ -37,17 +37,7 @@ def _batch(processor):
 
 def _eager_masses(path, batch):
     """(B, n_softmax_layers, 4) masses from eager attention weights (Qwen3.5 returns maps for its softmax layers only)."""
-    eager = _load(path, "eager")
-    with torch.no_grad():
-        out = eager(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_attentions=True,
-                    **{k: v for k, v in batch.items() if k not in MODEL_KEYS})
-    ids, am, cm = batch["input_ids"], batch["attention_mask"].bool(), batch["completion_mask"].bool()
-    img = torch.isin(ids, torch.tensor(image_token_ids(eager.config))) & am
-    pos = torch.arange(ids.shape[1])
-    comp = (pos >= torch.where(cm, pos, ids.shape[1]).amin(dim=1, keepdim=True)) & am
-    groups = torch.stack([img, am & ~comp & ~img, comp & ~img, torch.zeros_like(img)], dim=-1)
-    maps = [a for a in out.attentions if a is not None]
-    return eager_group_masses(maps, groups, cm), groups
+    return eager_masses(_load(path, "eager"), batch)
 
 
 @pytest.fixture(scope="module")

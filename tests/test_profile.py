@@ -24,7 +24,7 @@ from trl_mdi.plots import plot_mass_by_layer, plot_mdi_by_layer
 from trl_mdi.profile import layer_profile, main, parse_args
 from trl_mdi.profile.arguments import HELP_WIDTH, build_parser
 from trl_mdi.profile.measure import load_model, measure_batch, measure_rows
-from trl_mdi.testing import eager_group_masses, shape_image
+from trl_mdi.testing import eager_masses, shape_image
 from trl_mdi.tiny import TINY_ARCHS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,15 +66,7 @@ def _rows_dataset(n_text_only: int = 1):
 
 def _eager_reference(eager, batch):
     """(B, layers, 4) masses from eager attention weights over exactly the tensors the profile measured."""
-    with torch.no_grad():
-        out = eager(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_attentions=True,
-                    **{k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "completion_mask")})
-    ids, am, cm = batch["input_ids"], batch["attention_mask"].bool(), batch["completion_mask"].bool()
-    img = torch.isin(ids, torch.tensor(image_token_ids(eager.config))) & am
-    pos = torch.arange(ids.shape[1])
-    comp = (pos >= torch.where(cm, pos, ids.shape[1]).amin(dim=1, keepdim=True)) & am
-    groups = torch.stack([img, am & ~comp & ~img, comp & ~img, torch.zeros_like(img)], dim=-1)
-    return eager_group_masses(out.attentions, groups, cm)
+    return eager_masses(eager, batch)[0]
 
 
 def _masses(att: ModalityAttention) -> torch.Tensor:

@@ -89,6 +89,24 @@ def eager_group_masses(attentions: Sequence[torch.Tensor], groups: torch.Tensor,
     return torch.stack(out, dim=1)
 
 
+def eager_masses(eager_model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference masses of a ``grpo_batch`` from ``eager_model``'s materialised attention weights: (B, layers with
+    weights, 4) masses on image / prompt text / completion / special keys (special empty) over the completion
+    queries, and the (B, L, 4) key groups. A hybrid model returns weights for its softmax layers only."""
+    from .attention import image_token_ids
+
+    with torch.no_grad():
+        out = eager_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_attentions=True,
+                          **{k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask",
+                                                                        "completion_mask")})
+    ids, am, cm = batch["input_ids"], batch["attention_mask"].bool(), batch["completion_mask"].bool()
+    img = torch.isin(ids, torch.tensor(image_token_ids(eager_model.config))) & am
+    pos = torch.arange(ids.shape[1])
+    comp = (pos >= torch.where(cm, pos, ids.shape[1]).amin(dim=1, keepdim=True)) & am
+    groups = torch.stack([img, am & ~comp & ~img, comp & ~img, torch.zeros_like(img)], dim=-1)
+    return eager_group_masses([a for a in out.attentions if a is not None], groups, cm), groups
+
+
 def zen_image_dataset(n: int = 12, *, images_per_row: Sequence[int] | None = None, seed: int = 0):
     """A prompt-only conversational dataset shaped like TRL's test sets ``zen-image`` / ``zen-multi-image``.
 
