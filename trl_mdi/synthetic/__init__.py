@@ -44,7 +44,8 @@ Why it is built this way:
    image carries no hint of the prior. Each in-memory row says ``conflict`` (bool) and ``prior_answer``; the
    parquet files keep the exact A-OKVQA schema and drop both (``trl_mdi.warmup.synthetic_dataset`` keeps them).
 
-Layout: `rows` generates the rows in memory; writing the files and the CLI are here.
+Layout: `rows` generates the rows in memory (`draw` draws their images, `prior` plans the language-prior kinds);
+writing the files and the CLI are here.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ import yaml
 
 from trl_mdi.aokvqa import aokvqa_features, write_parquet_atomic
 
+from .draw import draw_shape
 from .prior import PRIOR_COLORS, PRIOR_KINDS, PRIOR_OBJECTS
 from .rows import (
     BACKGROUNDS,
@@ -72,7 +74,6 @@ from .rows import (
     PLURALS,
     SHAPES,
     SPLITS,
-    draw_shape,
     generate_synthetic_rows,
 )
 

@@ -1,19 +1,19 @@
 """Generating synthetic A-OKVQA rows in memory: the vocabularies, the balanced plan of kinds and answer
-letters, the drawn shapes, and the questions (design choices 1 to 6 of `trl_mdi.synthetic`; the language-prior
-kinds' objects and conflict plan are in `prior`).
+letters, and the questions (design choices 1 to 6 of `trl_mdi.synthetic`; the shapes are drawn by `draw`, the
+language-prior kinds' objects and conflict plan are in `prior`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-import math
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from PIL import Image, ImageDraw
 
+from .draw import big_box, draw_shape, grid_boxes
 from .prior import (
     PRIOR_COLORS,
     PRIOR_KINDS,
@@ -131,74 +131,6 @@ def _question_id(seed: int, split: str, index: int) -> str:
     return "".join(chars)
 
 
-# ------------------------------------------------------------------------------------------------ draw
-
-
-def _shape_polygon(shape: str, box: tuple[int, int, int, int]) -> list[tuple[float, float]] | None:
-    x0, y0, x1, y1 = box
-    cx, cy, w, h = (x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0
-    if shape == "triangle":
-        return [(cx, y0), (x1, y1), (x0, y1)]
-    if shape == "diamond":
-        return [(cx, y0), (x1, cy), (cx, y1), (x0, cy)]
-    if shape == "star":
-        points = []
-        for i in range(10):
-            # Inner radius half the outer one: a fat star keeps enough pixels to show its colour at 56 px.
-            radius = (w / 2, h / 2) if i % 2 == 0 else (w / 4, h / 4)
-            angle = -math.pi / 2 + i * math.pi / 5
-            points.append((cx + radius[0] * math.cos(angle), cy + radius[1] * math.sin(angle)))
-        return points
-    if shape == "cross":
-        a, b = w / 3, h / 3
-        return [
-            (x0 + a, y0),
-            (x0 + 2 * a, y0),
-            (x0 + 2 * a, y0 + b),
-            (x1, y0 + b),
-            (x1, y0 + 2 * b),
-            (x0 + 2 * a, y0 + 2 * b),
-            (x0 + 2 * a, y1),
-            (x0 + a, y1),
-            (x0 + a, y0 + 2 * b),
-            (x0, y0 + 2 * b),
-            (x0, y0 + b),
-            (x0 + a, y0 + b),
-        ]
-    return None
-
-
-def draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int], fill) -> None:
-    """Draw one filled ``shape`` (one of SHAPES) inside ``box`` = (x0, y0, x1, y1)."""
-    if shape == "circle":
-        draw.ellipse(box, fill=fill)
-    elif shape == "square":
-        draw.rectangle(box, fill=fill)
-    else:
-        draw.polygon(_shape_polygon(shape, box), fill=fill)
-
-
-def _big_box(rng: random.Random, size: int) -> tuple[int, int, int, int]:
-    side = rng.randint(int(0.55 * size), int(0.85 * size))
-    x0, y0 = rng.randint(0, size - side), rng.randint(0, size - side)
-    return (x0, y0, x0 + side - 1, y0 + side - 1)
-
-
-def _grid_boxes(rng: random.Random, size: int, count: int, max_count: int) -> list[tuple[int, int, int, int]]:
-    grid = max(2, math.ceil(math.sqrt(max_count)))
-    cell = size / grid
-    boxes = []
-    # A margin inside each cell keeps neighbours apart: two touching squares would read as one rectangle.
-    pad = max(1, round(0.08 * cell))
-    for c in sorted(rng.sample(range(grid * grid), count)):
-        side = max(3, rng.randint(int(0.5 * cell), int(0.75 * cell)))
-        cx0, cy0 = int((c % grid) * cell) + pad, int((c // grid) * cell) + pad
-        slack = max(0, int(cell) - 2 * pad - side)
-        x0, y0 = cx0 + rng.randint(0, slack), cy0 + rng.randint(0, slack)
-        boxes.append((x0, y0, x0 + side - 1, y0 + side - 1))
-    return boxes
-
-
 # ------------------------------------------------------------------------------------------------ rows
 
 
@@ -221,16 +153,16 @@ def _make_row(rng, kind, letter, *, image_size, max_count, option_order, blank, 
         # The object, not the drawn shape, carries the prior: the shape is drawn independently of it.
         obj = prior_object(answer, conflict, rng)
         shape, color = rng.choice(SHAPES), answer
-        boxes = [_big_box(rng, image_size)]
+        boxes = [big_box(rng, image_size)]
     elif kind == "color":
         shape, color = rng.choice(SHAPES), answer
-        boxes = [_big_box(rng, image_size)]
+        boxes = [big_box(rng, image_size)]
     elif kind == "shape":
         shape, color = answer, rng.choice(list(COLORS))
-        boxes = [_big_box(rng, image_size)]
+        boxes = [big_box(rng, image_size)]
     else:
         shape, color = rng.choice(SHAPES), rng.choice(list(COLORS))
-        boxes = _grid_boxes(rng, image_size, int(answer), max_count)
+        boxes = grid_boxes(rng, image_size, int(answer), max_count)
     if obj is not None:
         question = prior_question(obj, rng)
     else:
