@@ -44,14 +44,14 @@ from .rewards import (
 )
 from .rewards.inputs import check_reward_inputs, dataset_columns
 from .tprl import apply_tprl, signal_rank_corr
+from .training_forward import TrainingForwardProbe
 from .vision_pass import images_on_some_processes_only, vision_pass_for_run
 
 logger = logging.get_logger(__name__)
 
-ROLLOUT_KEY = "trl_mdi_rollout"  # (B,) local row indices carried through TRL's shuffle and split into slices
 
 
-class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
+class MDIGRPOTrainer(TrainingForwardProbe, PolicyForwards, GRPOTrainer):
     """GRPOTrainer that measures, per rollout, how much the generated tokens attend to the image vs the text.
 
     Departures from `trl.GRPOTrainer` (everything else is inherited unchanged; docs/differences.md has the
@@ -161,33 +161,7 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
             if owned:
                 self._batch = None
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        # Popped, so that a slice is measured once: at its first pass (later passes reuse the buffered dict).
-        rows = inputs.pop(ROLLOUT_KEY, None)
-        pending = self._pending
-        if rows is None or pending is None:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        pending.active_rows = rows.tolist()
-        try:
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        finally:
-            pending.active_rows = None
-        if pending.complete:
-            self._pending = None
-            self._finish_measurement(pending)
-        return loss
-
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        pending = self._pending
-        if pending is not None and pending.active_rows is not None and torch.is_grad_enabled():
-            # The training forward of a slice at its first pass (weights = the generating policy's): the model's own
-            # kernels compute the loss; the probe measures beside them, detached (probe.py).
-            with self._maybe_probe(pending.slice_map_rows(), logits_to_keep) as state:
-                out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                                 *args, **kwargs)
-            pending.parts.append((pending.active_rows, state.result()))
-            pending.active_rows = None  # one forward per slice
-            return out
         record = self._batch
         if (record is None or not record.timing.rides_trl_forward or record.forward is not None
                 or model is not self.model or torch.is_grad_enabled()):
@@ -295,20 +269,10 @@ class MDIGRPOTrainer(PolicyForwards, GRPOTrainer):
         self._metrics[mode]["perf/generation_seconds"].append(record.timing.generation)
         self._metrics[mode]["perf/scoring_seconds"].append(record.timing.scoring)
         if record.in_training_forward:
-            out[ROLLOUT_KEY] = torch.arange(len(inputs), device=out["advantages"].device)  # survives TRL's shuffle
-            kept = {"advantages": self.accelerator.gather(out["advantages"]), "completion_ids": out["completion_ids"],
-                    "completion_mask": out["completion_mask"]}
-            self._pending = PendingMeasurement(step, inputs, record, kept)
+            self._measure_in_training(out, step, inputs, record)
         elif self.live_logs is not None:
             self._write_live_logs(step, inputs, record, out)
         return out
-
-    def _finish_measurement(self, pending: PendingMeasurement) -> None:
-        """A batch measured in the training forward: its signals into the metrics, then its live logs (all ranks)."""
-        pending.record.forward = PolicyForward(attention=pending.attention())
-        pending.record.scored.signals = self._attach_signals(pending.record.forward.attention, pending.inputs, "train")
-        if self.live_logs is not None:
-            self._write_live_logs(pending.step, pending.inputs, pending.record, pending.out)
 
     def _trl_runs_policy_forward(self) -> bool:
         """Whether TRL runs a no-grad policy forward (old log-probs): TRL 1.16's condition (test_trl_contract.py)."""
