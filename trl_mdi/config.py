@@ -8,11 +8,8 @@ from dataclasses import dataclass, field
 from transformers.utils import logging
 from trl import GRPOConfig
 
-from .answer_format import DEFAULT_ANSWER_PATTERN, compile_answer_pattern
-from .tprl.formulas import PERCEPTION_SIGNALS, validate_scaling_min, validate_top_p
-from .tprl.perturb import check_perturbation
-
-TEXT_KEY_CHOICES = ("all", "content")
+from .answer_format import DEFAULT_ANSWER_PATTERN
+from .config_checks import TEXT_KEY_CHOICES, validate_added_fields
 
 logger = logging.get_logger(__name__)
 
@@ -284,51 +281,7 @@ class MDIGRPOConfig(GRPOConfig):
 
     def _validate_mdi_fields(self) -> None:
         """Validate (and fill defaults of) the fields this class adds, so a bad flag fails before any model loads."""
-        if not self.mdi_balance_ratio > 1.0:
-            raise ValueError(f"mdi_balance_ratio must be > 1 (balance uses log R), got {self.mdi_balance_ratio}")
-        if self.compute_attention_metrics not in (None, True, False):
-            raise ValueError(f"compute_attention_metrics must be True, False or None (auto), got "
-                             f"{self.compute_attention_metrics!r}")
-        if self.attention_text_keys not in TEXT_KEY_CHOICES:
-            raise ValueError(
-                f"attention_text_keys must be one of {TEXT_KEY_CHOICES}, got {self.attention_text_keys!r}"
-            )
-        from .signals import check_segment_spec
-
-        try:
-            # Syntax and names only: the layer count is known once the model is, where ranges are checked again.
-            check_segment_spec(self.attention_layer_segments)
-        except ValueError as e:
-            raise ValueError(f"attention_layer_segments: {e}") from None
-        validate_top_p(self.top_p_entropy_tokens, "top_p_entropy_tokens")
-        validate_top_p(self.top_p_perception_tokens, "top_p_perception_tokens")
-        validate_scaling_min(self.trajectory_scaling_min, "trajectory_scaling_min")
-        try:
-            check_perturbation(self.perception_perturbation, patch_size=self.perturbation_patch_size,
-                               prob=self.perturbation_prob, noise_std=self.perturbation_noise_std,
-                               blur_radius=self.perturbation_blur_radius)
-        except ValueError as e:
-            raise ValueError(f"perception_perturbation: {e}") from None
-        if self.perception_signal not in PERCEPTION_SIGNALS:
-            raise ValueError(f"perception_signal must be one of {PERCEPTION_SIGNALS}, got {self.perception_signal!r}")
-        if self.on_bad_image not in ("skip", "error"):
-            raise ValueError(f"on_bad_image must be 'skip' or 'error', got {self.on_bad_image!r}")
-        if self.filter_low > self.filter_high:
-            raise ValueError(f"filter_low ({self.filter_low}) must be <= filter_high ({self.filter_high})")
-        for name in ("log_prompt_preview_chars", "log_completion_preview_chars", "log_full_rollouts_per_step",
-                     "attention_map_every_n_steps", "attention_maps_per_step"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        compile_answer_pattern(self.answer_pattern)
-        if self.perturbation_seed is None:
-            self.perturbation_seed = self.seed
-        if isinstance(self.reward_funcs, str):
-            self.reward_funcs = self.reward_funcs.split()
-        if self.reward_funcs is not None:
-            from .rewards import resolve_rewards
-
-            # Resolve now so that unknown names, failing imports and weight-count mismatches fail at construction.
-            resolve_rewards(list(self.reward_funcs), self.reward_weights)
+        validate_added_fields(self)
 
     @classmethod
     def from_grpo_config(cls, args: GRPOConfig) -> MDIGRPOConfig:
