@@ -1,4 +1,5 @@
 """Prepare A-OKVQA for GRPO training: parquet files with image, prompt, label_idx, choices, question_id.
+A source holding several images per row as an ``images`` list (TRL's multi-image column) keeps the list.
 
 The logic lives in ``trl_mdi.aokvqa.prepare_aokvqa``; this script only parses arguments.
 

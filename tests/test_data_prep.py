@@ -571,11 +571,11 @@ def test_a_crash_midway_leaves_previous_outputs_intact(tmp_path, synth_dir, monk
     calls = {"n": 0}
     real_convert = aokvqa.convert_row
 
-    def crash_on_validation(row, base_dir=None):
+    def crash_on_validation(row, base_dir=None, image_column="image"):
         calls["n"] += 1
         if calls["n"] > 50:  # train (48 rows) converted, then the crash lands in validation
             raise RuntimeError("simulated crash")
-        return real_convert(row, base_dir)
+        return real_convert(row, base_dir, image_column)
 
     monkeypatch.setattr(aokvqa, "convert_row", crash_on_validation)
     with pytest.raises(RuntimeError, match="simulated crash"):
@@ -636,3 +636,56 @@ def test_parquet_file_glob_and_flat_layouts_are_accepted(tmp_path):
         prepare_aokvqa(str(src / "extra.parquet"), str(tmp_path / "o4"), splits=["train"], log=quiet)
     with pytest.raises(DataPrepError, match="neither an existing local path nor a Hub dataset name"):
         prepare_aokvqa(str(tmp_path / "missing" / "dir" / "x"), str(tmp_path / "o5"), log=quiet)
+
+
+# ------------------------------------------------------------------------------------------ multi-image rows
+MULTI_SCHEMA = pa.schema([pa.field("images", pa.list_(RAW_SCHEMA.field("image").type)) if f.name == "image" else f
+                          for f in RAW_SCHEMA])
+
+
+def multi_row(qid, images, label=0):
+    """An A-OKVQA-schema row holding an ``images`` list (TRL's multi-image column) instead of ``image``."""
+    row = {k: v for k, v in raw_row(qid, label=label).items() if k != "image"}
+    return {**row, "images": None if images is None else [{"bytes": b, "path": None} for b in images]}
+
+
+def test_images_list_column_is_kept_in_order_and_loads_for_training(tmp_path):
+    from trl_mdi.data import DataArguments, load_training_data
+
+    red, green = (png_bytes(Image.new("RGB", (8, 8), c)) for c in ((255, 0, 0), (0, 255, 0)))
+    gray = png_bytes(Image.new("L", (8, 8), 90))
+    rows = [multi_row("two", [red, green]), multi_row("three", [green, gray, red], label=1),
+            multi_row("one", [red]), multi_row("empty", []), multi_row("null", None),
+            multi_row("one_bad", [red, b"not an image"])]
+    write_raw_split(tmp_path / "src", "train", rows, MULTI_SCHEMA)
+    logs = []
+    report = prepare_aokvqa(str(tmp_path / "src"), str(tmp_path / "out"), splits=["train"], subset_size=2,
+                            log=logs.append)
+    split = report.splits["train"]
+    assert split.rows_out == 3 and split.skipped == {aokvqa.SKIP_MISSING_IMAGE: 2, aokvqa.SKIP_BAD_IMAGE: 1}
+    assert "keeps the 'images' list" in "\n".join(logs)
+    train = load_parquet(tmp_path / "out" / "train.parquet", tmp_path / "cache")
+    assert train.column_names == list(aokvqa.output_columns("images"))
+    assert train.features == aokvqa.output_features("images")
+    assert train["question_id"] == ["two", "three", "one"]
+    pixels = [[img.convert("RGB").getpixel((0, 0)) for img in row] for row in train["images"]]
+    assert pixels == [[(255, 0, 0), (0, 255, 0)], [(0, 255, 0), (90, 90, 90), (255, 0, 0)], [(255, 0, 0)]]
+    assert all(img.mode == "RGB" for row in train["images"] for img in row)  # grayscale made RGB, in place
+    sample = load_parquet(tmp_path / "out" / "sample_2.parquet", tmp_path / "cache")
+    assert sample.features == aokvqa.output_features("images")
+    data = load_training_data(DataArguments(dataset_path=str(tmp_path / "out")), need_eval=False, seed=0,
+                              log=lambda *a, **k: None)
+    assert data.image_column == "images"
+    assert sorted(len(x) for x in data.train["images"]) == [1, 2, 3]
+
+
+def test_files_of_one_split_disagreeing_on_the_image_column_is_an_error(tmp_path):
+    red = png_bytes(Image.new("RGB", (8, 8), (255, 0, 0)))
+    data = tmp_path / "src" / "data"
+    data.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist([raw_row("a")], schema=RAW_SCHEMA), data / "train-00000-of-00002.parquet")
+    pq.write_table(pa.Table.from_pylist([multi_row("b", [red])], schema=MULTI_SCHEMA),
+                   data / "train-00001-of-00002.parquet")
+    with pytest.raises(aokvqa.DataPrepError, match="mixes image columns"):
+        prepare_aokvqa(str(tmp_path / "src"), str(tmp_path / "out"), splits=["train"], log=quiet)
+    assert not (tmp_path / "out").exists()

@@ -7,6 +7,8 @@ parquet file per split under ``out_dir`` (``train.parquet``, ``validation.parque
 ``subset_size=N``, ``sample_N.parquet``) with the columns
 
     image        Image feature, bytes embedded, always decodes to an RGB PIL image
+                 (``images``, a list of them, when the source holds an ``images`` list per row: TRL's
+                 multi-image column; a row with a missing or unreadable image in its list is skipped whole)
     prompt       the question, then one line per choice: "A. ...", "B. ...", ...
     label_idx    int, index of the correct choice
     choices      list of str
@@ -59,6 +61,8 @@ from .schema import (
     DEFAULT_SPLITS,
     HUB_DATASET,
     LETTERS,
+    IMAGE_COLUMN,
+    IMAGES_COLUMN,
     OUTPUT_COLUMNS,
     REQUIRED_COLUMNS,
     SKIP_BAD_CHOICES,
@@ -79,13 +83,17 @@ from .schema import (
     aokvqa_features,
     format_prompt,
     format_schema,
+    image_column_of,
+    output_columns,
     output_features,
+    read_columns,
 )
 from .sources import SplitSource, check_columns, open_source, split_of_filename
 
 __all__ = [
     # schema
     "HUB_DATASET", "SPLITS", "DEFAULT_SPLITS", "LETTERS", "AOKVQA_SCHEMA", "REQUIRED_COLUMNS", "OUTPUT_COLUMNS",
+    "IMAGE_COLUMN", "IMAGES_COLUMN", "image_column_of", "read_columns", "output_columns",
     "SKIP_NOT_IN_ID_FILE", "SKIP_DUPLICATE_ID", "SKIP_MISSING_ID", "SKIP_MISSING_LABEL", "SKIP_BAD_LABEL",
     "SKIP_LABEL_RANGE", "SKIP_BAD_CHOICES", "SKIP_BAD_QUESTION", "SKIP_MISSING_IMAGE", "SKIP_BAD_IMAGE",
     "DataPrepError", "MissingColumnsError", "EmptyResultError", "OutDirNotEmptyError",
@@ -139,8 +147,8 @@ def _normalise_splits(splits: Iterable[str]) -> list[str]:
 
 def _convert_split(
     source: SplitSource,
+    image_column: str,
     tmp_path: str,
-    schema: pa.Schema,
     wanted_ids: set[str] | None,
     found_ids: set[str],
     batch_size: int,
@@ -150,12 +158,13 @@ def _convert_split(
     start = time.perf_counter()
     seen: set[str] = set()
     next_progress = 5000
+    schema = output_features(image_column).arrow_schema
     with pq.ParquetWriter(tmp_path, schema) as writer:
-        for rows, base_dir in source.batches(REQUIRED_COLUMNS, batch_size):
+        for rows, base_dir in source.batches(read_columns(image_column), batch_size):
             out_rows = []
             for row in rows:
                 report.rows_in += 1
-                out, reason = _check_and_convert(row, base_dir, wanted_ids, found_ids, seen)
+                out, reason = _check_and_convert(row, base_dir, image_column, wanted_ids, found_ids, seen)
                 if out is None:
                     report.skipped[reason] += 1
                     examples = report.examples.setdefault(reason, [])
@@ -173,7 +182,7 @@ def _convert_split(
     return report
 
 
-def _check_and_convert(row, base_dir, wanted_ids, found_ids, seen):
+def _check_and_convert(row, base_dir, image_column, wanted_ids, found_ids, seen):
     qid = row.get("question_id")
     if qid is None or str(qid) == "":
         return None, SKIP_MISSING_ID
@@ -184,7 +193,7 @@ def _check_and_convert(row, base_dir, wanted_ids, found_ids, seen):
         found_ids.add(qid)
     if qid in seen:
         return None, SKIP_DUPLICATE_ID
-    out, reason = convert_row(row, base_dir)
+    out, reason = convert_row(row, base_dir, image_column)
     if out is not None:
         seen.add(qid)
     return out, reason
@@ -234,19 +243,21 @@ def prepare_aokvqa(
     if absent:
         raise DataPrepError(f"split(s) {absent} not found in {dataset_path!r}; it has {sorted(sources)}")
     # Check every split's columns before converting any, so a bad file fails in seconds, not after train.
+    image_columns = {}
     for name in split_names:
-        check_columns(sources[name])
-        log(f"{name}: reading {sources[name].num_rows} rows from {sources[name].description}")
+        image_columns[name] = check_columns(sources[name])
+        several = " (several images per row: the output keeps the 'images' list)" if image_columns[name] != "image" else ""
+        log(f"{name}: reading {sources[name].num_rows} rows from {sources[name].description}{several}")
 
     os.makedirs(out_dir, exist_ok=True)
-    schema = output_features().arrow_schema
     temps: dict[str, str] = {}
     found: set[str] = set()
     reports: dict[str, SplitReport] = {}
     try:
         for name in split_names:
             temps[name] = temp_path(os.path.join(out_dir, f"{name}.parquet"))
-            reports[name] = _convert_split(sources[name], temps[name], schema, wanted, found, batch_size, log)
+            reports[name] = _convert_split(sources[name], image_columns[name], temps[name], wanted, found, batch_size,
+                                           log)
             if reports[name].rows_out == 0:
                 remove_quietly(temps.pop(name))
         total = sum(r.rows_out for r in reports.values())

@@ -19,6 +19,8 @@ from .schema import (
     SKIP_LABEL_RANGE,
     SKIP_MISSING_IMAGE,
     SKIP_MISSING_LABEL,
+    IMAGE_COLUMN,
+    IMAGES_COLUMN,
     format_prompt,
 )
 
@@ -103,11 +105,15 @@ def _composite_to_rgb(img: PILImage.Image) -> PILImage.Image:
 # ------------------------------------------------------------------------------------------ row check
 
 
-def convert_row(row: dict[str, Any], base_dir: str | None = None) -> tuple[dict[str, Any] | None, str | None]:
+def convert_row(row: dict[str, Any], base_dir: str | None = None,
+                image_column: str = IMAGE_COLUMN) -> tuple[dict[str, Any] | None, str | None]:
     """Turn one A-OKVQA row into an output row, or explain why it is skipped.
 
     Returns ``(output_row, None)`` or ``(None, reason)`` with reason one of the ``SKIP_*`` constants.
-    Checks run cheapest first, so unlabelled rows never pay for image decoding.
+    Checks run cheapest first, so unlabelled rows never pay for image decoding. With ``image_column="images"`` the
+    row holds a list of images and the output row keeps the list, in order; the row is skipped when the list is
+    empty or any entry is missing (``SKIP_MISSING_IMAGE``) or unreadable (``SKIP_BAD_IMAGE``): dropping one image
+    would silently change what the question refers to ("the second picture").
     """
     label = row.get("correct_choice_idx")
     if label is None or (isinstance(label, float) and label != label):  # NaN: pandas' null for ints
@@ -127,16 +133,21 @@ def convert_row(row: dict[str, Any], base_dir: str | None = None) -> tuple[dict[
     question = row.get("question")
     if not isinstance(question, str) or not question.strip():
         return None, SKIP_BAD_QUESTION
+    value = row.get(image_column)
+    if image_column == IMAGES_COLUMN:
+        values = list(value) if isinstance(value, (list, tuple)) else [] if value is None else [value]
+    else:
+        values = [value]
     try:
-        raw = image_value_bytes(row.get("image"), base_dir)
-        if raw is None:
+        raws = [image_value_bytes(v, base_dir) for v in values]
+        if not raws or any(raw is None for raw in raws):
             return None, SKIP_MISSING_IMAGE
-        image_bytes = to_rgb_image_bytes(raw)
+        images = [{"bytes": to_rgb_image_bytes(raw), "path": None} for raw in raws]
     except ImageDecodeError:
         return None, SKIP_BAD_IMAGE
     return (
         {
-            "image": {"bytes": image_bytes, "path": None},
+            image_column: images if image_column == IMAGES_COLUMN else images[0],
             "prompt": format_prompt(question, choices),
             "label_idx": label,
             "choices": [c.strip() for c in choices],

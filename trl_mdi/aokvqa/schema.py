@@ -25,6 +25,24 @@ AOKVQA_SCHEMA: dict[str, str] = {
 # The subset of the schema this conversion reads; the other columns may be absent.
 REQUIRED_COLUMNS = ("question_id", "image", "question", "choices", "correct_choice_idx")
 OUTPUT_COLUMNS = ("image", "prompt", "label_idx", "choices", "question_id")
+# A source in the same schema may hold several images per row as an ``images`` list (TRL's multi-image column) in
+# place of ``image``; the output then keeps the list. With both columns, ``images`` wins, as in TRL.
+IMAGE_COLUMN, IMAGES_COLUMN = "image", "images"
+
+
+def image_column_of(columns) -> str | None:
+    """The image column a source uses: ``images`` (a list per row) if present, else ``image``; None if neither."""
+    return IMAGES_COLUMN if IMAGES_COLUMN in columns else IMAGE_COLUMN if IMAGE_COLUMN in columns else None
+
+
+def read_columns(image_column: str = IMAGE_COLUMN) -> tuple[str, ...]:
+    """The columns the conversion reads from a source whose image column is ``image_column``."""
+    return tuple(image_column if c == IMAGE_COLUMN else c for c in REQUIRED_COLUMNS)
+
+
+def output_columns(image_column: str = IMAGE_COLUMN) -> tuple[str, ...]:
+    """The prepared file's columns: :data:`OUTPUT_COLUMNS`, with ``images`` for a multi-image source."""
+    return tuple(image_column if c == IMAGE_COLUMN else c for c in OUTPUT_COLUMNS)
 
 # Skip reasons, one constant each so counts are keyed consistently.
 SKIP_NOT_IN_ID_FILE = "not in question_id_file"
@@ -73,13 +91,16 @@ def aokvqa_features():
     )
 
 
-def output_features():
-    """The ``datasets.Features`` of the prepared parquet files (see the module docstring)."""
+def output_features(image_column: str = IMAGE_COLUMN):
+    """The ``datasets.Features`` of the prepared parquet files (see the module docstring); ``images`` is a list of
+    ``Image`` features."""
     from datasets import Features, Image, List, Value
 
+    if image_column not in (IMAGE_COLUMN, IMAGES_COLUMN):
+        raise ValueError(f"image_column must be {IMAGE_COLUMN!r} or {IMAGES_COLUMN!r}, got {image_column!r}")
     return Features(
         {
-            "image": Image(),
+            image_column: Image() if image_column == IMAGE_COLUMN else List(Image()),
             "prompt": Value("string"),
             "label_idx": Value("int64"),
             "choices": List(Value("string")),
@@ -90,10 +111,10 @@ def output_features():
 
 def format_schema() -> str:
     """The expected input schema as one readable line per column, for error messages."""
-    return "\n".join(
-        f"  {name}: {kind}{'  (required)' if name in REQUIRED_COLUMNS else ''}"
-        for name, kind in AOKVQA_SCHEMA.items()
-    )
+    lines = [f"  {name}: {kind}{'  (required)' if name in REQUIRED_COLUMNS else ''}"
+             for name, kind in AOKVQA_SCHEMA.items()]
+    lines.insert(2, f"  {IMAGES_COLUMN}: list of Image  (may replace image: several images per row)")
+    return "\n".join(lines)
 
 
 def format_prompt(question: str, choices: Sequence[str]) -> str:

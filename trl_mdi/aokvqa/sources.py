@@ -14,7 +14,15 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from .schema import HUB_DATASET, REQUIRED_COLUMNS, DataPrepError, MissingColumnsError, format_schema
+from .schema import (
+    HUB_DATASET,
+    IMAGE_COLUMN,
+    DataPrepError,
+    MissingColumnsError,
+    format_schema,
+    image_column_of,
+    read_columns,
+)
 
 
 @dataclasses.dataclass
@@ -167,12 +175,23 @@ def open_source(dataset_path: str, log: Callable[[str], None] = print) -> dict[s
     return _datasets_split_sources(dataset_dict, dataset_path)
 
 
-def check_columns(source: SplitSource) -> None:
-    """Raise MissingColumnsError naming the missing columns and the expected schema."""
+def check_columns(source: SplitSource) -> str:
+    """The split's image column (``image``, or ``images`` holding a list per row); raises MissingColumnsError naming
+    the missing columns and the expected schema, or DataPrepError when its files disagree on the image column."""
+    found: dict[str, str] = {}
     for origin, columns in source.columns_by_origin.items():
-        missing = [c for c in REQUIRED_COLUMNS if c not in columns]
+        image_column = image_column_of(columns) or IMAGE_COLUMN
+        missing = [c for c in read_columns(image_column) if c not in columns]
         if missing:
             raise MissingColumnsError(
                 f"split {source.name!r} ({origin}) is missing column(s) {missing}; it has {sorted(columns)}.\n"
                 f"Expected the A-OKVQA schema ({HUB_DATASET}):\n{format_schema()}"
             )
+        found[origin] = image_column
+    if len(set(found.values())) > 1:
+        raise DataPrepError(
+            f"split {source.name!r} mixes image columns across its files ({found}): every file of a split needs the "
+            "same one ('image', or 'images' holding a list per row); convert the single-image files to an 'images' "
+            "list of one, or prepare them as separate splits"
+        )
+    return next(iter(found.values()), IMAGE_COLUMN)
