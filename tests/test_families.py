@@ -162,7 +162,7 @@ def test_per_query_image_mass_falls_back_to_all_layers(tiny_vlm_dir):
     assert measure_modality_attention(_load(path), **batch).query_image_mass is None  # only when asked for
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
     """A row with two images next to a one-image row and a text-only row: every image token of the row counts, and
     the per-layer masses equal eager attention weights (1e-5)."""
@@ -176,3 +176,53 @@ def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
     got = torch.stack([res.image, res.prompt_text, res.completion, res.special], dim=-1)[:, list(res.layers)]
     err = (got.double() - ref.double()).nan_to_num(0.0).abs().max().item()
     assert err < 1e-5, f"{arch}: max |probe - eager| = {err:.2e}"
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"])
+def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
+    """The attention maps of a two-image row (images of different sizes): the probe's per-image-token masses equal
+    eager attention weights token by token, and the per-image split the maps use (token grids from
+    ``image_grid_thw``) cuts them exactly where the sequence's image-token runs are."""
+    from PIL import Image
+
+    from trl_mdi.diagnostics import attention_map_records
+    from trl_mdi.logs.maps import split_per_image, token_grid_hw
+
+    path = tiny_vlm_dir(arch)
+    processor = AutoProcessor.from_pretrained(path)
+    wide = Image.new("RGB", (112, 56), (255, 255, 255))
+    wide.paste(shape_image(56, 4), (56, 0))
+    images = [shape_image(56, 1), wide]
+    batch = grpo_batch(processor, ["Which picture shows more?", "Shape?"], [images, shape_image(56, 3)], [5, 3],
+                       seed=7)
+    res = measure_modality_attention(_load(path), **batch, image_map_rows=[0])
+    mass = res.image_token_mass[0]  # (layers, image tokens of row 0)
+    # Eager reference: one key group per image token of row 0.
+    ids = batch["input_ids"][0]
+    img_pos = torch.isin(ids, torch.tensor(image_token_ids(AutoConfig.from_pretrained(path)))).nonzero().flatten()
+    assert mass.shape[1] == len(img_pos)
+    groups = torch.zeros(*batch["input_ids"].shape, len(img_pos))
+    groups[0, img_pos, torch.arange(len(img_pos))] = 1
+    model = _load(path, "eager")
+    with torch.no_grad():
+        out = model(**{k: v for k, v in batch.items() if k != "completion_mask"}, output_attentions=True)
+    from trl_mdi.testing import eager_group_masses
+
+    ref = eager_group_masses([a for a in out.attentions if a is not None], groups, batch["completion_mask"].bool())[0]
+    err = (mass[list(res.layers)].double() - ref.double()).abs().max().item()
+    assert err < 1e-5, f"{arch}: max |probe - eager| per image token = {err:.2e}"
+    # The split: image k's grid tokens are the k-th contiguous run of image tokens in the sequence.
+    merge = processor.image_processor.merge_size
+    grids = processor.image_processor(images=images, return_tensors="pt")["image_grid_thw"]
+    parts = split_per_image(mass, [token_grid_hw(g, merge) for g in grids])
+    runs = torch.tensor_split(img_pos, (torch.diff(img_pos) > 1).nonzero().flatten() + 1)
+    assert [p.shape[1] for p in parts] == [len(r) for r in runs] and parts[0].shape[1] != parts[1].shape[1]
+    # What the live log draws: one entry per image, its masses from its own run, shares adding up to 1.
+    (record,) = attention_map_records(res, [images, [shape_image(56, 3)]], [0], "thirds", processor)
+    assert len(record["images"]) == len(record["segments"]) == 2 and len(record["captions"]) == 2
+    late = res.segments("thirds")["late"]
+    for k, run in enumerate(runs):
+        start = int((img_pos < run[0]).sum())
+        torch.testing.assert_close(record["segments"][k]["late"], mass[late, start : start + len(run)].mean(0))
+    shares = [float(c.split("·")[1].split("%")[0]) for c in record["captions"]]
+    assert abs(sum(shares) - 100) <= 1

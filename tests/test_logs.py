@@ -256,6 +256,26 @@ def test_rollout_groups_from_num_generations(tmp_path):
     assert "| groups with zero reward spread | 0 / 2 |" in text
 
 
+def test_rollout_log_says_how_many_images_a_prompt_had(tmp_path):
+    """A mixed or multi-image batch gets an images column and a count in the summary; a one-image batch does not."""
+    rollouts = make_rollouts(1, n=6)
+    for r, k in zip(rollouts, [2, 2, 0, 0, 1, 3]):
+        r["image_sizes"] = [(56, 48)] * k
+    w = RolloutLogWriter(tmp_path / "m.md", full_rollouts_per_step=1, colorize=False)
+    assert w.write_step(1, 0.0, rollouts)
+    text = (tmp_path / "m.md").read_text()
+    assert "**Prompt** · 2 image(s)" in text
+    table = text.split("### Other rollouts (5)\n\n", 1)[1].split("\n\n", 1)[0].split("\n")
+    assert cells(table[0])[:3] == ["#", "group", "images"]
+    assert [cells(row)[2] for row in table[2:]] == ["2", "0", "0", "1", "3"]
+    assert "| rollouts by images in the prompt | 0 images: 2 · 1 image: 1 · 2 images: 2 · 3 images: 1 |" in text
+    w = RolloutLogWriter(tmp_path / "one.md", full_rollouts_per_step=1, colorize=False)
+    assert w.write_step(1, 0.0, make_rollouts(1, n=4))
+    text = (tmp_path / "one.md").read_text()
+    assert "images" not in text.split("### Other rollouts", 1)[1].split("\n\n", 2)[1].split("\n")[0]
+    assert "rollouts by images" not in text
+
+
 HOSTILE = [
     "``` not closed\n## Step 99\n<script>alert(1)</script>",
     "`````` six\n``````\n````````````````",
@@ -513,6 +533,31 @@ def test_segment_maps_side_by_side(tmp_path):
     arr = np.asarray(out.convert("RGB")).astype(int)
     early_tl, middle_tl = arr[18 + 10, 10], arr[18 + 10, w + 4 + 10]
     assert abs(early_tl - middle_tl).sum() > 100  # top-left hot in "early", cold in "middle"
+
+
+def test_image_maps_one_panel_row_per_image_on_one_scale(tmp_path):
+    from trl_mdi.logs import render_image_maps, split_per_image
+
+    square, wide = Image.new("RGB", (32, 32), (255, 255, 255)), Image.new("RGB", (64, 32), (255, 255, 255))
+    row_mass = torch.tensor([[1.0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0]])  # one layer: 4 tokens (2x2), then 6 (2x3)
+    first, second = split_per_image(row_mass, [(2, 2), (2, 3)])
+    assert first.shape == (1, 4) and second.shape == (1, 6)
+    with pytest.raises(ValueError, match="10 image tokens but its images' token grids"):
+        split_per_image(row_mass, [(2, 2), (2, 2)])
+    masses = [{"early": first[0], "late": first[0]}, {"early": second[0], "late": second[0]}]
+    out = Image.open(render_image_maps([square, wide], masses, [(2, 2), (2, 3)], tmp_path / "two.png", title="t",
+                                       captions=["image 1 of 2 · 100%", "image 2 of 2 · 0%"], legend=True, gap=4))
+    (w1, h1), (w2, h2) = display_size((32, 32), 160, 320), display_size((64, 32), 160, 320)
+    # title, then per image: caption + segment captions + panels; then one legend for every panel.
+    assert out.size == (max(2 * w1, 2 * w2) + 4, 18 + (18 + 18 + h1) + (18 + 18 + h2) + 18)
+    arr = np.asarray(out.convert("RGB")).astype(int)
+    hot = arr[18 + 36 + 5, 5]  # first image, early panel, top-left token: the only mass of the row
+    cold = arr[18 + 36 + h1 + 36 + 5, 5]  # second image, top-left token: zero, on the shared scale
+    assert hot[0] > cold[0] + 60 and hot[1] > cold[1] + 60  # yellow vs purple
+    with pytest.raises(ValueError, match="one caption per image"):
+        render_image_maps([square], masses[:1], [(2, 2)], tmp_path / "x.png", captions=["a", "b"])
+    with pytest.raises(ValueError, match="one mass dict and one grid per image"):
+        render_image_maps([square, wide], masses[:1], [(2, 2)], tmp_path / "x.png")
 
 
 # --------------------------------------------------------------------------------------------------

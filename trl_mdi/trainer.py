@@ -240,7 +240,7 @@ class MDIGRPOTrainer(TrainingForwardProbe, PolicyForwards, GRPOTrainer):
                 x["images"] = [x["image"]] if x.get("image") is not None else []
         record.bad_rows = torch.tensor([i in errors for i in range(len(inputs))])
         if self.live_logs and self.live_logs.is_main and self.live_logs.wants_maps(step):
-            rows = [i for i, x in enumerate(inputs) if len(row_images(x)) == 1]
+            rows = [i for i, x in enumerate(inputs) if row_images(x)]  # one panel row per image of a prompt
             record.map_rows = rows[: self.args.attention_maps_per_step]
         record.timing = StepTiming(started=time.perf_counter(), rides_trl_forward=self._trl_runs_policy_forward())
         record.in_training_forward = mode == "train" and self._probe_placement == "training_forward"

@@ -15,7 +15,7 @@ The trainer calls the writers on the main process only, with rows gathered from 
 
 from .base import LogPathError, StepLogFile, default_log_paths, sanitize_run_name
 from .console import format_step_summary, print_step_summary, use_color
-from .maps import render_attention_map, render_segment_maps, token_grid_hw
+from .maps import render_attention_map, render_image_maps, render_segment_maps, split_per_image, token_grid_hw
 from .markdown import clean, escape_inline, fence, format_value, md_table, sparkline, trend_line
 from .writers import AttentionLogWriter, RolloutLogWriter, prompt_text
 
@@ -35,6 +35,8 @@ __all__ = [
     "prompt_text",
     "render_attention_map",
     "render_segment_maps",
+    "render_image_maps",
+    "split_per_image",
     "sanitize_run_name",
     "sparkline",
     "token_grid_hw",

@@ -4,7 +4,8 @@ Input is one image's slice of ``ModalityAttention.image_token_mass[row]`` averag
 interest, shape (n_image_tokens,), in the order the image tokens appear in the sequence (row-major over the
 token grid). For Qwen2-VL / Qwen2.5-VL the token grid of an image with ``image_grid_thw = (1, gh, gw)`` is
 ``(gh // merge_size, gw // merge_size)`` (merge_size 2): see :func:`token_grid_hw`. A row with several images
-holds their tokens one image after another; split the mass per image before rendering.
+holds their tokens one image after another, in the order of the images: :func:`split_per_image` cuts the row's mass
+into one slice per image and :func:`render_image_maps` draws one panel row per image.
 """
 
 from __future__ import annotations
@@ -46,6 +47,23 @@ def token_grid_hw(image_grid_thw: Sequence[int] | Any, merge_size: int = 2) -> t
     if gh % merge_size or gw % merge_size:
         raise ValueError(f"image_grid_thw {t, gh, gw} is not divisible by merge_size {merge_size}")
     return gh // merge_size, gw // merge_size
+
+
+def split_per_image(token_mass: Any, grid_hws: Sequence[tuple[int, int]]) -> list[Any]:
+    """Cut a row's per-image-token masses (last dim = the row's image tokens, images one after another) into one
+    slice per image, image k taking ``h_k * w_k`` tokens of its token grid ``grid_hws[k]``.
+
+    Raises ValueError when the counts do not add up to the row's image tokens (a truncated prompt, or grids that
+    are not this row's).
+
+    >>> [t.tolist() for t in split_per_image(__import__("torch").arange(6.0), [(1, 2), (2, 2)])]
+    [[0.0, 1.0], [2.0, 3.0, 4.0, 5.0]]
+    """
+    counts = [int(h) * int(w) for h, w in grid_hws]
+    if sum(counts) != token_mass.shape[-1]:
+        raise ValueError(f"the row has {token_mass.shape[-1]} image tokens but its images' token grids "
+                         f"{list(grid_hws)} hold {sum(counts)}")
+    return list(token_mass.split(counts, dim=-1))
 
 
 def _mass_array(token_mass: Any, grid_hw: tuple[int, int]) -> np.ndarray:
@@ -163,28 +181,53 @@ def render_segment_maps(image: Image.Image, masses_per_segment: Mapping[str, Any
     """One panel per layer segment (``{"early": mass, "middle": ..., ...}``), side by side, captioned.
 
     With ``shared_scale`` every panel uses the same min/max (panels comparable; one legend); otherwise each panel
-    is normalised on its own and gets its own legend.
+    is normalised on its own and gets its own legend. One image of :func:`render_image_maps`.
     """
-    if not masses_per_segment:
+    return render_image_maps([image], [masses_per_segment], [grid_hw], out_path, title, shared_scale=shared_scale,
+                             alpha=alpha, resample=resample, legend=legend, min_side=min_side, max_side=max_side,
+                             gap=gap)
+
+
+def render_image_maps(images: Sequence[Image.Image], masses_per_image: Sequence[Mapping[str, Any]],
+                      grid_hws: Sequence[tuple[int, int]], out_path: str | os.PathLike, title: str | None = None, *,
+                      captions: Sequence[str] | None = None, shared_scale: bool = True, alpha: float = 0.55,
+                      resample: str = "bilinear", legend: bool = True, min_side: int = 160, max_side: int = 320,
+                      gap: int = 4) -> Path:
+    """One panel row per image of a rollout (a multi-image prompt), one panel per layer segment in each row.
+
+    ``masses_per_image[k]`` maps segment -> image k's token masses (see :func:`split_per_image`), ``grid_hws[k]``
+    is its token grid and ``captions[k]`` an optional line above its row. With ``shared_scale`` every panel of
+    every image uses the same min/max, so a hotter image is one that took more attention per token.
+    """
+    if not (len(images) == len(masses_per_image) == len(grid_hws)) or not images:
+        raise ValueError(f"need one mass dict and one grid per image, got {len(images)} image(s), "
+                         f"{len(masses_per_image)} mass dict(s), {len(grid_hws)} grid(s)")
+    if any(not m for m in masses_per_image):
         raise ValueError("masses_per_segment is empty: nothing to render")
-    grids = {name: _mass_array(m, grid_hw) for name, m in masses_per_segment.items()}
-    size = display_size(image.size, min_side, max_side)
-    glo = min(float(np.nanmin(g)) for g in grids.values())
-    ghi = max(float(np.nanmax(g)) for g in grids.values())
-    panels = []
-    for name, grid in grids.items():
-        lo, hi = (glo, ghi) if shared_scale else (float(np.nanmin(grid)), float(np.nanmax(grid)))
-        parts = [_caption(size[0], str(name)), _overlay(image, grid, size, lo, hi, alpha, resample)]
-        if legend and not shared_scale:
-            parts.append(_legend(size[0], lo, hi))
-        panels.append(_stack(parts))
-    width = sum(p.width for p in panels) + gap * (len(panels) - 1)
-    row = Image.new("RGB", (width, max(p.height for p in panels)), (255, 255, 255))
-    x = 0
-    for p in panels:
-        row.paste(p, (x, 0))
-        x += p.width + gap
-    parts = ([_caption(width, title)] if title else []) + [row]
+    if captions is not None and len(captions) != len(images):
+        raise ValueError(f"need one caption per image, got {len(captions)} for {len(images)} image(s)")
+    grids = [{name: _mass_array(m, hw) for name, m in masses.items()} for masses, hw in zip(masses_per_image, grid_hws)]
+    every = [g for per_image in grids for g in per_image.values()]
+    glo, ghi = min(float(np.nanmin(g)) for g in every), max(float(np.nanmax(g)) for g in every)
+    rows = []
+    for k, (image, per_image) in enumerate(zip(images, grids)):
+        size = display_size(image.size, min_side, max_side)
+        panels = []
+        for name, grid in per_image.items():
+            lo, hi = (glo, ghi) if shared_scale else (float(np.nanmin(grid)), float(np.nanmax(grid)))
+            parts = [_caption(size[0], str(name)), _overlay(image, grid, size, lo, hi, alpha, resample)]
+            if legend and not shared_scale:
+                parts.append(_legend(size[0], lo, hi))
+            panels.append(_stack(parts))
+        width = sum(p.width for p in panels) + gap * (len(panels) - 1)
+        row = Image.new("RGB", (width, max(p.height for p in panels)), (255, 255, 255))
+        x = 0
+        for p in panels:
+            row.paste(p, (x, 0))
+            x += p.width + gap
+        rows.append(_stack([_caption(width, captions[k]), row]) if captions is not None else row)
+    width = max(r.width for r in rows)
+    parts = ([_caption(width, title)] if title else []) + rows
     if legend and shared_scale:
         parts.append(_legend(width, glo, ghi))
     return _save(_stack(parts), out_path)

@@ -164,21 +164,28 @@ class RolloutLogWriter(StepLogFile):
         full, rest = rollouts[: self.full_rollouts_per_step], rollouts[self.full_rollouts_per_step :]
         for pos, r in enumerate(full):
             parts.append(self._full(r, pos, names, self._group_of(r, pos)))
+        # Image counts get a column only where they tell something: a mixed or multi-image batch.
+        n_images = [len(r.get("image_sizes") or ()) for r in rollouts]
+        show_images = len(set(n_images)) > 1 or max(n_images, default=0) > 1
         if rest:
             parts.append(f"### Other rollouts ({len(rest)})\n")
-            header = ["#", "group", *names, "total", "advantage", "correct", "length", "parsed", "gold", "format",
-                      "completion"]
+            header = ["#", "group", *(["images"] if show_images else []), *names, "total", "advantage", "correct",
+                      "length", "parsed", "gold", "format", "completion"]
             rows = []
             for pos, r in enumerate(rest, start=len(full)):
                 text = clean(message_text(r.get("completion")))
                 preview = clean(text, self.row_preview_chars)
                 rewards = r.get("rewards") or {}
-                rows.append([r.get("index", pos), self._group_of(r, pos), *[rewards.get(n) for n in names], r.get("reward"),
+                rows.append([r.get("index", pos), self._group_of(r, pos), *([n_images[pos]] if show_images else []),
+                             *[rewards.get(n) for n in names], r.get("reward"),
                              r.get("advantage"), self._mark(self._correct(r)), r.get("completion_length", len(text)),
                              r.get("parsed"), None if r.get("answer") is None else str(r["answer"]),
                              self._format_mark(r.get("format_ok")), preview])
             parts.append(md_table(header, rows))
         stats = self._summary(rollouts, names)
+        if show_images:
+            stats["rollouts by images in the prompt"] = " · ".join(
+                f"{k} image{'s' if k != 1 else ''}: {n_images.count(k)}" for k in sorted(set(n_images)))
         parts.append("### Step summary\n")
         rows = [[k, v] for k, v in stats.items()] + [[k, v] for k, v in (summary or {}).items()]
         parts.append(md_table(["metric", "value"], [[k, _cell(v)] for k, v in rows]))
