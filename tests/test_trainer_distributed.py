@@ -74,16 +74,31 @@ def test_two_processes(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path, config, over
     assert len(re.findall(r"^## Step ", attention, flags=re.M)) == 2
 
 
+# Rows 1, 6 and 7 lose their image; unshuffled, 2 prompts x 2 generations per process and generation batch, one row
+# per training micro-batch. Step 1: rank 0 holds prompts 0 (image) and 1 (text), rank 1 prompts 2 and 3 (images): the
+# generation batch has images on both processes, yet two of rank 0's micro-batches have none. Step 2: rank 0 holds
+# prompts 4 and 5 (images), rank 1 prompts 6 and 7 (text): images on one process only from generation on.
+MIXED_LAYOUT = {"limit_rows": 8, "text_only_rows": [1, 6, 7], "shuffle_dataset": False, "num_generations": 2,
+                "per_device_train_batch_size": 1, "steps_per_generation": 4, "gradient_accumulation_steps": 4}
+
+
+def check_mixed_layout(records: list[dict]) -> None:
+    """The first two steps of a MIXED_LAYOUT run had the batches it promises (rank-ordered records; ranks step
+    together, so index i is the same batch on both)."""
+    generation = list(zip(*(r["generation_has_image"] for r in records)))[:2]
+    micro = list(zip(*(r["micro_batch_has_image"] for r in records)))[:8]
+    assert generation == [(True, True), (True, False)], generation
+    assert (False, True) in micro[:4] and micro[4:] == [(True, False)] * 4, micro
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_zero3_with_images_on_one_process_only_trains_checkpoints_and_resumes(tiny_vlm_dir, prepared_aokvqa_dir,
                                                                                tmp_path):
-    """Every other prompt has no image and each process gets whole prompts, so generation batches (and, split into
-    two shuffled slices, training micro-batches) have images on one process only: image-less processes run the
-    zero-weighted dummy vision pass and the run trains, saves, and resumes from its checkpoint."""
+    """MIXED_LAYOUT's generation batches and micro-batches with images on one process only: image-less forwards run
+    the zero-weighted dummy vision pass, and the run trains, saves and resumes from its checkpoint."""
     out = tmp_path / "out"
-    base = {"output_dir": str(out), "limit_rows": 8, "drop_image_every": 2, "per_device_train_batch_size": 2,
-            "steps_per_generation": 2, "gradient_accumulation_steps": 2, "save_strategy": "steps", "save_steps": 2}
+    base = {**MIXED_LAYOUT, "output_dir": str(out), "save_strategy": "steps", "save_steps": 2}
 
     def run(overrides, jsonl):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -98,6 +113,9 @@ def test_zero3_with_images_on_one_process_only_trains_checkpoints_and_resumes(ti
     first = run({"max_steps": 2}, tmp_path / "a.jsonl")
     assert [r["global_step"] for r in first] == [2, 2]
     assert sum(r["dummy_vision_passes"] for r in first) > 0, first  # some process had no image somewhere
+    # The cases the issue names happened: generation batches and training micro-batches with images on one process
+    # only (ranks step together, so index i is the same batch on both).
+    check_mixed_layout(first)
     assert (out / "checkpoint-2").is_dir()
     resumed = run({"max_steps": 4, "resume_from_checkpoint": str(out / "checkpoint-2")}, tmp_path / "b.jsonl")
     assert [r["global_step"] for r in resumed] == [4, 4]
@@ -113,9 +131,7 @@ def test_ddp_parameters_are_the_same_with_and_without_the_dummy_vision_pass(tiny
     process's zero-weighted tower adds exactly zero to the averaged gradients, so the parameters are bit-identical.
     Plain SGD: with a stateful optimizer a step in which *no* process has an image differs by construction (the
     tower's gradient is 0 with the pass and None without, and Adam skips None but still moves on 0 with momentum)."""
-    base = {"limit_rows": 8, "drop_image_every": 2, "per_device_train_batch_size": 2, "steps_per_generation": 2,
-            "gradient_accumulation_steps": 2, "max_steps": 3, "use_cpu": True, "ddp_find_unused_parameters": True,
-            "optim": "sgd"}
+    base = {**MIXED_LAYOUT, "max_steps": 2, "use_cpu": True, "ddp_find_unused_parameters": True, "optim": "sgd"}
     digests = {}
     for label, extra in (("with", {}), ("without", {"no_vision_pass": True})):
         records = launch("cpu_ddp.yaml", tiny_vlm_dir("qwen2_5_vl"), prepared_aokvqa_dir / "train.parquet",
@@ -124,14 +140,16 @@ def test_ddp_parameters_are_the_same_with_and_without_the_dummy_vision_pass(tiny
         digests[label] = records[0]["param_digest"]
         if label == "with":
             assert sum(r["dummy_vision_passes"] for r in records) > 0
-            assert any(m == 0 for r in records for m in r["measured_rows"])  # some batch had no image on a rank
+            check_mixed_layout(records)
     assert digests["with"] == digests["without"]
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_every_family_under_zero3_in_one_launch(tiny_vlm_dir, tmp_path):
-    """A plain GRPOConfig and default attention settings, 2 steps per family, weights sharded over 2 processes."""
+    """A plain GRPOConfig and default attention settings, 2 steps per family, weights sharded over 2 processes, and
+    every step an image prompt on rank 0 and a text-only one on rank 1: the dummy vision pass works on every family
+    under ZeRO-3 (a family it failed on would hang here and hit the timeout)."""
     from trl_mdi.tiny import TINY_ARCHS
 
     dirs = [str(tiny_vlm_dir(arch)) for arch in TINY_ARCHS]
@@ -150,5 +168,7 @@ def test_every_family_under_zero3_in_one_launch(tiny_vlm_dir, tmp_path):
             assert 0.4 < r["local_param_fraction"] < 0.6, (arch, r["local_param_fraction"])  # really sharded
             # No reward reads attention: measured inside the sharded training forward, no extra forward.
             assert r["placement"] == "training_forward", (arch, r["placement"])
+        # Rank 1 never had an image: it ran the pass (its generation prefill, each training forward); rank 0 never.
+        assert ranks[0]["dummy_vision_passes"] == 0 and ranks[1]["dummy_vision_passes"] >= 4, (arch, ranks)
         logs = ranks[0]["logs"]
         assert len(logs) == 2 and all(0 < h["attention/mdi"] < float("inf") for h in logs), (arch, logs)

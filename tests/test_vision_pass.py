@@ -85,3 +85,57 @@ def test_without_a_dummy_pass_zero3_keeps_the_clear_error():
     assert images_on_some_processes_only([text_row], accelerator, has_vision_pass=False, zero3=False) is False
     peers["other_has_image"] = True
     assert images_on_some_processes_only([image_row], accelerator, has_vision_pass=False, zero3=True) is False
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_a_slice_with_zero_images_is_the_text_only_forward(tiny_vlm_dir, arch):
+    """TRL hands a chunk / micro-batch of text-only rows image tensors sliced to zero images: with the guard the
+    forward equals the text-only forward bit for bit (and, with the dummy pass, runs the dummy)."""
+    from trl_mdi.testing import shape_image
+    from trl_mdi.vision_pass import drop_empty_image_inputs
+
+    path = tiny_vlm_dir(arch)
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    ids = processor.tokenizer(["a text-only row, no image at all"], return_tensors="pt")
+    image_inputs = processor(text=[processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}])],
+        images=[[shape_image(56, 0)]], return_tensors="pt")
+    empty = {k: v[:0] for k, v in image_inputs.items()
+             if k in ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")}
+    assert "pixel_values" in empty and empty["pixel_values"].shape[0] == 0
+    with torch.no_grad():
+        plain = model(**ids).logits
+        handle = drop_empty_image_inputs(model)
+        guarded = model(**ids, **empty).logits
+        with zero_weighted_vision_pass(model, dummy_vision_inputs(processor)) as state:
+            with_dummy = model(**ids, **empty).logits
+        handle.remove()
+    assert torch.equal(guarded, plain) and torch.equal(with_dummy, plain) and state.count == 1
+    if arch == "qwen2_5_vl":  # what users hit before: the model cannot take an empty image slice
+        with pytest.raises(ValueError, match="non-empty list"), torch.no_grad():
+            model(**ids, **empty)
+
+
+def test_mixed_data_trains_when_a_micro_batch_holds_text_rows_only(tiny_vlm_dir, tmp_path, monkeypatch):
+    """One process, image and text-only prompts alternating, one row per micro-batch and four per generation batch:
+    TRL's chunked log-prob forward and two of every four micro-batches get zero-image slices, and the run trains."""
+    from trl_mdi.testing import zen_image_dataset
+
+    seen = []
+    original = GRPOTrainer.compute_loss
+
+    def compute_loss(trainer, model, inputs, *args, **kwargs):
+        pixels = inputs.get("pixel_values")
+        seen.append(pixels is not None and pixels.shape[0] > 0)
+        return original(trainer, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "compute_loss", compute_loss)
+    args = make_args(tmp_path, per_device_train_batch_size=1, num_generations=2, steps_per_generation=4,
+                     gradient_accumulation_steps=4, shuffle_dataset=False, max_steps=2)
+    trainer = MDIGRPOTrainer(str(tiny_vlm_dir("qwen2_5_vl")), reward_funcs=[spread_reward], args=args,
+                             train_dataset=zen_image_dataset(8, images_per_row=[1, 0]))
+    trainer.train()
+    assert trainer.state.global_step == 2 and seen.count(False) == 4 and seen.count(True) == 4, seen
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)

@@ -45,7 +45,7 @@ from .rewards import (
 from .rewards.inputs import check_reward_inputs, dataset_columns
 from .tprl import apply_tprl, signal_rank_corr
 from .training_forward import TrainingForwardProbe
-from .vision_pass import images_on_some_processes_only, vision_pass_for_run
+from .vision_pass import drop_empty_image_inputs, images_on_some_processes_only, vision_pass_for_run
 
 logger = logging.get_logger(__name__)
 
@@ -124,7 +124,10 @@ class MDIGRPOTrainer(TrainingForwardProbe, PolicyForwards, GRPOTrainer):
         prefilled = template_prefills_think(self.processing_class, self.chat_template_kwargs)
         self._answer_format = ThinkFormatReward(args.answer_pattern, think_prefilled=prefilled)
         self.reward_funcs = bind_think_format(self.reward_funcs, think_prefilled=prefilled)
-        # Mixed batches under ZeRO-3 / DDP: image-less processes run the vision tower on a dummy, times zero.
+        # Mixed data: a slice of text-only rows is a text-only forward (TRL hands it empty image tensors), and under
+        # ZeRO-3 / DDP image-less processes run the vision tower on a dummy, times zero.
+        if facts.is_vlm:
+            drop_empty_image_inputs(self.model)
         self._vision_pass = vision_pass_for_run(self.model, self.processing_class, self.accelerator.num_processes,
                                                 facts.is_vlm, logger.info)
         attn = unwrap_model(self.model).config.get_text_config()._attn_implementation

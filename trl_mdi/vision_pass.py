@@ -35,6 +35,9 @@ from .data.images import check_images_on_every_rank, images_per_process
 
 # Keys of a processor's output that feed the vision tower's get_image_features (the rest is text).
 _TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
+# Model inputs indexed by image (or image patch / tile), never by row or token: all empty when a slice has no image.
+_IMAGE_INDEXED = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_position_ids",
+                  "spatial_shapes")
 
 
 def vision_backbone(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -108,6 +111,30 @@ def _text_decoder(backbone: torch.nn.Module) -> torch.nn.Module | None:
         if any(m is embedding for m in child.modules()):
             return child
     return None
+
+
+def drop_empty_image_inputs(model: torch.nn.Module):
+    """Make a forward whose ``pixel_values`` hold zero images a text-only forward; returns the hook's handle (None for
+    a model without a vision backbone).
+
+    TRL slices a batch's image tensors per chunk of its log-prob forwards and per training micro-batch; a slice of
+    text-only rows gets ``pixel_values`` with zero images, which VLM forwards cannot take (Qwen2.5-VL fails in
+    ``torch.cat`` of an empty list), so a dataset mixing text-only and image rows crashed whenever a slice held text
+    rows only. A pre-hook on the backbone drops those empty image inputs (``_IMAGE_INDEXED``): the forward is then
+    the text-only forward those rows are, and with several processes the dummy vision pass (registered after this
+    hook) sees a forward without images. Slices with an image are untouched.
+    """
+    backbone = vision_backbone(model)
+    if backbone is None:
+        return None
+
+    def pre_hook(_module, args, kwargs):
+        pixels = kwargs.get("pixel_values")
+        if pixels is None or pixels.shape[0] > 0:
+            return None
+        return args, {k: v for k, v in kwargs.items() if k not in _IMAGE_INDEXED}
+
+    return backbone.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True)
 
 
 def install_zero_weighted_vision_pass(model: torch.nn.Module, dummy: dict[str, torch.Tensor]) -> VisionPass:

@@ -1,8 +1,10 @@
 """Several VLM families, one after another, each trained 2 steps by MDIGRPOTrainer in ONE 2-process launch.
 
 argv: out_jsonl model_dir [model_dir ...]. A plain trl.GRPOConfig (as a TRL user's script has it), the default
-attention settings, a zen-image-like dataset. Each rank appends one JSON record per model: world view, how much of
-the weights it holds (ZeRO-3 sharding), and (rank 0) the logged metrics. One launch for all families keeps the
+attention settings, a zen-image-like dataset whose prompts alternate one image / no image, unshuffled, one prompt
+per process: every step rank 0 has an image and rank 1 none, so rank 1 joins the vision tower's ZeRO-3 gathers
+through the dummy vision pass. Each rank appends one JSON record per model: world view, how much of the weights it
+holds (ZeRO-3 sharding), its dummy passes, and (rank 0) the logged metrics. One launch for all families keeps the
 suite fast: importing trl + transformers and starting DeepSpeed cost more than the training.
 """
 
@@ -22,17 +24,19 @@ def spread_reward(completions, **kwargs):
 
 def main():
     out_path, model_dirs = sys.argv[1], sys.argv[2:]
-    data = zen_image_dataset(16)
+    data = zen_image_dataset(16, images_per_row=[1, 0])
     for i, model_dir in enumerate(model_dirs):
         out_dir = Path(out_path).parent / f"run{i}"
-        args = GRPOConfig(output_dir=str(out_dir), bf16=False, report_to="none", per_device_train_batch_size=2,
+        args = GRPOConfig(output_dir=str(out_dir), bf16=False, report_to="none", per_device_train_batch_size=4,
                           num_generations=4, max_completion_length=6, max_steps=2, logging_steps=1,
-                          save_strategy="no", seed=0, learning_rate=1e-2, disable_tqdm=True, ddp_backend="gloo")
+                          save_strategy="no", seed=0, learning_rate=1e-2, disable_tqdm=True, ddp_backend="gloo",
+                          shuffle_dataset=False)
         trainer = MDIGRPOTrainer(model_dir, reward_funcs=spread_reward, args=args, train_dataset=data)
         trainer.train()
         acc = trainer.accelerator
         record = {"model": model_dir, "rank": acc.process_index, "world_size": acc.num_processes,
                   "distributed_type": str(acc.distributed_type), "placement": trainer._probe_placement,
+                  "dummy_vision_passes": trainer._vision_pass.count if trainer._vision_pass is not None else None,
                   "logs": [h for h in trainer.state.log_history if "loss" in h] if acc.is_main_process else []}
         ds_params = [p for p in trainer.model.parameters() if hasattr(p, "ds_numel")]
         if ds_params:

@@ -27,13 +27,24 @@ def main():
     model_dir, data_path, out_path, overrides = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     forwards: list[int] = []
     measured: list[int] = []
+    # Whether each generation batch / training micro-batch of this rank held an image, in order (ranks step together,
+    # so index i is the same batch on every rank).
+    generation_has_image: list[bool] = []
+    micro_batch_has_image: list[bool] = []
     original_gen = GRPOTrainer._generate_and_score_completions
     original_fwd = GRPOTrainer._get_per_token_logps_and_entropies
+    original_loss = GRPOTrainer.compute_loss
 
     def gen(trainer, inputs):
         forwards.append(0)
+        generation_has_image.append(any(x.get("image") is not None or bool(x.get("images")) for x in inputs))
         out = original_gen(trainer, inputs)
         return out
+
+    def loss(trainer, model, inputs, *args, **kwargs):
+        pixels = inputs.get("pixel_values")
+        micro_batch_has_image.append(pixels is not None and pixels.numel() > 0)
+        return original_loss(trainer, model, inputs, *args, **kwargs)
 
     def fwd(trainer, model, *args, **kwargs):
         if not torch.is_grad_enabled() and model is trainer.model and forwards:
@@ -42,6 +53,7 @@ def main():
 
     GRPOTrainer._generate_and_score_completions = gen
     GRPOTrainer._get_per_token_logps_and_entropies = fwd
+    GRPOTrainer.compute_loss = loss
 
     group_scores: list[list] = []
 
@@ -59,6 +71,9 @@ def main():
     no_vision_pass = overrides.pop("no_vision_pass", False)
     if limit_rows:
         ds = ds.select(range(limit_rows))
+    text_only_rows = set(overrides.pop("text_only_rows", ()))
+    if text_only_rows:  # these rows lose their image: with shuffle_dataset=False, a chosen layout across ranks
+        ds = ds.map(lambda ex, i: {"image": None if i in text_only_rows else ex["image"]}, with_indices=True)
     if drop_every:
         # Some prompts lose their image, so ranks see different mixes.
         ds = ds.map(lambda ex, i: {"image": None if i % drop_every == drop_every - 1 else ex["image"]}, with_indices=True)
@@ -83,6 +98,8 @@ def main():
         "world_size": acc.num_processes,
         "distributed_type": str(acc.distributed_type),
         "forwards_per_generation": forwards,
+        "generation_has_image": generation_has_image,
+        "micro_batch_has_image": micro_batch_has_image,
         "measured_rows": measured,
         "group_scores": group_scores,
         "logs": [h for h in trainer.state.log_history if "loss" in h] if acc.is_main_process else [],
