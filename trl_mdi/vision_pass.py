@@ -130,7 +130,7 @@ def drop_empty_image_inputs(model: torch.nn.Module):
 
     def pre_hook(_module, args, kwargs):
         pixels = kwargs.get("pixel_values")
-        if pixels is None or pixels.shape[0] > 0:
+        if not isinstance(pixels, torch.Tensor) or pixels.shape[0] > 0:  # None, a list (some families), or images
             return None
         return args, {k: v for k, v in kwargs.items() if k not in _IMAGE_INDEXED}
 
