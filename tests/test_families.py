@@ -178,15 +178,16 @@ def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
     assert err < 1e-5, f"{arch}: max |probe - eager| = {err:.2e}"
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3"])
 def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     """The attention maps of a two-image row (images of different sizes): the probe's per-image-token masses equal
-    eager attention weights token by token, and the per-image split the maps use (token grids from
-    ``image_grid_thw``) cuts them exactly where the sequence's image-token runs are."""
+    eager attention weights token by token, and the per-image split the maps use (each image's token grid) cuts
+    them exactly where the sequence's image-token runs are."""
     from PIL import Image
 
-    from trl_mdi.diagnostics import attention_map_records
-    from trl_mdi.logs.maps import split_per_image, token_grid_hw
+    from trl_mdi.attention_maps import attention_map_records, image_token_grids
+    from trl_mdi.logs.maps import split_per_image
+    from trl_mdi.testing import eager_group_masses
 
     path = tiny_vlm_dir(arch)
     processor = AutoProcessor.from_pretrained(path)
@@ -203,20 +204,19 @@ def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     assert mass.shape[1] == len(img_pos)
     groups = torch.zeros(*batch["input_ids"].shape, len(img_pos))
     groups[0, img_pos, torch.arange(len(img_pos))] = 1
-    model = _load(path, "eager")
     with torch.no_grad():
-        out = model(**{k: v for k, v in batch.items() if k != "completion_mask"}, output_attentions=True)
-    from trl_mdi.testing import eager_group_masses
-
+        out = _load(path, "eager")(**{k: v for k, v in batch.items() if k != "completion_mask"},
+                                   output_attentions=True)
     ref = eager_group_masses([a for a in out.attentions if a is not None], groups, batch["completion_mask"].bool())[0]
     err = (mass[list(res.layers)].double() - ref.double()).abs().max().item()
     assert err < 1e-5, f"{arch}: max |probe - eager| per image token = {err:.2e}"
     # The split: image k's grid tokens are the k-th contiguous run of image tokens in the sequence.
-    merge = processor.image_processor.merge_size
-    grids = processor.image_processor(images=images, return_tensors="pt")["image_grid_thw"]
-    parts = split_per_image(mass, [token_grid_hw(g, merge) for g in grids])
+    grids = image_token_grids(processor, images)
+    parts = split_per_image(mass, grids)
     runs = torch.tensor_split(img_pos, (torch.diff(img_pos) > 1).nonzero().flatten() + 1)
-    assert [p.shape[1] for p in parts] == [len(r) for r in runs] and parts[0].shape[1] != parts[1].shape[1]
+    assert [p.shape[1] for p in parts] == [len(r) for r in runs] == [h * w for h, w in grids]
+    if arch != "gemma3":  # Qwen grids follow the image's size; Gemma 3 resizes every image to one square
+        assert parts[0].shape[1] != parts[1].shape[1]
     # What the live log draws: one entry per image, its masses from its own run, shares adding up to 1.
     (record,) = attention_map_records(res, [images, [shape_image(56, 3)]], [0], "thirds", processor)
     assert len(record["images"]) == len(record["segments"]) == 2 and len(record["captions"]) == 2
@@ -226,3 +226,17 @@ def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
         torch.testing.assert_close(record["segments"][k]["late"], mass[late, start : start + len(run)].mean(0))
     shares = [float(c.split("·")[1].split("%")[0]) for c in record["captions"]]
     assert abs(sum(shares) - 100) <= 1
+
+
+@pytest.mark.parametrize("arch", ["smolvlm", "llava_next", "gemma4"])
+def test_families_without_a_plain_token_grid_get_no_map(tiny_vlm_dir, arch):
+    """No single row-major grid per image: no map rather than a wrong one."""
+    from trl_mdi.attention_maps import attention_map_records, image_token_grids
+
+    path = tiny_vlm_dir(arch)
+    processor = AutoProcessor.from_pretrained(path)
+    assert image_token_grids(processor, [shape_image(56, 1)]) is None
+    batch = grpo_batch(processor, ["Shape?"], [shape_image(56, 1)], [3], seed=1)
+    res = measure_modality_attention(_load(path), **batch, image_map_rows=[0])
+    assert res.image_token_mass[0].numel() > 0
+    assert attention_map_records(res, [[shape_image(56, 1)]], [0], "thirds", processor) == []

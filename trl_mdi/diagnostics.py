@@ -20,7 +20,8 @@ from . import signals
 from .attention import ModalityAttention
 from .data.images import row_images
 from .logs import AttentionLogWriter, RolloutLogWriter, default_log_paths, print_step_summary
-from .logs.maps import render_image_maps, split_per_image, token_grid_hw
+from .attention_maps import attention_map_records
+from .logs.maps import render_image_maps
 
 LETTERS = "ABCDEFGHIJ"
 
@@ -159,18 +160,6 @@ class LiveDiagnostics(TrainerCallback):
         for w in (self.rollouts, self.attention):
             if w is not None:
                 w.close()
-
-
-def map_record(index: int, images: list, token_mass_by_segment: list[dict[str, Any]], image_grid_thw, merge_size: int,
-               shares: list[float] | None = None) -> dict:
-    """What the main process needs to draw one rollout's attention map: per image, its segment masses and token
-    grid, and (several images) a caption with its share of the row's image attention."""
-    n = len(images)
-    captions = None if n == 1 or shares is None else [
-        f"image {k + 1} of {n} · {100 * share:.0f}% of the image attention (measured layers)"
-        for k, share in enumerate(shares)]
-    return {"index": index, "images": list(images), "segments": token_mass_by_segment, "captions": captions,
-            "grid_hw": [token_grid_hw(g, merge_size) for g in image_grid_thw]}
 
 
 def rollout_record(index: int, prompt, completion, images: list, rewards: dict, total: float | None,
@@ -313,35 +302,3 @@ def gather_rollout_records(*, rows: list[dict], prompts: list, completions: list
         if rec["attention"] is not None:
             rec["attention"]["index"] = g
     return records
-
-
-def attention_map_records(attention, images: list[list], map_rows: list[int], segments_spec,
-                          processing_class) -> list[dict]:
-    """Per-segment attention over the image tokens of the selected local rows, one panel row per image (main
-    process, Qwen grids).
-
-    ``images`` are the local rows' image lists; ``map_rows`` the rows the probe kept per-image-token masses for. A
-    row's image tokens come one image after another, in the order of its images; image k holds
-    ``t * h * w / merge_size**2`` of them (its ``image_grid_thw``). Its share is its summed mass over the row's,
-    averaged over the measured layers.
-    """
-    image_processor = getattr(processing_class, "image_processor", None)
-    merge = getattr(image_processor, "merge_size", None)
-    if attention is None or merge is None:
-        return []  # maps need the Qwen-style image grid; other families are logged without maps
-    segments = attention.segments(segments_spec)
-    maps = []
-    for row in map_rows:
-        mass = attention.image_token_mass.get(row)
-        if mass is None or mass.numel() == 0 or not images[row]:
-            continue
-        grids = image_processor(images=images[row], return_tensors="pt")["image_grid_thw"].tolist()
-        try:
-            parts = split_per_image(mass, [token_grid_hw(g, merge) for g in grids])
-        except ValueError:  # a video-like grid or a truncated prompt: no map rather than a wrong one
-            continue
-        per_image = [{name: part[layers].mean(dim=0) for name, layers in segments.items()} for part in parts]
-        totals = [float(part[attention.layers].mean(dim=0).sum()) for part in parts]
-        shares = [t / sum(totals) if sum(totals) > 0 else float("nan") for t in totals]
-        maps.append(map_record(row, images[row], per_image, grids, merge, shares))
-    return maps
