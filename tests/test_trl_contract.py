@@ -110,3 +110,18 @@ def test_trainer_attributes_we_read(tiny_vlm_dir, grpo_train_dataset, tmp_path, 
 
 
 _trainer_cache: dict = {}
+
+
+def test_transformers_generation_encoding_step_we_wrap():
+    """trl_mdi.vision_pass wraps transformers' generate-time image encoding (the dummy vision pass runs there on
+    image-less processes): its name, its argument and what it returns must stay, or ZeRO-3 generation of mixed
+    batches would hang instead of failing here."""
+    from transformers.generation.utils import GenerationMixin
+
+    step = GenerationMixin._prepare_multimodal_encoder_kwargs_for_generation
+    assert _params(step) == ["self", "model_kwargs"]
+    assert "return self._prepare_multimodal_encoder_kwargs_for_generation(model_kwargs)" in inspect.getsource(
+        GenerationMixin)
+    src = inspect.getsource(step)
+    assert 'model_kwargs.setdefault("mm_encoder_outputs", {})' in src
+    assert 'model_kwargs["mm_encoder_outputs"][modality] = encoder_fn(**encoder_kwargs)' in src

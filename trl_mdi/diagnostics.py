@@ -101,15 +101,14 @@ class LiveDiagnostics(TrainerCallback):
             self.attention.open(resume_from_step=resume)
         self._opened = True
 
-    def wants_maps(self, step: int) -> bool:
-        every = self.args.attention_map_every_n_steps
-        return bool(self.args.compute_attention_metrics and every and self.args.attention_maps_per_step
-                    and (step == 1 or step % every == 0))
-
     def wants_layer_picture(self, step: int) -> bool:
         """Steps whose attention block links a per-layer MDI picture: step 1 and every attention_map_every_n_steps."""
         every = self.args.attention_map_every_n_steps
         return bool(self.args.compute_attention_metrics and every and (step == 1 or step % every == 0))
+
+    def wants_maps(self, step: int) -> bool:
+        """Steps that also draw attention maps (the same steps, when ``attention_maps_per_step`` > 0)."""
+        return self.wants_layer_picture(step) and self.args.attention_maps_per_step > 0
 
     def _layer_picture(self, step: int, attention) -> str:
         """Draw this step's MDI by layer (the profile command's plotting code); the path relative to the log."""

@@ -50,7 +50,6 @@ from .vision_pass import drop_empty_image_inputs, images_on_some_processes_only,
 logger = logging.get_logger(__name__)
 
 
-
 class MDIGRPOTrainer(TrainingForwardProbe, PolicyForwards, GRPOTrainer):
     """GRPOTrainer that measures, per rollout, how much the generated tokens attend to the image vs the text.
 

@@ -87,6 +87,14 @@ def _float_sum(value: Any) -> torch.Tensor | None:
     return None
 
 
+def _tower_on(backbone: torch.nn.Module, dummy: dict[str, torch.Tensor]) -> Any:
+    """The backbone's ``get_image_features`` on the dummy inputs, moved to the tower's device and float dtype."""
+    reference = next(backbone.parameters())
+    inputs = {k: v.to(reference.device, dtype=reference.dtype if v.is_floating_point() else v.dtype)
+              for k, v in dummy.items()}
+    return backbone.get_image_features(**inputs, return_dict=True)
+
+
 def _is_decode_step(kwargs: dict) -> bool:
     cache = kwargs.get("past_key_values")
     return cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0
@@ -166,10 +174,7 @@ def install_zero_weighted_vision_pass(model: torch.nn.Module, dummy: dict[str, t
         if not armed or embeds is None:
             return None
         armed.clear()  # once per backbone call
-        reference = next(backbone.parameters())
-        inputs = {k: v.to(reference.device, dtype=reference.dtype if v.is_floating_point() else v.dtype)
-                  for k, v in dummy.items()}
-        total = _float_sum(_used_features(backbone.get_image_features(**inputs, return_dict=True)))
+        total = _float_sum(_used_features(_tower_on(backbone, dummy)))
         if total is None:
             return None
         state.count += 1
@@ -207,9 +212,7 @@ def _encoding_step(original, backbone, dummy: dict[str, torch.Tensor], state: Vi
     def prepare(model_kwargs):
         out = original(model_kwargs)
         if not (out.get("mm_encoder_outputs") or {}).get("image"):
-            reference = next(backbone.parameters())
-            backbone.get_image_features(**{k: v.to(reference.device, dtype=reference.dtype if v.is_floating_point()
-                                                   else v.dtype) for k, v in dummy.items()}, return_dict=True)
+            _tower_on(backbone, dummy)
             state.count += 1
         return out
 

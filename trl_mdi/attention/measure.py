@@ -29,8 +29,9 @@ def measure_modality_attention(
 ) -> ModalityAttention:
     """Measure, per row and text layer, the attention mass of the generated tokens on each key group.
 
-    One teacher-forced, no-grad forward of ``model`` over prompt + completion, with the SDPA kernel,
-    exact (no sampling of heads or layers), O(L) extra memory.
+    One teacher-forced, no-grad forward of ``model`` over prompt + completion (the layer outputs from the model's
+    own SDPA or eager kernel, from SDPA under other implementations), exact (no sampling of heads or layers), O(L)
+    extra memory.
 
     Args:
         model: a transformers VLM (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Idefics3/SmolVLM, ...), plain,

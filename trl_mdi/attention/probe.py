@@ -182,10 +182,11 @@ def _probe_attention_forward(module, query, key, value, attention_mask, dropout=
     """Registered as ``trl_mdi_probe``: the layer's output from the model's own kernel (SDPA or the modeling file's
     eager function, see ``NATIVE_IMPLEMENTATIONS``), unchanged, plus, when a probe is active, the group masses."""
     state = _ACTIVE.get()
+    kernel = sdpa_attention_forward
     if _native(state) == "eager":
-        kernel = sys.modules[type(module).__module__].eager_attention_forward
-    else:
-        kernel = sdpa_attention_forward
+        # Every modeling file that dispatches through AttentionInterface holds its eager function under this name
+        # (its default when the implementation is "eager"); a file without one keeps SDPA's output.
+        kernel = getattr(sys.modules[type(module).__module__], "eager_attention_forward", sdpa_attention_forward)
     out = kernel(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if state is not None:
         state.record(module, query, key, attention_mask, scaling)

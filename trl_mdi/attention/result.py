@@ -105,12 +105,17 @@ class ModalityAttention:
             raise ValueError(f"completion_length must be in [1, {length - 1}], got {completion_length}")
         return self.query_image_mass[:, length - completion_length - 1 : length - 1]
 
+    @staticmethod
+    def _row_fields() -> list[str]:
+        """The fields indexed by row alone (the rest: maps keyed by row, per-layer facts, the optional (B, L) map)."""
+        extras = ("image_token_mass", "measured_layers", "query_image_mass", "token_layers")
+        return [f for f in ModalityAttention.__dataclass_fields__ if f not in extras]
+
     def take(self, rows: Sequence[int]) -> ModalityAttention:
         """The result for ``rows`` (new row i = old row ``rows[i]``), attention maps re-keyed to the new rows."""
         index = torch.as_tensor(list(rows), dtype=torch.long)
         new_of = {int(old): new for new, old in enumerate(index.tolist())}
-        special = ("image_token_mass", "measured_layers", "query_image_mass", "token_layers")
-        names = [f for f in ModalityAttention.__dataclass_fields__ if f not in special]
+        names = ModalityAttention._row_fields()
         return ModalityAttention(
             **{n: getattr(self, n)[index] for n in names},
             image_token_mass={new_of[k]: v for k, v in self.image_token_mass.items() if k in new_of},
@@ -129,8 +134,7 @@ class ModalityAttention:
         measured = {p.measured_layers for p in parts}
         if len(measured) > 1:
             raise ValueError(f"cannot concatenate results measured on different layers: {sorted(measured, key=str)}")
-        special = ("image_token_mass", "measured_layers", "query_image_mass", "token_layers")
-        names = [f for f in ModalityAttention.__dataclass_fields__ if f not in special]
+        names = ModalityAttention._row_fields()
         tokens = None
         if all(p.query_image_mass is not None for p in parts):
             width = max(p.query_image_mass.shape[1] for p in parts)

@@ -103,10 +103,9 @@ def check_images_on_every_rank(flags: list[bool]) -> None:
     join the gather the others wait in.
     """
     if any(flags) and not all(flags):
-        flags = torch.tensor(flags)
         raise RuntimeError(
             "ZeRO-3: this generation batch has images on some processes and none on others "
-            f"(per process: {flags.int().tolist()}), and this model cannot take the dummy vision pass that keeps "
+            f"(per process: {[int(f) for f in flags]}), and this model cannot take the dummy vision pass that keeps "
             "processes in step (see the start-up log for why). The vision tower would run on some ranks only and "
             "the sharded-weight gathers would wait forever. Mix text-only and image rows so every per-device batch "
             "holds at least one image, or train text-only data with DDP / ZeRO-2."
