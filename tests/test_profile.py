@@ -277,7 +277,14 @@ def test_bad_inputs_fail_before_any_weight_is_loaded(tiny_vlm_dir, profile_data,
         (["--model_name_or_path", vlm, *data, "--layer_segments", "early:0-9"], "--layer_segments on"),
         (["--model_name_or_path", tmp_path / "missing", *data], "does not exist"),
         ([*data], "the following arguments are required: --model_name_or_path"),
+        (["--model_name_or_path", vlm, vlm, *data], "more than once"),
+        (["--model_name_or_path", vlm, *data, "--device", "nodevice"], "--device 'nodevice'"),
+        (["--model_name_or_path", vlm, *data, "--attn_implementation", "bogus"], "is not one transformers knows"),
+        (["--model_name_or_path", vlm, "--dataset_path", profile_data, "--out", Path(__file__) / "o"],
+         "is a file, not a folder"),
     ]
+    if not torch.cuda.is_available():
+        cases.append((["--model_name_or_path", vlm, *data, "--device", "cuda"], "has no CUDA device"))
     for argv, message in cases:
         code, _, stderr = _run(argv, capsys)
         assert code == 2 and message in stderr, (argv, stderr)

@@ -4,8 +4,8 @@
         --dataset_path demo_run/aokvqa_trl_data_simple --out demo_run/profile
 
 For every model in turn: completions are generated greedily for the rows of one split (or taken from
-``--completion_column``), every row is measured with the exact attention probe (``measure_modality_attention``, its
-own SDPA path whatever ``--attn_implementation`` the model generates with), and the per-row masses become, per
+``--completion_column``), every row is measured with the exact attention probe (``measure_modality_attention``, exact
+whatever ``--attn_implementation`` the model uses), and the per-row masses become, per
 layer and per layer segment, means and spreads over rows with MDI as a ratio of means (``stats``). The command
 writes ``profile.md``, ``profile.json``, ``mdi_by_layer.png`` and ``mass_by_layer.png`` (``report``, drawn by
 ``trl_mdi.plots``). Models, data and flags are checked before any weight is loaded (``arguments``, ``rows``).

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from ..attention import QUERY_PHASES
 from ..cli_args import ModelCheckError, UsageError
@@ -71,8 +72,8 @@ def build_parser(width: int | None = None) -> argparse.ArgumentParser:
         prog=PROG, allow_abbrev=False, formatter_class=lambda prog: _Formatter(prog, width),
         description="Per-layer attention profile of one or more VLM checkpoints: generate completions greedily (or "
         "take them from a column), measure every row with the exact attention probe, and write profile.md, "
-        "profile.json, mdi_by_layer.png and mass_by_layer.png to --out. The measurement always uses the probe's "
-        "exact SDPA path; --attn_implementation only sets the attention the model generates with.")
+        "profile.json, mdi_by_layer.png and mass_by_layer.png to --out. The measurement is exact whatever "
+        "--attn_implementation is: under sdpa or eager the model's own kernel computes the layers, under others SDPA.")
     m = p.add_argument_group("models and output")
     m.add_argument("--model_name_or_path", nargs="+", required=True, metavar="M",
                    help="One or more models: local folders or Hub ids. Two or more of the same depth are compared "
@@ -94,7 +95,7 @@ def build_parser(width: int | None = None) -> argparse.ArgumentParser:
                    help="Layer segments of the summary: 'thirds' or 'early:0-3,middle:4-7,late:8-11'.")
     e = p.add_argument_group("model loading")
     e.add_argument("--attn_implementation", metavar="IMPL", help="The model's own attention (sdpa, eager, "
-                   "flash_attention_2, ...), used for generation; the measurement always runs the probe's SDPA path.")
+                   "flash_attention_2, ...), used for generation; the measurement is exact under any of them.")
     e.add_argument("--dtype", choices=DTYPES, default="auto", help="Weights dtype (auto: the checkpoint's).")
     e.add_argument("--device", default="auto", metavar="DEV",
                    help="cpu, cuda, cuda:1, ... (auto: cuda when available).")
@@ -129,6 +130,18 @@ def parse_args(argv: Sequence[str]) -> ProfileArguments:
     for name, minimum in (("num_samples", 0), ("max_new_tokens", 1), ("batch_size", 1), ("threads", 0)):
         if getattr(ns, name) < minimum:
             raise UsageError(f"--{name} must be >= {minimum}, got {getattr(ns, name)}")
+    repeated = sorted({m for m in ns.model_name_or_path if ns.model_name_or_path.count(m) > 1})
+    if repeated:
+        raise UsageError(f"--model_name_or_path lists {repeated} more than once: give each model once")
+    _check_device(ns.device)
+    _check_out_dir(ns.out)
+    if ns.attn_implementation is not None:
+        from transformers import AttentionInterface
+
+        known = ["eager", *(k for k in AttentionInterface().valid_keys() if k != "trl_mdi_probe")]
+        if ns.attn_implementation not in known:
+            raise UsageError(f"--attn_implementation {ns.attn_implementation!r} is not one transformers knows; "
+                             f"choose from {', '.join(known)}")
     from ..attention.metrics import check_segment_spec
 
     try:
@@ -139,6 +152,31 @@ def parse_args(argv: Sequence[str]) -> ProfileArguments:
                             if f.name not in TRAINING_SPLIT_FIELDS})
     own = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ProfileArguments) if f.name not in ("data", "progress")}
     return ProfileArguments(**own, data=data, progress=not ns.no_progress)
+
+
+def _check_device(device: str) -> None:
+    """A device torch can name and this machine has, before any weight loads."""
+    if device == "auto":
+        return
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as e:
+        raise UsageError(f"--device {device!r}: {e}") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device!r}: this machine has no CUDA device; use --device cpu (or auto)")
+
+
+def _check_out_dir(out: str) -> None:
+    """--out must be a folder we can create and write: checked before hours of profiling, not after (and nothing is
+    created for a run that fails its checks)."""
+    path = Path(out).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"--out {out!r}: {str(existing)!r} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out!r}: {str(existing)!r} is not writable; choose another folder")
 
 
 def _raise(message: str):

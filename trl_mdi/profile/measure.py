@@ -39,15 +39,22 @@ def resolve_device(device: str) -> torch.device:
 
 def load_model(name: str, *, dtype: str = "auto", attn_implementation: str | None = None, device: str = "auto",
                trust_remote_code: bool = False):
-    """The VLM in eval mode on ``device``. ``attn_implementation`` is the model's own attention (generation); the
-    probe measures through its own SDPA path regardless."""
+    """The VLM in eval mode on ``device``. ``attn_implementation`` is the model's own attention; the probe's
+    measurement is exact under any (see ``trl_mdi.attention``). A model the flags cannot load (an attention
+    implementation whose package is missing, a dtype the device lacks) is a ModelCheckError naming the flag."""
     from transformers import AutoModelForImageTextToText
+
+    from ..cli_args import ModelCheckError
 
     kwargs: dict[str, Any] = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype),
                               "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForImageTextToText.from_pretrained(name, **kwargs)
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(name, **kwargs)
+    except (ImportError, ValueError) as e:
+        raise ModelCheckError(f"{name!r} cannot be loaded with --attn_implementation {attn_implementation} "
+                              f"--dtype {dtype}: {e}") from None
     return model.to(resolve_device(device)).eval()
 
 

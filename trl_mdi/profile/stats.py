@@ -24,12 +24,7 @@ import torch
 
 from ..attention import ModalityAttention
 from ..attention import metrics as M
-
-
-def _num(value) -> float | None:
-    """A JSON-ready float: NaN (undefined) -> None; inf stays inf (written as a string by the report)."""
-    v = float(value)
-    return None if math.isnan(v) else v
+from ..signals import as_python
 
 
 def _summary(a_t: torch.Tensor, a_o: torch.Tensor, a_c: torch.Tensor, n_t: torch.Tensor, n_o: torch.Tensor) -> dict:
@@ -37,23 +32,23 @@ def _summary(a_t: torch.Tensor, a_o: torch.Tensor, a_c: torch.Tensor, n_t: torch
     out: dict[str, Any] = {"rows": int(a_t.numel())}
     for name, x in (("image", a_o), ("prompt_text", a_t), ("completion", a_c)):
         x = x.double()
-        out[name] = _num(x.mean()) if x.numel() else None
-        out[f"{name}_std"] = _num(x.std(unbiased=False)) if x.numel() else None
+        out[name] = as_python(x.mean()) if x.numel() else None
+        out[f"{name}_std"] = as_python(x.std(unbiased=False)) if x.numel() else None
     if not a_t.numel():
         return {**out, "mdi": None, "aei_text": None, "aei_image": None, "rows_mdi_inf": 0, "mdi_p25": None,
                 "mdi_median": None, "mdi_p75": None, "aei_image_std": None}
     mean = lambda x: x.double().mean().reshape(1)  # noqa: E731
-    out["mdi"] = _num(M.mdi(mean(a_t), mean(a_o), mean(n_t), mean(n_o))[0])
+    out["mdi"] = as_python(M.mdi(mean(a_t), mean(a_o), mean(n_t), mean(n_o))[0])
     aei_t, aei_o = M.aei(mean(a_t), mean(a_o), mean(n_t), mean(n_o))
-    out["aei_text"], out["aei_image"] = _num(aei_t[0]), _num(aei_o[0])
+    out["aei_text"], out["aei_image"] = as_python(aei_t[0]), as_python(aei_o[0])
     per_row = M.mdi(a_t, a_o, n_t, n_o).double()
     out["rows_mdi_inf"] = int(torch.isinf(per_row).sum())
     finite = per_row[torch.isfinite(per_row)]
     q = torch.quantile(finite, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)) if finite.numel() else None
-    out["mdi_p25"], out["mdi_median"], out["mdi_p75"] = (None, None, None) if q is None else map(_num, q)
+    out["mdi_p25"], out["mdi_median"], out["mdi_p75"] = (None, None, None) if q is None else map(as_python, q)
     row_aei_o = M.aei(a_t, a_o, n_t, n_o)[1].double()
     row_aei_o = row_aei_o[torch.isfinite(row_aei_o)]
-    out["aei_image_std"] = _num(row_aei_o.std(unbiased=False)) if row_aei_o.numel() else None
+    out["aei_image_std"] = as_python(row_aei_o.std(unbiased=False)) if row_aei_o.numel() else None
     return out
 
 
@@ -76,25 +71,28 @@ def layer_profile(att: ModalityAttention, segments: str | dict | None = "thirds"
         seg = [M.segment_mean(x, idx) for x in (a_t, a_o, a_c)]
         segs[name] = {"layers": idx, **_summary(*seg, n_t, n_o)}
     return {"num_layers": att.num_layers, "measured_layers": att.layers, "rows": row_counts(att),
-            "mean_image_tokens": _num(n_o.double().mean()) if n_o.numel() else None,
-            "mean_prompt_text_tokens": _num(n_t.double().mean()) if n_t.numel() else None,
-            "mean_measured_queries": _num(att.n_queries[rows].double().mean()) if rows.any() else None,
+            "mean_image_tokens": as_python(n_o.double().mean()) if n_o.numel() else None,
+            "mean_prompt_text_tokens": as_python(n_t.double().mean()) if n_t.numel() else None,
+            "mean_measured_queries": as_python(att.n_queries[rows].double().mean()) if rows.any() else None,
             "layers": layers, "segments": segs}
 
 
 def mdi_curve(profile: dict[str, Any]) -> dict[str, list[float]]:
     """The plain arrays ``trl_mdi.plots.plot_mdi_by_layer`` draws, from a ``layer_profile``: layers, MDI, and the
     per-row 25th / 75th percentiles as the band (None -> NaN)."""
-    pick = lambda key: [math.nan if r[key] is None else float(r[key]) for r in profile["layers"]]  # noqa: E731
-    return {"layers": [r["layer"] for r in profile["layers"]], "mdi": pick("mdi"), "low": pick("mdi_p25"),
-            "high": pick("mdi_p75")}
+    return _curves(profile, mdi="mdi", low="mdi_p25", high="mdi_p75")
 
 
 def mass_curve(profile: dict[str, Any]) -> dict[str, list[float]]:
     """The plain arrays ``trl_mdi.plots.plot_mass_by_layer`` draws, from a ``layer_profile``."""
-    pick = lambda key: [math.nan if r[key] is None else float(r[key]) for r in profile["layers"]]  # noqa: E731
-    return {"layers": [r["layer"] for r in profile["layers"]], "image": pick("image"),
-            "prompt_text": pick("prompt_text"), "completion": pick("completion")}
+    return _curves(profile, image="image", prompt_text="prompt_text", completion="completion")
+
+
+def _curves(profile: dict[str, Any], **columns: str) -> dict[str, list[float]]:
+    """``layers`` and, per name, the per-layer column ``columns[name]`` of a ``layer_profile`` (None -> NaN)."""
+    rows = profile["layers"]
+    return {"layers": [r["layer"] for r in rows],
+            **{name: [math.nan if r[key] is None else float(r[key]) for r in rows] for name, key in columns.items()}}
 
 
 def _ratio(a, b) -> float | None:
