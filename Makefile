@@ -42,4 +42,4 @@ lint: install
 	$(BIN)/ruff check trl_mdi tests examples data_prep benchmarks
 
 clean:
-	rm -rf $(DEMO_DIR) training_logs/*.md training_logs/*/ .pytest_cache
+	rm -rf $(DEMO_DIR) demo_bench training_logs/*.md training_logs/*/ .pytest_cache

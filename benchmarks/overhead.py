@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _results import replace_section, set_offline_env
+from _results import replace_section, result_args, set_offline_env
 
 set_offline_env()
 
@@ -139,12 +139,11 @@ def main() -> None:
         for c in a.completion_lengths for v in variants
     ]
     lengths = " ".join(str(c) for c in a.completion_lengths)
-    default_lengths = a.completion_lengths == [32, 128]
     body = "\n".join([
         SECTION,
         "",
-        f"Reproduce: `.venv/bin/python benchmarks/overhead.py{' --quick' if a.quick else ''}"
-        f"{'' if default_lengths else ' --completion_lengths ' + lengths}` (from the repository root; "
+        f"Reproduce: `.venv/bin/python benchmarks/overhead.py{''.join(' ' + x for x in result_args(sys.argv[1:], ()))}`"
+        " (from the repository root; "
         f"{(time.time() - started) / 60:.1f} min).",
         "",
         f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "

@@ -355,3 +355,27 @@ def test_python_example_runs_on_a_tiny_model(tiny_vlm_dir, prepared_aokvqa_dir, 
     assert trainer.state.global_step == 1
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert logs and "attention/mdi_late" in logs[0] and "rewards/mdi_balance_reward/mean" in logs[0]
+
+
+def test_demo_figures_are_quoted_from_results():
+    """The demo's figures in docs/demo.md and the README are the ones benchmarks/demo.py recorded in RESULTS.md's
+    "## Demo" section (each quoted decimal equals a recorded one rounded to the digits shown)."""
+    results = _source(ROOT / "benchmarks" / "RESULTS.md")
+    assert "\n## Demo\n" in results, "benchmarks/RESULTS.md has no Demo section: run benchmarks/demo.py"
+    recorded = results.split("\n## Demo\n", 1)[1].split("\n## ", 1)[0]
+    numbers = [float(x) for x in re.findall(r"-?\d+\.\d+", recorded)]
+    seconds = set(re.findall(r"\b(\d+) s\b", recorded))
+    demo = _source(ROOT / "docs" / "demo.md")
+    readme = _source(ROOT / "README.md")
+    quoted = [p for p in re.split(r"\n\s*\n", demo) if p.startswith(("What it shows", "How long", "Two things",
+                                                                     "The profile of step"))]
+    quoted += [p for p in re.split(r"\n\s*\n", readme) if p.startswith("Held-out greedy accuracy goes from")]
+    assert len(quoted) == 5, "the demo paragraphs this test reads were renamed"
+    for paragraph in quoted:
+        for figure in re.findall(r"(?<![\w.])\d+\.\d+(?![\w.])", paragraph):
+            digits = len(figure.split(".")[1])
+            assert any(round(n, digits) == float(figure) for n in numbers), (
+                f"{figure!r} in {paragraph[:60]!r}... is not in RESULTS.md's Demo section: run benchmarks/demo.py "
+                "and quote its numbers")
+        for sec in re.findall(r"\b(\d+) s\b", paragraph):
+            assert sec in seconds or sec == "40", f"{sec} s is not a recorded demo time"
