@@ -39,7 +39,7 @@ demo: install
 	bash examples/demo.sh $(DEMO_DIR)
 
 lint: install
-	$(BIN)/ruff check trl_mdi tests examples data_prep benchmarks
+	$(BIN)/ruff check trl_mdi fixtures tests examples data_prep benchmarks
 
 clean:
 	rm -rf $(DEMO_DIR) demo_bench training_logs/*.md training_logs/*/ .pytest_cache

@@ -1,9 +1,18 @@
-"""benchmarks/language_prior.py's held-out evaluation: accuracy on conflict and non-conflict rows, and MDI."""
+"""benchmarks/language_prior.py's held-out evaluation: accuracy on conflict and non-conflict rows and MDI, and the
+reliance experiment's measurement (``trl_mdi.profile.reliance.measure_reliance`` on the held-out conflict rows)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
+from fixtures.warmup import WarmupRecipe, evaluate_accuracy, synthetic_dataset
 from trl_mdi.evaluation import score_completions
-from trl_mdi.warmup import WarmupRecipe, evaluate_accuracy, synthetic_dataset
+
+SIGNALS = ("mdi", "mdi_late", "answer_image_attention", "visual_gain", "answer_visual_gain", "blind_agrees")
+"""The per-rollout signals the benchmark reports (``mdi``: all layers), in table order."""
+KIND_SIGNALS = ("visual_gain", "answer_visual_gain", "blind_agrees")
+"""Of them, those that depend on the counterfactual kind."""
 
 
 class HeldOut:
@@ -37,3 +46,56 @@ class HeldOut:
         for seg in ("all", "late"):
             out[f"mdi_{seg}"] = r.mean_mdi(seg)
         return out
+
+    def conflict_rows(self, n: int):
+        """The first ``n`` held-out conflict rows (every one when fewer): the prompts of the reliance measurement."""
+        return self.ds.select(self.rows["conflict"][:n])
+
+    def reliance(self, model, processor, kinds, *, prompts: int, samples: int, max_new_tokens: int,
+                 n_boot: int = 1000, seed: int = 0) -> dict:
+        """The reliance experiment on ``prompts`` held-out conflict rows: ``samples`` completions per row sampled at
+        temperature 1 (``measure_reliance``; its greedy rollout 0 only gives the row's answer), every rollout
+        scored with the real image and each counterfactual ``kind``, and ``summarize_reliance``'s tables over the
+        SAMPLED rollouts: per kind every signal's AUROC against the data's own label (a conflict rollout answering
+        the object's usual colour is prior-following, one answering the drawn colour image-following, any other
+        left out), with bootstrap interval and within-group variance share, and the general rule's agreement with
+        that label. Returns a JSON-ready dict (see :func:`compact_summary`)."""
+        from trl_mdi.profile.reliance import measure_reliance
+        from trl_mdi.profile.reliance_report import summarize_reliance
+
+        was_training = model.training
+        model.eval()
+        try:
+            m = measure_reliance(model, processor, self.conflict_rows(prompts), list(kinds), samples=samples,
+                                 max_new_tokens=max_new_tokens, batch_size=32, seed=seed)
+        finally:
+            model.train(was_training)
+        sampled = dataclasses.replace(m, rollouts=[r for r in m.rollouts if r["sample"] > 0])
+        summary = summarize_reliance(sampled, n_boot=n_boot, seed=seed)
+        return compact_summary(summary, sampled)
+
+
+def _clean(x):
+    """JSON-ready: NaN -> None, recursively."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def compact_summary(summary: dict, m) -> dict:
+    """What the report keeps of ``summarize_reliance``'s summary: counts, seconds, the kind-independent signals'
+    means and, per kind, the accuracies, the signal means, the AUROC table against the data's label (rows of
+    ``SIGNALS`` only, by name) and the rule's agreement with it; plus the rollout count per class."""
+    kinds = {}
+    for kind, k in summary["kinds"].items():
+        table = {r["signal"]: r for r in (k["data_table"] or []) if r["signal"] in SIGNALS}
+        kinds[kind] = {"accuracy_image": k["accuracy_image"], "accuracy_counterfactual": k["accuracy_counterfactual"],
+                       "same_answer_rate": k["same_answer_rate"], "means": k["means"], "table": table,
+                       "agreement": k["agreement"]}
+    return _clean({"prompts": summary["rows"], "rollouts": summary["rollouts"], "samples": m.samples,
+                   "seconds": round(m.seconds, 2), "labelled": summary["data_labels"],
+                   "attention_means": summary["attention_means"], "kinds": kinds})

@@ -13,13 +13,26 @@ from pathlib import Path
 
 import torch
 import transformers
+from _language_prior_eval import KIND_SIGNALS, SIGNALS
 from _results import result_args
 
 SECTION = "## Language prior"
 CHANCE = 0.25
 HEAD, TAIL = 10, 20  # steps averaged for rollout metrics "before" (first) and "after" (last)
-REWARD_NAMES = ("mc_idx", "think_format", "mdi_balance", "mdi_group")
+REWARD_NAMES = ("mc_idx", "think_format", "mdi_balance", "mdi_group", "answer_visual_gain")
 OUTPUT_ONLY_FLAGS = ("--work_dir", "--png", "--results")
+BASELINE = "answer_format"
+BUDGET_MINUTES = 60  # issue 25: the whole benchmark on 2 cores
+# Issue 25's goals.
+GOAL_AUROC = {"answer_visual_gain": 0.95, "blind_agrees": 0.90}  # with the default counterfactual
+GOAL_CONFLICT_GAIN, GOAL_PLAIN, GOAL_CLEAN = 0.10, 0.98, 0.90
+SIGNAL_LABELS = {"mdi": "MDI all", "mdi_late": "MDI late", "answer_image_attention": "answer_image_attention",
+                 "visual_gain": "visual_gain", "answer_visual_gain": "answer_visual_gain",
+                 "blind_agrees": "blind_agrees"}
+LIVE = (("reliance/blind_agree_rate", "blind_agree_rate", ".2f"), ("reliance/answer_visual_gain", "answer_visual_gain",
+                                                                    "+.2f"),
+        ("reliance/visual_gain", "visual_gain", "+.3f"), ("reliance/answer_rate", "answer_rate", ".2f"),
+        ("completions/mean_length", "completion length", ".1f"), ("entropy", "entropy", ".2f"))
 
 
 def _finite(xs) -> list[float]:
@@ -62,35 +75,79 @@ def by_variant(runs: list[dict], variants: dict) -> dict[str, list[dict]]:
     return {k: v for k, v in out.items() if v}
 
 
+def final(run: dict) -> dict:
+    return run["evals"][-1]
+
+
+def paired(groups: dict[str, list[dict]], name: str, key: str) -> list[float]:
+    """Per seed, the run's final held-out ``key`` minus the baseline's (answer + format only) on the same seed."""
+    base = {r["seed"]: final(r)[key] for r in groups.get(BASELINE, [])}
+    return [final(r)[key] - base[r["seed"]] for r in groups.get(name, []) if r["seed"] in base]
+
+
+def training_goal(groups: dict[str, list[dict]], name: str) -> tuple[bool, str] | None:
+    """Issue 25's training goal for a variant: paired conflict gain >= 0.10 over the baseline, non-conflict >= 0.98,
+    clean format >= 0.9 (means over seeds). None for the baseline or without paired seeds."""
+    d = paired(groups, name, "conflict")
+    if name == BASELINE or not d:
+        return None
+    plain = _mean(final(r)["plain"] for r in groups[name])
+    clean = _mean(final(r)["clean"] for r in groups[name])
+    misses = []
+    if not statistics.fmean(d) >= GOAL_CONFLICT_GAIN:
+        misses.append(f"Δ conflict {statistics.fmean(d):+.3f} < +{GOAL_CONFLICT_GAIN:.2f}")
+    if not plain >= GOAL_PLAIN:
+        misses.append(f"non-conflict {plain:.3f} < {GOAL_PLAIN}")
+    if not clean >= GOAL_CLEAN:
+        misses.append(f"clean {clean:.3f} < {GOAL_CLEAN}")
+    return not misses, "met" if not misses else "not met: " + ", ".join(misses)
+
+
 def warmup_lines(warm: dict) -> list[str]:
     w, b = warm["eval"], warm["eval_blank"]
     return [
-        "| warm-up model | conflict acc. | non-conflict acc. | conflict rows answered with the prior | blank images: "
-        "non-conflict acc. | blank images: conflict acc. | MDI all (conflict / non-conflict rows) | MDI late |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-        f"| after {warm['sft_steps']} SFT steps | {w['conflict']:.3f} | {w['plain']:.3f} | {w['prior_follow']:.3f} | "
-        f"{b['plain']:.3f} | {b['conflict']:.3f} | {w['mdi_all']:.3f} ({_f(w['mdi_all_conflict'])} / "
-        f"{_f(w['mdi_all_plain'])}) | {w['mdi_late']:.3f} |",
+        "| warm-up model | conflict acc. | non-conflict acc. | clean format | conflict rows answered with the prior | "
+        "blank images: non-conflict acc. | blank images: conflict acc. | MDI all (conflict / non-conflict rows) | "
+        "MDI late |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| after {warm['sft_steps']} SFT steps | {w['conflict']:.3f} | {w['plain']:.3f} | {_f(w.get('clean'))} | "
+        f"{w['prior_follow']:.3f} | {b['plain']:.3f} | {b['conflict']:.3f} | {w['mdi_all']:.3f} "
+        f"({_f(w['mdi_all_conflict'])} / {_f(w['mdi_all_plain'])}) | {w['mdi_late']:.3f} |",
     ]
+
+
+def accuracy_table(groups: dict[str, list[dict]], variants: dict) -> list[str]:
+    """Issue 25's training numbers: conflict, non-conflict and clean-format rates at the end, each with its paired
+    difference from the baseline, and the goal."""
+    lines = [
+        "| variant | seeds | conflict acc. | Δ conflict vs baseline (paired) | non-conflict acc. | Δ non-conflict "
+        "(paired) | clean format | Δ clean (paired) | goal: Δ conflict ≥ +0.10, non-conflict ≥ 0.98, clean ≥ 0.9 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, rs in groups.items():
+        fin = [final(r) for r in rs]
+        cells = []
+        for key in ("conflict", "plain", "clean"):
+            d = paired(groups, name, key)
+            cells += [spread([e[key] for e in fin]), "—" if name == BASELINE or not d else spread(d, "+.3f")]
+        goal = training_goal(groups, name)
+        lines.append(f"| {variants[name].label} | {','.join(str(r['seed']) for r in rs)} | " + " | ".join(cells)
+                     + f" | {'(baseline)' if name == BASELINE else '—' if goal is None else goal[1]} |")
+    return lines
 
 
 def variant_table(groups: dict[str, list[dict]], variants: dict) -> list[str]:
     lines = [
-        "| variant | seeds | conflict acc. (end) | Δ conflict vs answer+format, paired by seed | non-conflict acc. "
-        "(end) | conflict rows answered with the prior (end) | blank non-conflict acc. (end) | held-out MDI all: "
+        "| variant | conflict rows answered with the prior (end) | blank non-conflict acc. (end) | held-out MDI all: "
         "start → end | held-out MDI late: start → end | rollout MDI all: first 10 → last 20 steps | rollout MDI "
         "late | s / step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    base = {r["seed"]: r["evals"][-1]["conflict"] for r in groups.get("answer_format", [])}
     for name, rs in groups.items():
-        fin = [r["evals"][-1] for r in rs]
+        fin = [final(r) for r in rs]
         start = rs[0]["evals"][0]
-        deltas = [r["evals"][-1]["conflict"] - base[r["seed"]] for r in rs if r["seed"] in base]
         lines.append(
-            f"| {variants[name].label} | {','.join(str(r['seed']) for r in rs)} | {spread([e['conflict'] for e in fin])}"
-            f" | {'—' if name == 'answer_format' or not deltas else spread(deltas, '+.3f')} | "
-            f"{spread([e['plain'] for e in fin])} | {spread([e['prior_follow'] for e in fin])} | "
+            f"| {variants[name].label} | {spread([e['prior_follow'] for e in fin])} | "
             f"{spread([r['blank_final']['plain'] for r in rs])} | "
             f"{_f(start['mdi_all'])} → {spread([e['mdi_all'] for e in fin])} | "
             f"{_f(start['mdi_late'])} → {spread([e['mdi_late'] for e in fin])} | "
@@ -98,23 +155,37 @@ def variant_table(groups: dict[str, list[dict]], variants: dict) -> list[str]:
             f"{_f(_mean(step_mean(r, 'attention/mdi', False) for r in rs))} | "
             f"{_f(_mean(step_mean(r, 'attention/mdi_late', True) for r in rs))} → "
             f"{_f(_mean(step_mean(r, 'attention/mdi_late', False) for r in rs))} | "
-            f"{spread([r['grpo_seconds'] / max(1, r['evals'][-1]['step']) for r in rs], '.2f')} |"
+            f"{spread([r['grpo_seconds'] / max(1, final(r)['step']) for r in rs], '.2f')} |"
         )
     return lines
 
 
+def live_table(groups: dict[str, list[dict]], variants: dict) -> list[str]:
+    """The trainer's live reliance/* metrics (and the completion length and entropy, where a policy gaming a
+    counterfactual gap shows first), first 10 -> last 20 steps, mean over seeds."""
+    lines = ["| variant | " + " | ".join(label for _, label, _ in LIVE) + " |", "|---|" + "---:|" * len(LIVE)]
+    for name, rs in groups.items():
+        cells = [f"{_f(_mean(step_mean(r, key, True) for r in rs), fmt)} → "
+                 f"{_f(_mean(step_mean(r, key, False) for r in rs), fmt)}" for key, _, fmt in LIVE]
+        lines.append(f"| {variants[name].label} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def spread_table(groups: dict[str, list[dict]], variants: dict) -> list[str]:
+    own = ("mdi_balance", "answer_visual_gain")
     lines = ["| variant | " + " | ".join(f"{n} zero-spread (all steps)" for n in REWARD_NAMES)
-             + " | mdi_balance reward: first 10 → last 20 steps | tprl/signal_rank_corr |",
-             "|---|" + "---:|" * (len(REWARD_NAMES) + 2)]
+             + " | " + " | ".join(f"{n} reward: first 10 → last 20 steps" for n in own) + " | tprl/signal_rank_corr |",
+             "|---|" + "---:|" * (len(REWARD_NAMES) + len(own) + 1)]
     for name, rs in groups.items():
         cells = [spread([zero_spread(r, n) for r in rs], ".2f") if n in variants[name].rewards else "—"
                  for n in REWARD_NAMES]
-        bal = ("—" if "mdi_balance" not in variants[name].rewards else
-               f"{_f(_mean(step_mean(r, 'rewards/mdi_balance_reward/mean', True) for r in rs), '.2f')} → "
-               f"{_f(_mean(step_mean(r, 'rewards/mdi_balance_reward/mean', False) for r in rs), '.2f')}")
+        for n in own:
+            key = f"rewards/{n}_reward/mean"
+            cells.append("—" if n not in variants[name].rewards else
+                         f"{_f(_mean(step_mean(r, key, True) for r in rs), '.2f')} → "
+                         f"{_f(_mean(step_mean(r, key, False) for r in rs), '.2f')}")
         corr = _mean(x.get("tprl/signal_rank_corr") for r in rs for x in r["steps"])
-        lines.append(f"| {variants[name].label} | " + " | ".join(cells) + f" | {bal} | {_f(corr, '.2f')} |")
+        lines.append(f"| {variants[name].label} | " + " | ".join(cells) + f" | {_f(corr, '.2f')} |")
     return lines
 
 
@@ -126,21 +197,164 @@ def curve_lines(groups: dict[str, list[dict]], variants: dict) -> list[str]:
         for st in steps:
             vals = [e["conflict"] for r in rs for e in r["evals"] if e["step"] == st]
             cells.append(f"{st}: {_mean(vals):.3f}")
-        per_seed = ", ".join(f"seed {r['seed']} {r['evals'][-1]['conflict']:.3f}" for r in rs)
+        per_seed = ", ".join(f"seed {r['seed']} {final(r)['conflict']:.3f}" for r in rs)
         out.append(f"- {variants[name].label}: {', '.join(cells)} (final per seed: {per_seed})")
     return out
+
+
+# ------------------------------------------------------------------------------------------------- reliance
+
+
+def _auc(row: dict | None) -> str:
+    if not row or row.get("auroc") is None:
+        return "—"
+    return f"{row['auroc']:.3f} [{_f(row.get('low'))}, {_f(row.get('high'))}]"
+
+
+def _agreement(a: dict | None) -> str:
+    if not a or not a.get("n"):
+        return "—"
+    return f"{_f(a['agreement'])} (κ {_f(a['kappa'], '.2f')}, n {a['n']})"
+
+
+def warm_reliance_lines(rel: dict | None, s) -> list[str]:
+    """The warm-up model's AUROC tables: the kind-independent signals once, then one row per counterfactual kind."""
+    if not rel:
+        return ["No reliance measurement of the warm-up model in this invocation.", ""]
+    lab = rel.get("labelled") or {}
+    kinds = rel["kinds"]
+    first = next(iter(kinds.values()), {"table": {}})
+    lines = [
+        f"{rel['prompts']} held-out conflict prompts x {rel['samples']} completions sampled at temperature 1 (up to "
+        f"{s.max_completion_length} tokens, as GRPO samples) = {rel['rollouts']} rollouts, "
+        f"{lab.get('rollouts', 0)} labelled by the data ({lab.get('prior_following', 0)} prior-following: they answer "
+        "the object's usual colour; the others answer the drawn colour; other answers and no answer are left out); "
+        f"measured in {rel['seconds']:.0f} s. AUROC: how well the signal ranks prior-following above image-following "
+        "rollouts (1 perfect, 0.5 blind, < 0.5 the other way), with its 95% bootstrap interval; within-group share: "
+        "the part of the signal's variance between rollouts of one prompt, all GRPO can use. Signals that do not "
+        "depend on the counterfactual:",
+        "",
+        "| signal | prior-following when | n (prior-following) | AUROC [95% CI] | within-group variance share | mean, "
+        "prior-following | mean, image-following |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for name in SIGNALS:
+        r = first["table"].get(name)
+        if name in KIND_SIGNALS or r is None:
+            continue
+        lines.append(f"| {SIGNAL_LABELS[name]} | {r['direction']} | {r['n']} ({r['n_prior']}) | {_auc(r)} | "
+                     f"{_f(r['within_group_share'])} | {_f(r['mean_prior'])} | {_f(r['mean_other'])} |")
+    lines += [
+        "",
+        "Per counterfactual kind (blind acc.: the greedy answer with the counterfactual image against the gold one; "
+        "same answer: the share of prompts whose greedy answer the blind one repeats; rule vs data: how often the "
+        "general rule, prior-following = the blind answer and not the gold one, agrees with the data's label, with "
+        "Cohen's κ; means: prior-following / image-following rollouts):",
+        "",
+        "| counterfactual | blind acc. | same answer | rule vs data label | visual_gain AUROC | answer_visual_gain "
+        "AUROC | blind_agrees AUROC | within-group share (vg / avg / ba) | visual_gain means | answer_visual_gain "
+        "means | blind_agrees means |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for kind, k in kinds.items():
+        t = k["table"]
+        shares = " / ".join(_f((t.get(n) or {}).get("within_group_share"), ".2f") for n in KIND_SIGNALS)
+        means = [f"{_f((t.get(n) or {}).get('mean_prior'), '+.3f')} / {_f((t.get(n) or {}).get('mean_other'), '+.3f')}"
+                 for n in KIND_SIGNALS]
+        mark = " (the runs')" if kind == s.counterfactual else ""
+        lines.append(f"| `{kind}`{mark} | {_f(k['accuracy_counterfactual'])} | {_f(k['same_answer_rate'])} | "
+                     f"{_agreement(k['agreement'])} | " + " | ".join(_auc(t.get(n)) for n in KIND_SIGNALS)
+                     + f" | {shares} | " + " | ".join(means) + " |")
+    if rel.get("unusable"):
+        lines += ["", "Left out (the processor cannot encode them): "
+                  + "; ".join(f"`{k}`: {e}" for k, e in rel["unusable"].items())]
+    return lines + [""]
+
+
+def end_reliance_lines(groups: dict[str, list[dict]], variants: dict, s) -> list[str]:
+    """The same measurement at the end of every run (the runs' counterfactual only): AUROC mean ± sd over seeds, and
+    the signals' means over the sampled rollouts."""
+    rows = {n: [r["reliance_end"] for r in rs if r.get("reliance_end")] for n, rs in groups.items()}
+    if not any(rows.values()):
+        return ["No end-of-run reliance measurement in this invocation.", ""]
+    ex = next(m for ms in rows.values() for m in ms)
+    lines = [
+        f"At the end of every run, with the runs' counterfactual `{s.counterfactual}` only: {ex['prompts']} held-out "
+        f"conflict prompts x {ex['samples']} sampled completions per run; AUROC against the data's label, mean ± sd "
+        "over seeds (each run's own 95% interval is in its JSON record); n: labelled rollouts per run (of them "
+        "prior-following), mean over seeds.",
+        "",
+        "| variant | n (prior-following) | " + " | ".join(f"{SIGNAL_LABELS[n]} AUROC" for n in SIGNALS)
+        + " | rule vs data label | visual_gain mean | answer_visual_gain mean | blind_agrees mean |",
+        "|---|---:|" + "---:|" * (len(SIGNALS) + 4),
+    ]
+    for name, ms in rows.items():
+        if not ms:
+            continue
+        ks = [m["kinds"][s.counterfactual] for m in ms]
+        n = _mean((m.get("labelled") or {}).get("rollouts") for m in ms)
+        n_prior = _mean((m.get("labelled") or {}).get("prior_following") for m in ms)
+        aucs = [_spread_sd([(k["table"].get(sig) or {}).get("auroc") for k in ks]) for sig in SIGNALS]
+        agree = _spread_sd([(k["agreement"] or {}).get("agreement") for k in ks])
+        means = [_spread_sd([k["means"].get(sig) for k in ks], "+.3f" if sig != "blind_agrees" else ".3f")
+                 for sig in KIND_SIGNALS]
+        lines.append(f"| {variants[name].label} | {_f(n, '.0f')} ({_f(n_prior, '.0f')}) | " + " | ".join(aucs)
+                     + f" | {agree} | " + " | ".join(means) + " |")
+    return lines + [""]
+
+
+def _spread_sd(xs, fmt: str = ".3f") -> str:
+    """``mean ± sd`` over seeds (one value: the value)."""
+    xs = _finite(xs)
+    if not xs:
+        return "—"
+    return format(xs[0], fmt) if len(xs) == 1 else \
+        f"{format(statistics.fmean(xs), fmt)} ± {format(statistics.stdev(xs), fmt.lstrip('+'))}"
+
+
+def goal_lines(groups: dict[str, list[dict]], variants: dict, rel: dict | None, s) -> list[str]:
+    """Issue 25's goals, each with the measured number and whether it is met."""
+    out = ["Goals (issue 25), as measured:", ""]
+    kind = s.counterfactual
+    k = (rel or {}).get("kinds", {}).get(kind)
+    for sig, goal in GOAL_AUROC.items():
+        row = (k or {}).get("table", {}).get(sig)
+        ends = [((r.get("reliance_end") or {}).get("kinds", {}).get(kind) or {}).get("table", {}).get(sig, {})
+                .get("auroc") for rs in groups.values() for r in rs]
+        verdict = "—" if not row or row.get("auroc") is None else ("met" if row["auroc"] >= goal else "NOT met")
+        out.append(f"- {sig} AUROC ≥ {goal:.2f} with the runs' counterfactual `{kind}` (the trainer's default "
+                   f"unless --counterfactual): warm-up {_auc(row)}: {verdict}; at the end of the runs "
+                   f"{_spread_sd(ends)} (mean ± sd over all runs).")
+    if rel and rel.get("kinds"):
+        both = [kd for kd, v in rel["kinds"].items()
+                if all((v["table"].get(sig) or {}).get("auroc") is not None and v["table"][sig]["auroc"] >= g
+                       for sig, g in GOAL_AUROC.items())]
+        best = max(rel["kinds"], key=lambda kd: (rel["kinds"][kd]["table"].get("answer_visual_gain") or {})
+                   .get("auroc") or -1)
+        out.append(f"- Kinds meeting both AUROC goals on the warm-up model: "
+                   f"{', '.join(f'`{kd}`' for kd in both) if both else 'none'}; highest answer_visual_gain AUROC: "
+                   f"`{best}` ({_auc(rel['kinds'][best]['table'].get('answer_visual_gain'))}).")
+        mdi = (next(iter(rel["kinds"].values()))["table"].get("mdi") or {})
+        out.append(f"- MDI (all layers) beside them: AUROC {_auc(mdi)} on the same rollouts.")
+    for name in groups:
+        goal = training_goal(groups, name)
+        if goal is not None:
+            out.append(f"- Training, {variants[name].label}: {goal[1]} "
+                       f"(non-conflict {_f(_mean(final(r)['plain'] for r in groups[name]))}, clean "
+                       f"{_f(_mean(final(r)['clean'] for r in groups[name]))}).")
+    return out + [""]
 
 
 def verdict(groups: dict[str, list[dict]], variants: dict, warm: dict) -> list[str]:
     """The comparison in words, every number computed here: each variant's paired gain on conflict rows against
     answer + format only, set against the baseline's own seed-to-seed spread, and whether MDI saw the prior."""
-    base = {r["seed"]: r["evals"][-1]["conflict"] for r in groups.get("answer_format", [])}
+    base = {r["seed"]: final(r)["conflict"] for r in groups.get(BASELINE, [])}
     if len(base) < 2:
         return []
     sd = statistics.stdev(base.values())
     parts, beyond = [], []
-    for name, rs in groups.items():
-        d = [r["evals"][-1]["conflict"] - base[r["seed"]] for r in rs if r["seed"] in base and name != "answer_format"]
+    for name in groups:
+        d = paired(groups, name, "conflict") if name != BASELINE else []
         if d:
             parts.append(f"{variants[name].label} {statistics.fmean(d):+.3f} (better on {sum(x > 0 for x in d)}/"
                          f"{len(d)} seeds)")
@@ -161,35 +375,66 @@ def verdict(groups: dict[str, list[dict]], variants: dict, warm: dict) -> list[s
     ]
 
 
-def report(runs: list[dict], warm: dict, s, recipe, variants: dict, argv: list[str], started: float, failed: list,
-           load_end: float, workers: int) -> str:
-    """The section "## Language prior" of RESULTS.md, every number from ``runs`` and ``warm``."""
+def budget_line(s, span_minutes: float | None) -> str:
+    """What issue 25 asked that this invocation's settings cut, and the wall time against the 60-minute budget."""
+    cuts = [f"the end-of-run reliance measurement uses the runs' counterfactual `{s.counterfactual}` only (the "
+            "warm-up's covers every kind)"]
+    if s.end_samples < 8 or s.reliance_prompts < 200:
+        cuts.append(f"{s.reliance_prompts} prompts x {s.end_samples} samples at the end of runs (issue: 200 x 8)")
+    if s.warmup_samples < 8 or s.reliance_prompts < 200:
+        cuts.append(f"{s.reliance_prompts} prompts x {s.warmup_samples} samples on the warm-up model (issue: at "
+                    "least 200 x 8)")
+    if len(s.seeds) < 5 or s.seeds_other < 3:
+        cuts.append(f"{len(s.seeds)} seeds for the baseline and answer_visual_gain, {min(s.seeds_other, len(s.seeds))}"
+                    " for the others (issue: 5 and 3)")
+    if s.steps < 120:
+        cuts.append(f"{s.steps} GRPO steps per run (before: 120)")
+    if not s.reliance_everywhere:
+        cuts.append("the reliance signals are computed in training only where a reward reads them (one forward per "
+                    "step saved elsewhere), so the live reliance/* columns are empty for the other variants")
+    wall = "" if span_minutes is None else (
+        f" This invocation's jobs took {span_minutes:.1f} min from the warm-up's start to the last job's end: "
+        + ("within it." if span_minutes <= BUDGET_MINUTES else "OVER it."))
+    return (f"Budget: the whole benchmark under {BUDGET_MINUTES} min on 2 cores (issue 25).{wall} Cut from the "
+            "issue's asks: " + "; ".join(cuts) + ".")
+
+
+def report(runs: list[dict], warm: dict, warm_rel: dict | None, s, recipe, variants: dict, argv: list[str],
+           started: float, failed: list, load_end: float, workers: int) -> str:
+    """The section "## Language prior" of RESULTS.md, every number from ``runs``, ``warm`` and ``warm_rel``."""
     groups = by_variant(runs, variants)
     size = ", ".join(f"{k}={v}" for k, v in recipe.model_size.items())
     cmd = " ".join(["benchmarks/language_prior.py", *map(shlex.quote, result_args(argv, OUTPUT_ONLY_FLAGS))])
-    measured = warm["seconds"] + sum(r["wall_seconds"] for r in runs)
-    stamps = [warm.get("started_at")] + [r.get("ended_at") for r in runs]
-    last = max([t for t in stamps[1:] if t is not None], default=time.time())
-    span = (f"{(max(stamps[1:]) - stamps[0]) / 60:.1f} min from the warm-up's start to the last run's end, "
-            if runs and None not in stamps else "")
+    measured = warm["seconds"] + sum(r["wall_seconds"] for r in runs) + (warm_rel or {}).get("seconds", 0.0)
+    ends = [r.get("ended_at") for r in runs] + ([warm_rel.get("ended_at")] if warm_rel else [])
+    last = max([t for t in ends if t is not None], default=time.time())
+    span_minutes = ((last - warm["started_at"]) / 60 if ends and None not in ends and warm.get("started_at")
+                    else None)
+    span = f"{span_minutes:.1f} min from the warm-up's start to the last job's end, " if span_minutes else ""
     loads = [x for r in runs for x in r["load"]]
-    steps = max((r["evals"][-1]["step"] for r in runs), default=0)
+    steps = max((final(r)["step"] for r in runs), default=0)
+    seeds_line = (f"GRPO seeds {', '.join(map(str, s.seeds))} for "
+                  + ", ".join(variants[n].label for n in groups if variants[n].all_seeds)
+                  + f", the first {min(s.seeds_other, len(s.seeds))} for the others")
     lines = [
         SECTION,
         "",
         f"Reproduce: `.venv/bin/python {cmd}` (from the repository root). Wall time: {span}"
-        f"this invocation {(time.time() - started) / 60:.1f} min (a resumed invocation reuses finished runs); the "
-        f"warm-up and the runs' own times add up to {measured / 60:.1f} min. Plot: "
+        f"this invocation {(time.time() - started) / 60:.1f} min (a resumed invocation reuses finished jobs); the "
+        f"warm-up, its reliance measurement and the runs' own times add up to {measured / 60:.1f} min. Plot: "
         "[language_prior.png](language_prior.png).",
         "",
-        f"- Date (the last run's end): {datetime.datetime.fromtimestamp(last, datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
+        budget_line(s, span_minutes),
+        "",
+        f"- Date (the last job's end): {datetime.datetime.fromtimestamp(last, datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, `torch.set_num_threads({torch.get_num_threads()})`, Python "
-        f"{platform.python_version()}; {workers} run(s) at a time, each in its own process. Load average (1 min) over the runs {_f(min(loads, default=math.nan), '.2f')}"
-        f"–{_f(max(loads, default=math.nan), '.2f')}, {load_end:.2f} at the end: the machine is shared.",
-        f"- Model: `trl_mdi.tiny` {recipe.arch}, seed {recipe.model_seed}, {size}; {warm.get('num_params', 0):,} "
+        f"{platform.python_version()}; {workers} job(s) at a time, each in its own process. Load average (1 min) over "
+        f"the runs {_f(min(loads, default=math.nan), '.2f')}–{_f(max(loads, default=math.nan), '.2f')}, "
+        f"{load_end:.2f} at the end: the machine is shared.",
+        f"- Model: `fixtures.tiny` {recipe.arch}, seed {recipe.model_seed}, {size}; {warm.get('num_params', 0):,} "
         f"parameters, float32, 4 image tokens per {recipe.image_size}x{recipe.image_size} image.",
-        f"- Task: `trl_mdi.synthetic` kind prior_color, option_order {recipe.option_order} (A. red B. green C. blue "
+        f"- Task: `fixtures.synthetic` kind prior_color, option_order {recipe.option_order} (A. red B. green C. blue "
         "D. yellow), objects tomato/red, grass/green, sky/blue, banana/yellow; the answer is the image's colour. "
         f"Warm-up: {recipe.n_train} rows of split train (seed {recipe.data_seed}), conflict rate "
         f"{recipe.conflict_rate:g}, target `<think> {recipe.think}</think>\\nAnswer: X`, {recipe.epochs:g} epochs, "
@@ -201,28 +446,55 @@ def report(runs: list[dict], warm: dict, s, recipe, variants: dict, argv: list[s
         f"- GRPO (`MDIGRPOTrainer`): {steps} steps per run, {s.prompts_per_step} prompts x {s.num_generations} "
         f"generations per step, max_completion_length {s.max_completion_length}, lr {s.learning_rate:g} "
         f"{s.lr_scheduler_type}, beta 0, temperature 1, mask_truncated_completions, attention metrics on (every "
-        f"variant pays for the probe), GRPO seeds {', '.join(map(str, s.seeds))}. Rewards per variant: "
+        "variant pays for the probe), "
+        + ("reliance signals on in every run (`reliance_signals=True`: one no-grad forward with the counterfactual "
+           "image per step, in every variant, so that the live reliance/* metrics compare)" if s.reliance_everywhere
+           else "reliance signals on only where a reward reads them")
+        + f", counterfactual image `{s.counterfactual}`; {seeds_line}. Rewards per variant: "
         + "; ".join(f"{v.label}: " + ", ".join(f"{n} {w:g}" for n, w in zip(v.rewards, v.weights))
                     + (f", TPRL (entropy + perception filtering, trajectory reweighting, VPPO defaults) with "
                        f"perception_signal={v.tprl!r}" if v.tprl else "")
-                    for k, v in variants.items() if k in groups) + ". The perturbation variant also computes the "
-        "attention signal (perception_signal_compare) to log `tprl/signal_rank_corr`; it filters and reweights by "
-        "the perturbation signal only.",
+                    + (f", perception_perturbation=`{s.counterfactual}` (the counterfactual: one forward serves TPRL "
+                       "and the reliance signals)" if v.perturbation else "")
+                    for k, v in variants.items() if k in groups) + ". The perturbation-signal variant (VPPO's "
+        "patch blackening) also computes the attention signal (perception_signal_compare) to log "
+        "`tprl/signal_rank_corr`; it filters and reweights by the perturbation signal only.",
         f"- Evaluation: greedy, max_new_tokens {s.eval_max_new_tokens}, every {s.eval_every} steps; accuracy by "
-        "the mc_idx reward's parser. Held-out MDI: `measure_modality_attention` on prompt + greedy answer (text = "
+        "the mc_idx reward's parser; clean format: the completion is exactly `<think>...</think>\\nAnswer: X` and "
+        "ends at end of sequence. Held-out MDI: `measure_modality_attention` on prompt + greedy answer (text = "
         "every non-image prompt token, layers in thirds), mean over rows; rollout MDI: the trainer's "
         "`attention/mdi` / `attention/mdi_late` on the rollouts it trained on. s / step: the run's GRPO wall time "
         "per step without evaluations; it moves with the machine's load (other users' jobs, the other worker), so "
-        "compare it across variants with care; TPRL with the perturbation signal runs one extra forward per step.",
+        "compare it across variants with care; TPRL with the perturbation signal runs one extra forward per step "
+        "(none more for the counterfactual-as-perturbation variant: it shares the reliance forward).",
+        f"- Reliance: `trl_mdi.profile.reliance.measure_reliance` (plain no-grad forwards, real and counterfactual "
+        "image, on the held-out conflict rows) summarised by `trl_mdi.profile.reliance_report.summarize_reliance` "
+        f"(`trl_mdi.reliance.signal_table`, {s.n_boot} stratified bootstrap resamples, and `label_agreement`), over "
+        "the sampled rollouts only (the greedy one gives each prompt's answer for the blind-answer rule).",
         "",
         "Prior reliance of the shared warm-up (chance 0.25):",
         "",
         *warmup_lines(warm),
         "",
-        "Variants (mean ± sd [min–max] over seeds; start = the warm-up's row above):",
+        "Which per-rollout signal sees prior-following answers: the warm-up model.",
+        "",
+        *warm_reliance_lines(warm_rel, s),
+        "Variants at the end: accuracy and format (mean ± sd [min–max] over seeds; paired: each seed minus the "
+        "baseline's same seed):",
+        "",
+        *accuracy_table(groups, variants),
+        "",
+        "Prior, blank images, MDI and time (start = the warm-up's row above):",
         "",
         *variant_table(groups, variants),
         "",
+        "Live reliance signals of the rollouts each run trained on (the trainer's reliance/* metrics), first 10 → "
+        "last 20 steps, mean over seeds; a policy gaming a counterfactual gap shows as a falling answer_rate and a "
+        "rising completion length or entropy:",
+        "",
+        *live_table(groups, variants),
+        "",
+        *end_reliance_lines(groups, variants, s),
         "Reward signal: `rewards/<name>/zero_spread_frac`, the fraction of groups whose rollouts all got the same "
         "value of that reward (no GRPO signal from it), mean over steps and seeds:",
         "",
@@ -232,26 +504,95 @@ def report(runs: list[dict], warm: dict, s, recipe, variants: dict, argv: list[s
         "",
         *curve_lines(groups, variants),
         "",
+        *goal_lines(groups, variants, warm_rel, s),
         *verdict(groups, variants, warm),
     ]
     if failed:
-        lines += ["Failed runs (not in the tables): " + "; ".join(f"{n} seed {sd}: {e}" for n, sd, e in failed), ""]
+        lines += ["Failed jobs (not in the tables): " + "; ".join(f"{k}: {e}" for k, e in failed), ""]
     return "\n".join(lines)
 
 
-def plot(runs: list[dict], variants: dict, path: Path) -> None:
-    """Conflict-row accuracy, non-conflict accuracy and held-out MDI vs step: one line per variant (mean over
-    seeds) with the min–max band."""
+# ----------------------------------------------------------------------------------------- time projection
+
+
+def _median(xs) -> float:
+    xs = _finite(xs)
+    return statistics.median(xs) if xs else math.nan
+
+
+def projection_lines(runs: list[dict], warm: dict, warm_rel: dict | None, s, full, recipe, full_recipe,
+                     variants: dict, workers: int) -> list[str]:
+    """The full benchmark's projected wall time from this (quick) invocation's own timings: per variant, its median
+    GRPO step time (the first step left out: it pays one-off costs), its held-out evaluation time per row and its
+    end-of-run reliance time per rollout, scaled to ``full``'s steps, rows and rollouts, plus its setup time
+    (model load, trainer construction); the warm-up's SFT scaled by epochs; the jobs then scheduled on ``workers``
+    in the order the benchmark submits them (each to the first free worker)."""
+    groups = by_variant(runs, variants)
+    if not groups:
+        return ["Projection: no finished run to time."]
+    evals_full = math.ceil(full.steps / full.eval_every) + 1  # every eval_every steps (and the last), + the blank one
+    per_run, notes = {}, []
+    for name, rs in groups.items():
+        step = _median(x for r in rs for x in r["step_seconds"][1:])
+        e_row = _mean((sum(e["seconds"] for e in r["evals"][1:]) + r["blank_final"]["seconds"])
+                      / (len(r["evals"]) * s.n_eval) for r in rs)
+        rel = [r["reliance_end"] for r in rs if r.get("reliance_end")]
+        rel_roll = _mean(m["seconds"] / (m["prompts"] * (m["samples"] + 1)) for m in rel) if rel else 0.0
+        setup = _mean(r["wall_seconds"] - r["grpo_seconds"] - r["eval_seconds"] - r["blank_final"]["seconds"]
+                      - (r.get("reliance_end") or {}).get("seconds", 0.0) for r in rs)
+        train = step * full.steps
+        ev = e_row * full.n_eval * evals_full
+        rl = rel_roll * full.reliance_prompts * (full.end_samples + 1)
+        per_run[name] = setup + train + ev + rl
+        notes.append(f"  {name}: {step:.2f} s/step x {full.steps} = {train / 60:.1f} min, evals {e_row * 1000:.0f} ms/row"
+                     f" x {full.n_eval} x {evals_full} = {ev / 60:.1f} min, end reliance {rel_roll * 1000:.0f} ms/rollout"
+                     f" x {full.reliance_prompts * (full.end_samples + 1)} = {rl / 60:.1f} min, setup {setup:.0f} s: "
+                     f"{per_run[name] / 60:.1f} min per run x {len(full.seeds_for(name))} seeds")
+    sft = warm["seconds"] * full_recipe.epochs / recipe.epochs
+    e_row0 = _mean((sum(e["seconds"] for e in r["evals"][1:]) + r["blank_final"]["seconds"])
+                   / (len(r["evals"]) * s.n_eval) for r in runs)
+    warm_total = sft + 2 * e_row0 * full.n_eval
+    jobs = []
+    if warm_rel:
+        kinds = max(len(warm_rel["kinds"]), 1)
+        w_roll = warm_rel["seconds"] / (warm_rel["prompts"] * (warm_rel["samples"] + 1))
+        jobs.append(w_roll * full.reliance_prompts * (full.warmup_samples + 1))
+        notes.append(f"  warm-up reliance: {w_roll * 1000:.0f} ms/rollout ({kinds} kinds) x "
+                     f"{full.reliance_prompts * (full.warmup_samples + 1)} = {jobs[0] / 60:.1f} min")
+    missing = [n for n in full.variants if n not in per_run]
+    for seed in full.seeds:
+        for name in full.variants:
+            if seed in full.seeds_for(name) and name in per_run:
+                jobs.append(per_run[name])
+    free = [0.0] * workers
+    for d in jobs:
+        i = free.index(min(free))
+        free[i] += d
+    total = warm_total + max(free)
+    return [f"Projected full benchmark ({len(jobs)} jobs on {workers} workers, from this invocation's timings, "
+            f"machine load {os.getloadavg()[0]:.2f}): {total / 60:.1f} min wall (warm-up {warm_total / 60:.1f} min, "
+            f"then {max(free) / 60:.1f} min of jobs; budget {BUDGET_MINUTES} min)"
+            + (f"; variants not timed here, left out: {', '.join(missing)}" if missing else "") + ":", *notes]
+
+
+# ---------------------------------------------------------------------------------------------------- plot
+
+
+def plot(runs: list[dict], warm_rel: dict | None, s, variants: dict, path: Path) -> None:
+    """Top: conflict-row accuracy, non-conflict accuracy and held-out MDI vs step, one line per variant (mean over
+    seeds) with the min–max band. Bottom: the live reliance/blind_agree_rate and reliance/answer_visual_gain of the
+    rollouts trained on (10-step running mean, mean over seeds), and the warm-up model's AUROC per signal and
+    counterfactual kind with its 95% interval."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     groups = by_variant(runs, variants)
+    fig, axes = plt.subplots(2, 3, figsize=(18, 10))
     panels = [("conflict", "held-out accuracy, conflict rows"), ("plain", "held-out accuracy, non-conflict rows"),
               ("mdi_all", "held-out MDI of greedy answers (all layers)")]
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
-    for ax, (key, title) in zip(axes, panels):
+    for ax, (key, title) in zip(axes[0], panels):
         for i, (name, rs) in enumerate(groups.items()):
             steps = sorted({e["step"] for r in rs for e in r["evals"]})
             vals = [[e[key] for r in rs for e in r["evals"] if e["step"] == st] for st in steps]
@@ -265,10 +606,39 @@ def plot(runs: list[dict], variants: dict, path: Path) -> None:
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("GRPO step (0 = shared warm-up)")
         ax.grid(alpha=0.3)
-    handles, labels = axes[0].get_legend_handles_labels()
+    for ax, (key, title) in zip(axes[1][:2], [("reliance/blind_agree_rate", "rollouts: reliance/blind_agree_rate"),
+                                             ("reliance/answer_visual_gain", "rollouts: reliance/answer_visual_gain")]):
+        for i, rs in enumerate(groups.values()):
+            n = max((len(r["steps"]) for r in rs), default=0)
+            per_step = [_mean(r["steps"][j].get(key) for r in rs if j < len(r["steps"])) for j in range(n)]
+            smooth = [_mean(per_step[max(0, j - 9): j + 1]) for j in range(n)]
+            ax.plot(range(1, n + 1), smooth, color=f"C{i}")
+        ax.set_title(f"{title} (counterfactual `{s.counterfactual}`, 10-step mean)", fontsize=10)
+        ax.set_xlabel("GRPO step")
+        ax.grid(alpha=0.3)
+    ax = axes[1][2]
+    if warm_rel and warm_rel.get("kinds"):
+        kinds = list(warm_rel["kinds"])
+        width = 0.8 / len(SIGNALS)
+        for j, sig in enumerate(SIGNALS):
+            rows = [warm_rel["kinds"][k]["table"].get(sig) or {} for k in kinds]
+            xs = [i + (j - (len(SIGNALS) - 1) / 2) * width for i in range(len(kinds))]
+            ys = [r.get("auroc") if r.get("auroc") is not None else math.nan for r in rows]
+            err = [[max(0.0, y - (r.get("low") or y)) for y, r in zip(ys, rows)],
+                   [max(0.0, (r.get("high") or y) - y) for y, r in zip(ys, rows)]]
+            ax.bar(xs, ys, width, yerr=err, capsize=2, label=SIGNAL_LABELS[sig], color=f"C{j}")
+        for goal in sorted(set(GOAL_AUROC.values())):
+            ax.axhline(goal, ls="--", color="0.4", lw=0.8)
+        ax.axhline(0.5, ls=":", color="k", lw=1)
+        ax.set_xticks(range(len(kinds)), [f"{k}*" if k == s.counterfactual else k for k in kinds], fontsize=8)
+        ax.set_ylim(0, 1.05)
+        ax.legend(fontsize=7, loc="lower right", ncol=2)
+    ax.set_title("warm-up model: AUROC for prior-following, by counterfactual (* the runs')", fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+    handles, labels = axes[0][0].get_legend_handles_labels()
     fig.suptitle("trl_mdi language-prior benchmark: tiny Qwen2-VL, prior_color questions (line: mean over seeds, "
                  "band: min–max; dotted: chance)", fontsize=11)
-    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
-    fig.savefig(path, dpi=110)
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
+    fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -60,7 +60,7 @@ from _results import replace_section, set_offline_env
 set_offline_env()
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
+if str(ROOT) not in sys.path:  # fixtures/ (tiny models, test helpers) is a folder of the checkout, not installed
     sys.path.insert(0, str(ROOT))
 
 SECTION = "## Attention probe: memory and time"
@@ -142,7 +142,7 @@ def build_inputs(processor, length: int, batch: int, image_tokens: int, seed: in
     3/4 of the maximum (right-padded); odd rows: a prompt 1/8 shorter (left-padded) and the longest
     completion. Prompt text (single-token words) is padded so the longest prompt hits its target exactly.
     """
-    from trl_mdi.testing import chat_prompt, grpo_batch, shape_image
+    from fixtures.testing import chat_prompt, grpo_batch, shape_image
 
     side = 28 * math.isqrt(image_tokens)
     c_len = length // 2
@@ -298,8 +298,8 @@ def _probe_vs_eager(sdpa, eager, batch) -> float:
     """Max |probe mass - eager reference mass| over rows, layers and groups (sanity check, small lengths)."""
     import torch
 
+    from fixtures.testing import eager_group_masses
     from trl_mdi.attention import image_token_ids, measure_modality_attention
-    from trl_mdi.testing import eager_group_masses
 
     ids, am, cm = batch["input_ids"], batch["attention_mask"].bool(), batch["completion_mask"].bool()
     mm = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "completion_mask")}
@@ -571,7 +571,7 @@ def orchestrate(args) -> int:
     _log(f"machine: {machine}")
     tmp = None
     if args.model_dir is None:
-        from trl_mdi.tiny import save_tiny_vlm
+        from fixtures.tiny import save_tiny_vlm
 
         tmp = tempfile.mkdtemp(prefix="attn-mem-bench-")
         args.model_dir = str(save_tiny_vlm(
@@ -631,12 +631,12 @@ def render(args, machine, info, rows, vocab_rows, kernels, total) -> str:
         f"{machine['loadavg'][0]:.2f}; torch {machine['torch']} (CPU capability {machine['cpu_capability']}), "
         f"transformers {machine['transformers']}, Python {machine['python']}; "
         f"`torch.set_num_threads({args.threads})`, OMP/MKL threads {args.threads}, 1 interop thread.",
-        f"- Model: tiny random-weight Qwen2.5-VL (`trl_mdi.tiny.save_tiny_vlm('{ARCH}', ...)`), "
+        f"- Model: tiny random-weight Qwen2.5-VL (`fixtures.tiny.save_tiny_vlm('{ARCH}', ...)`), "
         f"{info['num_params']:,} parameters, float32. Text: {s['num_layers']} layers, hidden {s['hidden_size']}, "
         f"{s['num_heads']} heads / {s['num_kv_heads']} KV heads (head_dim {info['head_dim']}), MLP "
         f"{s['intermediate_size']}, vocab {info['vocab_size']}. Vision: {s['vision_depth']} blocks, hidden "
         f"{s['vision_hidden_size']}, {s['vision_num_heads']} heads; max_pixels {s['max_pixels']}.",
-        f"- Inputs: GRPO-shaped batch of {args.batch} (`trl_mdi.testing.grpo_batch`), one "
+        f"- Inputs: GRPO-shaped batch of {args.batch} (`fixtures.testing.grpo_batch`), one "
         f"{28 * math.isqrt(args.image_tokens)}x{28 * math.isqrt(args.image_tokens)} image per row = "
         f"{n_img} image tokens; the completion is half of L. Row 0: longest prompt, completion 3/4 of the max "
         "(right-padded); row 1: prompt 1/8 shorter (left-padded), longest completion. Prompt text padded with "

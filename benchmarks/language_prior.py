@@ -1,38 +1,53 @@
-"""Language prior: do MDI rewards or TPRL make a tiny VLM that leans on the question's wording read the image?
+"""Language prior: does a tiny VLM that leans on the question's wording read the image after GRPO, and which
+per-rollout signal sees whether an answer came from the image?
 
-    .venv/bin/python benchmarks/language_prior.py            # full run: 5 variants x 3 seeds, 2 at a time
+    .venv/bin/python benchmarks/language_prior.py            # full run: 7 variants, 3 or 5 seeds, 2 at a time
     .venv/bin/python benchmarks/language_prior.py --quick    # pipeline check: 1 seed, 4 steps; prints only
 
-Task (`trl_mdi.synthetic`, kind prior_color): "What color is the banana?" about one big drawn shape; options A. red
+Task (`fixtures.synthetic`, kind prior_color): "What color is the banana?" about one big drawn shape; options A. red
 B. green C. blue D. yellow. Each object (tomato, grass, sky, banana) has a canonical colour, the shape is drawn in it
 except on *conflict* rows, and the answer is always the image's colour. Reliance on the prior is behaviour:
 conflict-row accuracy below non-conflict accuracy, and accuracy on blank images (the same questions, nothing
 drawn) above chance on non-conflict rows.
 
-Warm-up (`trl_mdi.warmup.warm_start`, shared by every run): 200 rows with conflict rate 0.05, 6 SFT epochs; trials
+Warm-up (`fixtures.warmup.warm_start`, shared by every run): 200 rows with conflict rate 0.05, 6 SFT epochs; trials
 while this benchmark was built: conflict rate 0 gives a text-only model (conflict accuracy 0, so GRPO's groups on
 conflict prompts all fail alike), 0.1 to 0.2 a model that already reads the image on conflict rows (0.85 to 1.0),
 0.05 one in between (conflict accuracy 0.36 to 0.46, non-conflict 1.0, blank non-conflict 0.69 to 0.94).
 
+Reliance (issue 25): rollouts sampled at temperature 1 on the held-out conflict rows (default 200 prompts x 8) are
+scored by `trl_mdi.profile.reliance.measure_reliance` with the real image and a counterfactual one, and every
+per-rollout signal (MDI all / late, answer_image_attention, visual_gain, answer_visual_gain, blind_agrees) gets its
+AUROC at separating prior-following rollouts (they answer the object's usual colour: the data's own label) from
+image-following ones (the drawn colour), with a bootstrap interval and its within-group variance share
+(`trl_mdi.reliance.signal_table`, through `trl_mdi.profile.reliance_report.summarize_reliance`), and the general
+rule's agreement with that label (`label_agreement`). Under every counterfactual kind for the warm-up model (a job
+of its own, beside the runs); with the runs' counterfactual kind only at the end of every run.
+
 GRPO (`MDIGRPOTrainer`) from that warm-up on a 2000-row pool with conflict rate 0.5 (trials, answer + format only,
 120 steps: conflict accuracy 0.36 -> 0.41 with pool conflict rate 0.2, too little signal to tell variants apart;
 0.36 -> 0.64 with 0.5; GRPO lr 1e-3 instead of 3e-4 broke non-conflict rows, 1.0 -> 0.46 by step 20), 120 steps
-per run, side by side on the same steps and seeds, variants:
+per run, side by side on the same steps and seeds, every run computing and logging the reliance signals
+(`reliance_signals=True`, counterfactual `--counterfactual`, default the trainer's), variants:
 
-    answer_format      mc_idx 4, think_format 1
-    mdi_balance        + mdi_balance 1 (the brief's 4:1:1, the default stack)
-    mdi_group          + mdi_group 1 (group-relative MDI balance)
-    tprl_perturbation  answer_format + TPRL (entropy + perception filtering, trajectory reweighting), VPPO's
-                       perturbed-image signal (perception_signal="perturbation")
-    tprl_attention     the same with the probe's per-token image attention (perception_signal="attention")
+    answer_format        mc_idx 4, think_format 1                                         (5 seeds)
+    mdi_balance          + mdi_balance 1 (the brief's 4:1:1, the default stack)           (3 seeds)
+    mdi_group            + mdi_group 1 (group-relative MDI balance)                       (3 seeds)
+    tprl_perturbation    answer_format + TPRL (entropy + perception filtering, trajectory reweighting), VPPO's
+                         perturbed-image signal (perception_signal="perturbation")        (3 seeds)
+    tprl_attention       the same with the probe's per-token image attention               (3 seeds)
+    answer_visual_gain   + answer_visual_gain 1 (pays clip(g, 0, 4) / 4)                  (5 seeds)
+    tprl_counterfactual  tprl_perturbation with the counterfactual image as its perturbation
+                         (perception_perturbation = counterfactual_image: one forward serves both) (3 seeds)
 
 Held-out: 400 validation rows, 200 conflict + 200 not, greedy, every --eval_every steps, with the MDI of the greedy
 answers (`evaluate_accuracy(measure_attention=True)`); the same rows blank at the start and the end.
 
 Resumable: every finished (variant, seed) is a JSON file in --work_dir (default: a fixed folder under the system
-temp dir), the warm-up a model folder there; a rerun with the same settings skips what is done. Outputs:
-benchmarks/language_prior.png and the section "## Language prior" of benchmarks/RESULTS.md (only when every run
-finished; --quick prints only unless --write).
+temp dir), the warm-up a model folder there, its reliance measurement a JSON file; a rerun with the same settings
+skips what is done. Outputs: benchmarks/language_prior.png and the section "## Language prior" of
+benchmarks/RESULTS.md (only when every job finished; --quick prints only unless --write). --quick also prints the
+projected time of the full benchmark, from its own per-step and per-row timings.
 """
 
 from __future__ import annotations
@@ -52,24 +67,36 @@ from pathlib import Path
 from _results import replace_section, set_offline_env
 
 set_offline_env()
+# fixtures/ (tiny models, synthetic data, warm-up) is a folder of the checkout, not an installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep (see learning_curve.py)
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from _language_prior_eval import HeldOut  # noqa: E402
-from _language_prior_report import SECTION, plot, report  # noqa: E402
+from _language_prior_report import SECTION, plot, projection_lines, report  # noqa: E402
 from transformers import AutoProcessor, TrainerCallback  # noqa: E402
 from transformers.trainer_callback import PrinterCallback, ProgressCallback  # noqa: E402
 
+from fixtures.warmup import WarmupRecipe, synthetic_dataset, warm_start  # noqa: E402
 from trl_mdi.config import MDIGRPOConfig  # noqa: E402
+from trl_mdi.counterfactual import NO_IMAGE, counterfactual_kinds  # noqa: E402
 from trl_mdi.diagnostics import ConsoleSummaryCallback  # noqa: E402
 from trl_mdi.trainer import MDIGRPOTrainer  # noqa: E402
-from trl_mdi.warmup import WarmupRecipe, synthetic_dataset, warm_start  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_WORK = Path(tempfile.gettempdir()) / "trl_mdi_language_prior"
-LOGGED = ("reward", "rewards/", "attention/mdi", "tprl/", "completions/clipped_ratio", "completions/mean_length")
+LOGGED = ("reward", "rewards/", "attention/mdi", "tprl/", "reliance/", "completions/clipped_ratio",
+          "completions/mean_length", "entropy")
+COUNTERFACTUAL = "counterfactual"
+"""``Variant.perturbation`` value: TPRL's perturbed image is the runs' counterfactual kind (``--counterfactual``)."""
+RELIANCE_REWARDS = frozenset({"answer_visual_gain", "answer_visual_gain_group"})
+"""Rewards that read the reliance signals (they turn the counterfactual forward on whatever the flag says)."""
+
+
+def _config_default(name: str):
+    return next(f.default for f in dataclasses.fields(MDIGRPOConfig) if f.name == name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,15 +105,25 @@ class Variant:
     rewards: tuple[str, ...]
     weights: tuple[float, ...]
     tprl: str | None = None  # the perception signal, with TPRL on
+    perturbation: str | None = None  # TPRL's perturbed image: None = the trainer's default, COUNTERFACTUAL = the runs'
+    all_seeds: bool = False  # runs on every seed of --seeds; the others on the first --seeds_other
+
+    @property
+    def reads_reliance(self) -> bool:
+        return bool(RELIANCE_REWARDS & set(self.rewards))
 
 
 VARIANTS = {
-    "answer_format": Variant("answer + format only", ("mc_idx", "think_format"), (4.0, 1.0)),
+    "answer_format": Variant("answer + format only", ("mc_idx", "think_format"), (4.0, 1.0), all_seeds=True),
     "mdi_balance": Variant("+ mdi_balance (4:1:1)", ("mc_idx", "think_format", "mdi_balance"), (4.0, 1.0, 1.0)),
     "mdi_group": Variant("+ mdi_group (4:1:1)", ("mc_idx", "think_format", "mdi_group"), (4.0, 1.0, 1.0)),
     "tprl_perturbation": Variant("+ TPRL, perturbation signal", ("mc_idx", "think_format"), (4.0, 1.0),
                                  "perturbation"),
     "tprl_attention": Variant("+ TPRL, attention signal", ("mc_idx", "think_format"), (4.0, 1.0), "attention"),
+    "answer_visual_gain": Variant("+ answer_visual_gain (4:1:1)", ("mc_idx", "think_format", "answer_visual_gain"),
+                                  (4.0, 1.0, 1.0), all_seeds=True),
+    "tprl_counterfactual": Variant("+ TPRL, counterfactual as perturbation", ("mc_idx", "think_format"), (4.0, 1.0),
+                                   "perturbation", COUNTERFACTUAL),
 }
 
 
@@ -94,7 +131,8 @@ VARIANTS = {
 class Settings:
     steps: int = 120  # per-run step budget
     eval_every: int = 20
-    seeds: tuple[int, ...] = (0, 1, 2)
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)  # every seed for the baseline and answer_visual_gain ...
+    seeds_other: int = 3  # ... the first 3 for the other variants
     variants: tuple[str, ...] = tuple(VARIANTS)
     n_eval: int = 400  # held-out rows; half of them conflict rows
     eval_conflict_rate: float = 0.5
@@ -106,11 +144,27 @@ class Settings:
     num_generations: int = 8
     max_completion_length: int = 8
     eval_max_new_tokens: int = 16
+    counterfactual: str = _config_default("counterfactual_image")  # the runs' counterfactual image (the trainer's)
+    reliance_everywhere: bool = True  # reliance_signals=True in every run, not only where a reward reads them
+    kinds: tuple[str, ...] = counterfactual_kinds()  # measured on the warm-up model
+    reliance_prompts: int = 200  # held-out conflict prompts of the reliance measurements
+    warmup_samples: int = 8  # sampled rollouts per prompt, warm-up model (every kind)
+    end_samples: int = 8  # sampled rollouts per prompt, end of every run (the runs' kind only)
+    n_boot: int = 1000  # bootstrap resamples of every AUROC interval
+
+    def seeds_for(self, name: str) -> tuple[int, ...]:
+        return self.seeds if VARIANTS[name].all_seeds else self.seeds[: self.seeds_other]
+
+
+RUN_INDEPENDENT = ("seeds", "seeds_other", "variants", "kinds", "warmup_samples")
+"""Settings that decide nothing inside a run (which runs exist, the warm-up's own measurement)."""
 
 
 def prior_recipe(quick: bool = False) -> WarmupRecipe:
-    """The shared warm-up: prior_color rows on which the prior holds 95% of the time (see the module docstring)."""
-    return WarmupRecipe(kinds=("prior_color",), conflict_rate=0.05, epochs=1.0 if quick else 6.0)
+    """The shared warm-up: prior_color rows on which the prior holds 95% of the time (see the module docstring).
+    --quick: 3 epochs, the fewest after which the model writes answers (1 epoch: none, so no rollout is labelled
+    and the AUROC tables would stay empty; 3: accuracy 0.55 on 40 held-out rows, 7 s)."""
+    return WarmupRecipe(kinds=("prior_color",), conflict_rate=0.05, epochs=3.0 if quick else 6.0)
 
 
 def fingerprint(*parts) -> str:
@@ -138,21 +192,50 @@ def shared_warmup(recipe: WarmupRecipe, held: HeldOut, work: Path, log) -> tuple
     started_at = time.time()
     model, processor, info = warm_start(recipe, model_dir, overwrite=True, log=lambda m: log(f"  {m}"))
     info["started_at"] = started_at
+    info["key"] = key
     info["eval"] = held.evaluate(model, processor)
     info["eval_blank"] = held.evaluate(model, processor, blank=True)
     write_json(done, info)
     return model_dir, info
 
 
+def warmup_reliance(model_dir: Path, held: HeldOut, s: Settings, log) -> dict:
+    """The reliance experiment on the warm-up model under every counterfactual kind of ``s.kinds`` (a kind the
+    processor cannot encode is left out, with the reason)."""
+    from transformers import AutoModelForImageTextToText
+
+    from trl_mdi.data.images import row_images
+    from trl_mdi.profile.reliance import check_counterfactuals
+
+    started_at = time.time()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    row = dict(held.conflict_rows(1)[0])
+    kinds, unusable = [], {}
+    for kind in s.kinds:
+        try:
+            check_counterfactuals(processor, row["prompt"], row_images(row), [kind])
+            kinds.append(kind)
+        except ValueError as err:
+            unusable[kind] = str(err)
+    out = held.reliance(model, processor, kinds, prompts=s.reliance_prompts, samples=s.warmup_samples,
+                        max_new_tokens=s.max_completion_length, n_boot=s.n_boot)
+    out.update(unusable=unusable, started_at=started_at, ended_at=time.time())
+    log(f"  warm-up reliance: {out['rollouts']} sampled rollouts of {out['prompts']} conflict prompts, "
+        f"{len(kinds)} counterfactual kinds, {out['seconds']:.0f} s")
+    return out
+
+
 # --------------------------------------------------------------------------------------------------- GRPO
 
 
 class Recorder(TrainerCallback):
-    """Held-out scores every N steps (their time kept out of the training time) and the logged metrics."""
+    """Held-out scores every N steps (their time kept out of the training time), each step's own time and the
+    logged metrics."""
 
     def __init__(self, run: dict, processor, held: HeldOut, s: Settings, log):
         self.run, self.processor, self.held, self.s, self.log = run, processor, held, s, log
-        self.t0, self.eval_seconds = 0.0, 0.0
+        self.t0, self.eval_seconds, self.last = 0.0, 0.0, 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.t0 = time.perf_counter()
@@ -162,13 +245,17 @@ class Recorder(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         step = state.global_step
+        elapsed = self.train_seconds()
+        self.run["step_seconds"].append(round(elapsed - self.last, 3))
+        self.last = elapsed
         if step % self.s.eval_every == 0 or step == state.max_steps:
-            elapsed = self.train_seconds()
             e = self.held.evaluate(model, self.processor)
             self.eval_seconds += e["seconds"]
             self.run["evals"].append({"step": step, "train_seconds": round(elapsed, 2), **e})
             self.log(f"  [{self.run['key']}] step {step:4d} {elapsed:6.1f} s  conflict {e['conflict']:.3f}  "
-                     f"non-conflict {e['plain']:.3f}  MDI all {e['mdi_all']:.3f} late {e['mdi_late']:.3f}")
+                     f"non-conflict {e['plain']:.3f}  clean {e['clean']:.3f}  MDI all {e['mdi_all']:.3f} "
+                     f"late {e['mdi_late']:.3f}")
+            self.last = self.train_seconds()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "reward" in logs:
@@ -177,14 +264,17 @@ class Recorder(TrainerCallback):
 
 
 def grpo_config(variant: Variant, seed: int, s: Settings, out: Path) -> MDIGRPOConfig:
-    extra = {}
-    has_signal = "perception_signal" in {f.name for f in dataclasses.fields(MDIGRPOConfig)}
+    # Every run computes the reliance signals (one no-grad forward with the counterfactual image per step) so that
+    # the live reliance/* metrics compare across variants; a reward reading them turns them on in any case.
+    extra = dict(reliance_signals=s.reliance_everywhere or variant.reads_reliance, counterfactual_image=s.counterfactual)
     if variant.tprl is not None:
-        extra = dict(enable_entropy_filtering=True, enable_perception_filtering=True, enable_trajectory_reweighting=True)
-        # "perturbation" is what TPRL did before the option existed; "attention" needs it (and fails without it).
-        if has_signal or variant.tprl != "perturbation":
-            extra["perception_signal"] = variant.tprl
-        if has_signal and variant.tprl == "perturbation":
+        extra.update(enable_entropy_filtering=True, enable_perception_filtering=True,
+                     enable_trajectory_reweighting=True, perception_signal=variant.tprl)
+        if variant.perturbation is not None:
+            # The counterfactual as TPRL's perturbed image: the trainer runs one forward for both.
+            extra["perception_perturbation"] = s.counterfactual if variant.perturbation == COUNTERFACTUAL \
+                else variant.perturbation
+        elif variant.tprl == "perturbation":
             # Also the attention signal, free here (the probe runs anyway): logs tprl/signal_rank_corr, how well
             # the probe's per-token image attention ranks tokens as the perturbed forward does. Trains the same.
             extra["perception_signal_compare"] = True
@@ -201,9 +291,9 @@ def grpo_config(variant: Variant, seed: int, s: Settings, out: Path) -> MDIGRPOC
 
 def run_one(name: str, seed: int, model_dir: Path, warm: dict, pool, held: HeldOut, s: Settings, work: Path,
             log) -> dict:
-    """One GRPO run from the shared warm-up: its evaluations, logged metrics and times."""
+    """One GRPO run from the shared warm-up: its evaluations, logged metrics, end-of-run reliance and times."""
     variant = VARIANTS[name]
-    run = {"key": f"{name}-s{seed}", "variant": name, "seed": seed, "evals": [], "steps": [],
+    run = {"key": f"{name}-s{seed}", "variant": name, "seed": seed, "evals": [], "steps": [], "step_seconds": [],
            "load": [os.getloadavg()[0]], "started_at": time.time()}
     t0 = time.perf_counter()
     trainer = MDIGRPOTrainer(str(model_dir), args=grpo_config(variant, seed, s, work / "grpo" / run["key"]),
@@ -219,6 +309,14 @@ def run_one(name: str, seed: int, model_dir: Path, warm: dict, pool, held: HeldO
     run["grpo_seconds"] = recorder.train_seconds()
     run["eval_seconds"] = recorder.eval_seconds
     run["blank_final"] = held.evaluate(trainer.model, processor, blank=True)
+    if s.end_samples and s.reliance_prompts:
+        run["reliance_end"] = held.reliance(trainer.model, processor, [s.counterfactual], prompts=s.reliance_prompts,
+                                            samples=s.end_samples, max_new_tokens=s.max_completion_length,
+                                            n_boot=s.n_boot, seed=seed)
+        t = run["reliance_end"]["kinds"][s.counterfactual]["table"]
+        log(f"  [{run['key']}] end-of-run reliance ({s.counterfactual}): AUROC answer_visual_gain "
+            f"{t.get('answer_visual_gain', {}).get('auroc')}, blind_agrees {t.get('blind_agrees', {}).get('auroc')}, "
+            f"{run['reliance_end']['seconds']:.0f} s")
     run["wall_seconds"] = time.perf_counter() - t0
     run["load"].append(os.getloadavg()[0])
     run["ended_at"] = time.time()
@@ -228,47 +326,67 @@ def run_one(name: str, seed: int, model_dir: Path, warm: dict, pool, held: HeldO
 _DATA: dict = {}
 
 
-def execute(job: tuple) -> tuple[dict | None, str | None]:
-    """Run one (variant, seed) and save its JSON: ``(run, None)``, or ``(None, error)`` if it failed. Runs in the
-    main process or in a worker; the held-out rows and the GRPO pool are built once per process."""
-    name, seed, key, model_dir, warm, s, recipe, work, threads, started = job
-    torch.set_num_threads(threads)
+def execute(job: dict) -> tuple[dict | None, str | None]:
+    """Run one job and save its JSON: a (variant, seed) run or the warm-up's reliance measurement. Returns
+    ``(result, None)``, or ``(None, error)`` if it failed. Runs in the main process or in a worker; the held-out rows
+    and the GRPO pool are built once per process."""
+    s, recipe, work = job["settings"], job["recipe"], job["work"]
+    torch.set_num_threads(job["threads"])
     transformers.logging.set_verbosity_error()
 
     def log(msg: str) -> None:
-        print(f"[{time.time() - started:7.1f} s] {msg}", flush=True)
+        print(f"[{time.time() - job['started']:7.1f} s] {msg}", flush=True)
 
     if "held" not in _DATA:
         _DATA["held"] = HeldOut(s, recipe)
-    if "pool" not in _DATA:
-        _DATA["pool"] = synthetic_dataset(s.n_pool, split="train", seed=recipe.data_seed + 1, kinds=recipe.kinds,
-                                          option_order=recipe.option_order, image_size=recipe.image_size,
-                                          conflict_rate=s.pool_conflict_rate)
-    log(f"== {name}, seed {seed}")
     try:
-        run = run_one(name, seed, model_dir, warm, _DATA["pool"], _DATA["held"], s, work, log)
-    except Exception as err:  # noqa: BLE001 - one variant failing must not lose the others
-        log(f"  [{name}-s{seed}] FAILED: {type(err).__name__}: {err}")
+        if job["what"] == "warmup_reliance":
+            log("== reliance of the warm-up model, every counterfactual kind")
+            result = warmup_reliance(job["model_dir"], _DATA["held"], s, log)
+        else:
+            if "pool" not in _DATA:
+                _DATA["pool"] = synthetic_dataset(s.n_pool, split="train", seed=recipe.data_seed + 1,
+                                                  kinds=recipe.kinds, option_order=recipe.option_order,
+                                                  image_size=recipe.image_size, conflict_rate=s.pool_conflict_rate)
+            log(f"== {job['name']}, seed {job['seed']}")
+            result = run_one(job["name"], job["seed"], job["model_dir"], job["warm"], _DATA["pool"], _DATA["held"], s,
+                             work, log)
+    except Exception as err:  # noqa: BLE001 - one job failing must not lose the others
+        log(f"  [{job['label']}] FAILED: {type(err).__name__}: {err}")
         return None, f"{type(err).__name__}: {err}"
-    run["fingerprint"] = key
-    write_json(work / "runs" / f"{name}-s{seed}.json", run)
-    return run, None
+    result["fingerprint"] = job["key"]
+    write_json(job["path"], result)
+    return result, None
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def parse_settings(argv: list[str]) -> tuple[argparse.Namespace, Settings]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="pipeline check: seed 0, 4 steps, 40 held-out rows, a "
-                   "1-epoch warm-up, in a fresh temporary work dir; prints only unless --write")
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="default: all five")
-    p.add_argument("--seeds", type=int, nargs="+", help="GRPO seeds (default 0 1 2; --quick 0)")
+                   "3-epoch warm-up, reliance on 8 conflict prompts x 2 samples, in a fresh temporary work dir; "
+                   "prints only (and the full benchmark's projected time) unless --write")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="default: all seven")
+    p.add_argument("--seeds", type=int, nargs="+", help="GRPO seeds of answer_format and answer_visual_gain (default "
+                   "0 1 2 3 4; --quick 0); the other variants run the first --seeds_other of them")
+    p.add_argument("--seeds_other", type=int, help="how many of --seeds the other variants run (default 3)")
     p.add_argument("--steps", type=int, help="GRPO steps per run (default 120; --quick 4)")
     p.add_argument("--eval_every", type=int, help="steps between held-out evaluations (default 20; --quick 2)")
     p.add_argument("--n_eval", type=int, help="held-out rows, half conflict (default 400; --quick 40)")
     p.add_argument("--pool_conflict_rate", type=float, help="conflict rate of the GRPO prompts (default 0.5)")
     p.add_argument("--learning_rate", type=float, help="GRPO learning rate (default 3e-4)")
+    p.add_argument("--counterfactual", choices=counterfactual_kinds(),
+                   help=f"the runs' counterfactual image (counterfactual_image; default the trainer's, "
+                   f"{_config_default('counterfactual_image')!r}); also TPRL's perturbation in tprl_counterfactual")
+    p.add_argument("--kinds", nargs="+", choices=counterfactual_kinds(),
+                   help="counterfactual kinds measured on the warm-up model (default: all)")
+    p.add_argument("--reliance_prompts", type=int, help="held-out conflict prompts of the reliance measurements "
+                   "(default 200; --quick 8; 0: no reliance measurement)")
+    p.add_argument("--warmup_samples", type=int, help="rollouts sampled per prompt on the warm-up model (default 8)")
+    p.add_argument("--end_samples", type=int, help="rollouts sampled per prompt at the end of each run (default 8; "
+                   "0: no end-of-run measurement)")
+    p.add_argument("--reliance_only_where_read", action="store_true", help="compute the reliance signals during "
+                   "training only in the runs whose rewards read them (saves one forward per step elsewhere)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1, as learning_curve.py)")
-    p.add_argument("--workers", type=int, default=2, help="runs at a time, each in its own process (default 2: one "
+    p.add_argument("--workers", type=int, default=2, help="jobs at a time, each in its own process (default 2: one "
                    "per core of the 2-core target machine; 1: one after the other, in this process)")
     p.add_argument("--work_dir", help=f"finished runs and the warm-up, for resuming (default {DEFAULT_WORK})")
     p.add_argument("--png", default=str(ROOT / "benchmarks" / "language_prior.png"))
@@ -281,11 +399,30 @@ def main(argv: list[str] | None = None) -> int:
     s = Settings()
     if a.quick:
         s.steps, s.eval_every, s.n_eval, s.seeds, s.n_pool = 4, 2, 40, (0,), 64
+        s.reliance_prompts, s.warmup_samples, s.end_samples, s.n_boot = 8, 2, 2, 200
     s.seeds = tuple(a.seeds) if a.seeds else s.seeds
+    s.seeds_other = s.seeds_other if a.seeds_other is None else a.seeds_other
     s.variants = tuple(a.variants) if a.variants else s.variants
     s.steps, s.eval_every, s.n_eval = a.steps or s.steps, a.eval_every or s.eval_every, a.n_eval or s.n_eval
     s.pool_conflict_rate = s.pool_conflict_rate if a.pool_conflict_rate is None else a.pool_conflict_rate
     s.learning_rate = a.learning_rate or s.learning_rate
+    s.counterfactual = a.counterfactual or s.counterfactual
+    s.kinds = tuple(a.kinds) if a.kinds else s.kinds
+    for name in ("reliance_prompts", "warmup_samples", "end_samples"):
+        if getattr(a, name) is not None:
+            setattr(s, name, getattr(a, name))
+    s.reliance_everywhere = not a.reliance_only_where_read
+    if s.counterfactual == NO_IMAGE and "tprl_counterfactual" in s.variants:
+        p.error("tprl_counterfactual needs an image as TPRL's perturbation: --counterfactual none removes the image; "
+                "choose another kind or leave the variant out (--variants)")
+    if min(s.reliance_prompts, s.warmup_samples, s.end_samples, s.seeds_other) < 0:
+        p.error("--reliance_prompts, --warmup_samples, --end_samples and --seeds_other must be >= 0")
+    return a, s
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a, s = parse_settings(argv)
     write = a.write or not (a.quick or a.no_write)
 
     torch.set_num_threads(a.threads)
@@ -306,36 +443,52 @@ def main(argv: list[str] | None = None) -> int:
         log(f"warm-up: conflict {w['conflict']:.3f}, non-conflict {w['plain']:.3f}, conflict rows answered with the "
             f"prior {w['prior_follow']:.3f}; blank images: non-conflict {b['plain']:.3f}; MDI all {w['mdi_all']:.3f}, "
             f"late {w['mdi_late']:.3f}")
+        common = dict(settings=s, recipe=recipe, work=work, threads=a.threads, started=started, model_dir=model_dir)
         jobs, done = [], {}
+
+        def plan(label: str, path: Path, key: str, **job) -> None:
+            if path.exists() and json.loads(path.read_text()).get("fingerprint") == key:
+                log(f"== {label}: done earlier, {path}")
+                done[label] = (json.loads(path.read_text()), None)
+            else:
+                jobs.append({**common, **job, "label": label, "path": path, "key": key})
+
+        if s.reliance_prompts and s.warmup_samples and s.kinds:  # first: it runs beside the first runs
+            key = fingerprint(warm.get("key"), {k: getattr(s, k) for k in (
+                "kinds", "reliance_prompts", "warmup_samples", "max_completion_length", "n_boot", "n_eval",
+                "eval_conflict_rate")}, a.threads)
+            plan("warmup_reliance", work / f"warmup-reliance-{key}.json", key, what="warmup_reliance")
         for seed in s.seeds:  # every variant of a seed before the next seed: an interrupted run is comparable
             for name in s.variants:
-                path = work / "runs" / f"{name}-s{seed}.json"
-                key = fingerprint(dataclasses.asdict(s) | {"seeds": None, "variants": None},
+                if seed not in s.seeds_for(name):
+                    continue
+                key = fingerprint({k: v for k, v in dataclasses.asdict(s).items() if k not in RUN_INDEPENDENT},
                                   dataclasses.asdict(recipe), dataclasses.asdict(VARIANTS[name]), seed, a.threads)
-                if path.exists() and json.loads(path.read_text()).get("fingerprint") == key:
-                    log(f"== {name}, seed {seed}: done earlier, {path}")
-                    done[name, seed] = (json.loads(path.read_text()), None)
-                else:
-                    jobs.append((name, seed, key, model_dir, warm, s, recipe, work, a.threads, started))
+                plan(f"{name}-s{seed}", work / "runs" / f"{name}-s{seed}.json", key, what="run", name=name, seed=seed,
+                     warm=warm)
         if a.workers > 1 and len(jobs) > 1:
             ctx = multiprocessing.get_context("spawn")  # a fresh interpreter per worker: no forked torch state
             with ProcessPoolExecutor(min(a.workers, len(jobs)), mp_context=ctx) as ex:
-                done |= dict(zip([(j[0], j[1]) for j in jobs], ex.map(execute, jobs)))
+                done |= dict(zip([j["label"] for j in jobs], ex.map(execute, jobs)))
         else:
-            done |= {(j[0], j[1]): execute(j) for j in jobs}
-    order = [(n, sd) for sd in s.seeds for n in s.variants]
+            done |= {j["label"]: execute(j) for j in jobs}
+    order = [f"{n}-s{sd}" for sd in s.seeds for n in s.variants if sd in s.seeds_for(n)]
     runs = [done[k][0] for k in order if done[k][0] is not None]
-    failed = [(*k, done[k][1]) for k in order if done[k][0] is None]
+    failed = [(k, done[k][1]) for k in [*order, "warmup_reliance"] if k in done and done[k][0] is None]
+    warm_rel = done.get("warmup_reliance", (None, None))[0]
     load = os.getloadavg()[0]
-    body = report(runs, warm, s, recipe, VARIANTS, argv, started, failed, load, a.workers)
+    body = report(runs, warm, warm_rel, s, recipe, VARIANTS, argv, started, failed, load, a.workers)
     print("\n" + body)
+    if a.quick:
+        print("\n" + "\n".join(projection_lines(runs, warm, warm_rel, s, Settings(), recipe, prior_recipe(False),
+                                                VARIANTS, a.workers)))
     if failed:
-        print(f"{len(failed)} run(s) failed: " + "; ".join(f"{n} seed {sd}: {e}" for n, sd, e in failed))
+        print(f"{len(failed)} job(s) failed: " + "; ".join(f"{k}: {e}" for k, e in failed))
         if write:
-            print("not writing RESULTS.md or the plot: not every run finished")
+            print("not writing RESULTS.md or the plot: not every job finished")
         return 1
     if write:
-        plot(runs, VARIANTS, Path(a.png))
+        plot(runs, warm_rel, s, VARIANTS, Path(a.png))
         replace_section(SECTION, body, Path(a.results))
         print(f"wrote {a.png} and the section '{SECTION}' of {a.results}")
     return 0

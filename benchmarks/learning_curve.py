@@ -3,13 +3,13 @@
     .venv/bin/python benchmarks/learning_curve.py            # full run, ~18 min on 2 shared CPU cores (1 thread)
     .venv/bin/python benchmarks/learning_curve.py --quick    # smoke run, ~2 min, 30 GRPO steps (no targets); prints only unless --write
 
-Embedded default, fully offline: a ~1.2M-parameter Qwen2-VL built with `trl_mdi.tiny` (random weights, seed 0) and
-the synthetic A-OKVQA colour questions (`trl_mdi.synthetic`, kinds=color, option_order=fixed: every question offers
+Embedded default, fully offline: a ~1.2M-parameter Qwen2-VL built with `fixtures.tiny` (random weights, seed 0) and
+the synthetic A-OKVQA colour questions (`fixtures.synthetic`, kinds=color, option_order=fixed: every question offers
 A. red B. green C. blue D. yellow, the answer letters are balanced, so only the image can tell them apart). Held-out
 accuracy is greedy generation on 200 validation questions the model never trains on, scored with the reward's
-own parser (`trl_mdi.warmup.evaluate_accuracy`), every `--eval_every` GRPO steps. Runs, in this order:
+own parser (`fixtures.warmup.evaluate_accuracy`), every `--eval_every` GRPO steps. Runs, in this order:
 
-    warm-up + GRPO            SFT warm-up (trl.SFTTrainer, 200 labelled examples, `trl_mdi.warmup.warm_start`),
+    warm-up + GRPO            SFT warm-up (trl.SFTTrainer, 200 labelled examples, `fixtures.warmup.warm_start`),
                               then MDIGRPOTrainer with mc_idx 4, think_format 1, mdi_balance 1; TPRL off
     warm-up + GRPO, TPRL on   the same warm-started weights, with entropy filtering, perception filtering and
                               trajectory reweighting all on
@@ -50,6 +50,8 @@ from typing import Any
 from _results import replace_section, result_args, set_offline_env
 
 set_offline_env()
+# fixtures/ (tiny models, synthetic data, warm-up) is a folder of the checkout, not an installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
 # Idle OpenMP threads sleep instead of spinning: with --threads 2 on a shared machine, spinning threads that lose
 # their core to another job made steps up to 35x slower in trials here.
@@ -60,11 +62,11 @@ import transformers  # noqa: E402
 from transformers import AutoProcessor, TrainerCallback  # noqa: E402
 from transformers.trainer_callback import PrinterCallback, ProgressCallback  # noqa: E402
 
+from fixtures.tiny import save_tiny_vlm  # noqa: E402
+from fixtures.warmup import WarmupRecipe, evaluate_accuracy, synthetic_dataset, warm_start  # noqa: E402
 from trl_mdi.config import MDIGRPOConfig  # noqa: E402
 from trl_mdi.diagnostics import ConsoleSummaryCallback  # noqa: E402
-from trl_mdi.tiny import save_tiny_vlm  # noqa: E402
 from trl_mdi.trainer import MDIGRPOTrainer  # noqa: E402
-from trl_mdi.warmup import WarmupRecipe, evaluate_accuracy, synthetic_dataset, warm_start  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Learning check"
@@ -374,15 +376,15 @@ def report(runs: list[Run], s: Settings, recipe: WarmupRecipe, argv: list[str], 
         f"transformers {transformers.__version__}, `torch.set_num_threads({torch.get_num_threads()})`, "
         f"Python {platform.python_version()}. Load average (1 min) {loads[0]:.2f} at start, {loads[1]:.2f} at "
         "end: the machine is shared, so wall times include other users' load.",
-        f"- Model: `trl_mdi.tiny` {recipe.arch}, seed {recipe.model_seed}, {size}; "
+        f"- Model: `fixtures.tiny` {recipe.arch}, seed {recipe.model_seed}, {size}; "
         f"{info.get('num_params', 0):,} parameters, float32, 4 image tokens per {recipe.image_size}x{recipe.image_size} image.",
-        f"- Data: `trl_mdi.synthetic` kinds={','.join(recipe.kinds)}, option_order={recipe.option_order} (every "
+        f"- Data: `fixtures.synthetic` kinds={','.join(recipe.kinds)}, option_order={recipe.option_order} (every "
         "question offers A. red B. green C. blue D. yellow; letters balanced), rows converted by the prep script's "
         "`convert_row`, system prompt `DEFAULT_SYSTEM_PROMPT`. Warm-up: the first "
         f"{recipe.n_train} rows of split train (seed {recipe.data_seed}); GRPO prompts: a {s.n_grpo_pool}-row "
         f"labelled pool of split train (seed {recipe.data_seed + 1}); held-out: {s.n_eval} rows of split validation "
         f"(seed {recipe.data_seed}), the same questions drawn blank for the control.",
-        f"- Warm-up (`trl_mdi.warmup.warm_start`, `trl.SFTTrainer`, loss on the completion only): target "
+        f"- Warm-up (`fixtures.warmup.warm_start`, `trl.SFTTrainer`, loss on the completion only): target "
         f"`<think> {recipe.think}</think>\\nAnswer: X`, {recipe.epochs:g} epochs, lr {recipe.learning_rate:g} "
         f"{recipe.lr_scheduler_type}, batch {recipe.batch_size}, seed {recipe.train_seed}"
         f"{', ' + str(info.get('sft_steps')) + ' steps' if info else ''}.",

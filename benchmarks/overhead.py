@@ -34,18 +34,20 @@ from pathlib import Path
 from _results import replace_section, result_args, set_offline_env
 
 set_offline_env()
+# fixtures/ (tiny models, synthetic data, warm-up) is a folder of the checkout, not an installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from datasets import load_dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+from fixtures.synthetic import write_synthetic_aokvqa  # noqa: E402
+from fixtures.tiny import save_tiny_vlm  # noqa: E402
 from trl_mdi.aokvqa import prepare_aokvqa  # noqa: E402
 from trl_mdi.config import MDIGRPOConfig  # noqa: E402
 from trl_mdi.data import to_conversational  # noqa: E402
 from trl_mdi.rewards import mc_idx_reward, mdi_balance_reward, think_format_reward  # noqa: E402
-from trl_mdi.synthetic import write_synthetic_aokvqa  # noqa: E402
-from trl_mdi.tiny import save_tiny_vlm  # noqa: E402
 from trl_mdi.trainer import MDIGRPOTrainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,7 +87,7 @@ def run(variant: str, model_dir: Path, dataset, work: Path, steps: int, completi
             rewards = [*rewards, mdi_balance_reward]
         trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=rewards, args=args, train_dataset=dataset)
         expected = "training_forward" if variant == "metrics_only" else "extra_forward"
-        assert trainer._probe_placement == expected, (variant, trainer._probe_placement)
+        assert trainer.run_plan.placement == expected, (variant, trainer.run_plan.placement)
     timer = StepTimer()
     trainer.add_callback(timer)
     trainer.train()

@@ -9,7 +9,7 @@ Examples (from the repository root, with the package installed)::
     python data_prep/prepare_aokvqa_for_trl.py --dataset_path HuggingFaceM4/A-OKVQA --out_dir data/aokvqa
 
     # Offline: a local copy (here a synthetic one), a 64-row training sample, seed 0
-    python -m trl_mdi.synthetic --out /tmp/aokvqa_synth
+    python -m fixtures.synthetic --out /tmp/aokvqa_synth
     python data_prep/prepare_aokvqa_for_trl.py --dataset_path /tmp/aokvqa_synth \\
         --out_dir /tmp/aokvqa_prepared --subset_size 64 --seed 0
 

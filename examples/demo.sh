@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make demo`: the main job on the embedded default, offline, on CPU.
 #   1. build a tiny Qwen2-VL (real classes, locally trained tokenizer) and warm it up with TRL's SFTTrainer on
-#      200 labelled colour questions (python -m trl_mdi.warmup), stopped at about 60% held-out accuracy: what a
+#      200 labelled colour questions (python -m fixtures.warmup), stopped at about 60% held-out accuracy: what a
 #      user does before GRPO, since a random model's groups collapse to one letter and carry no signal
 #   2. write synthetic A-OKVQA-format colour questions (the image decides the answer)
 #   3. convert them with data_prep/prepare_aokvqa_for_trl.py, exactly as for the real dataset
@@ -23,11 +23,11 @@ mkdir -p "$OUT"
 START=$SECONDS
 
 echo "== 1/6 tiny Qwen2-VL, supervised warm-up -> $OUT/tiny-warm"
-"$PY" -m trl_mdi.warmup --out "$OUT/tiny-warm" --overwrite
+"$PY" -m fixtures.warmup --out "$OUT/tiny-warm" --overwrite
 
 echo "== 2/6 synthetic A-OKVQA-format data -> $OUT/aokvqa_synthetic"
 # The warm-up's question kinds and option order; seed 1, so the GRPO prompts are not the warm-up's 200 examples.
-"$PY" -m trl_mdi.synthetic --out "$OUT/aokvqa_synthetic" --kinds color --option_order fixed --seed 1 \
+"$PY" -m fixtures.synthetic --out "$OUT/aokvqa_synthetic" --kinds color --option_order fixed --seed 1 \
     --n_train 2000 --n_validation 64 --n_test 64 --overwrite
 
 echo "== 3/6 prepare for TRL -> $OUT/aokvqa_trl_data_simple"
@@ -46,7 +46,7 @@ touch "$OUT/grpo/.started"  # files newer than this are this run's logs
     --output_dir "$OUT/grpo"
 
 echo "== 5/6 held-out accuracy after GRPO (step 1 printed it after the warm-up)"
-"$PY" -m trl_mdi.warmup --evaluate "$OUT/grpo"
+"$PY" -m fixtures.warmup --evaluate "$OUT/grpo"
 
 echo "== 6/6 attention by layer before and after GRPO, on the held-out validation questions -> $OUT/profile"
 "$PY" -m trl_mdi.profile --model_name_or_path "$OUT/tiny-warm" "$OUT/grpo" \

@@ -28,7 +28,7 @@ import pytest  # noqa: E402
 def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Factory: `tiny_vlm_dir(arch, **kwargs)` -> folder holding a saved tiny VLM (model + processor).
 
-    kwargs are those of `trl_mdi.tiny.save_tiny_vlm` (seed and size knobs). Each distinct
+    kwargs are those of `fixtures.tiny.save_tiny_vlm` (seed and size knobs). Each distinct
     (arch, kwargs) is built once per session and shared, so tests must not modify the folder.
     """
     built: dict[tuple, Path] = {}
@@ -36,7 +36,7 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path
     def factory(arch: str = "qwen2_5_vl", **kwargs) -> Path:
         key = (arch, tuple(sorted(kwargs.items())))
         if key not in built:
-            from trl_mdi.tiny import save_tiny_vlm  # imported late: the env above must come first
+            from fixtures.tiny import save_tiny_vlm  # imported late: the env above must come first
 
             built[key] = save_tiny_vlm(arch, tmp_path_factory.mktemp(f"tiny-{arch}"), **kwargs)
         return built[key]
@@ -47,8 +47,8 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path
 @pytest.fixture(scope="session")
 def prepared_aokvqa_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Synthetic A-OKVQA-format data run through the prep pipeline: train/validation parquet for training."""
+    from fixtures.synthetic import write_synthetic_aokvqa
     from trl_mdi.aokvqa import prepare_aokvqa
-    from trl_mdi.synthetic import write_synthetic_aokvqa
 
     root = tmp_path_factory.mktemp("aokvqa")
     write_synthetic_aokvqa(root / "src", n_train=64, n_validation=16, n_test=8, seed=0, num_shards=1)

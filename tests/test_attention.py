@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from fixtures.testing import eager_group_masses, grpo_batch, shape_image
 from trl_mdi import signals as S
 from trl_mdi.attention import (
     PROBE_ATTN_IMPLEMENTATION,
@@ -14,7 +15,6 @@ from trl_mdi.attention import (
     template_text_exclusion_mask,
 )
 from trl_mdi.attention.metrics import layer_segments
-from trl_mdi.testing import eager_group_masses, grpo_batch, shape_image
 
 ARCHS = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "smolvlm"]
 def rows_of(res, segments="thirds"):

@@ -1,4 +1,4 @@
-"""Synthetic A-OKVQA writer and the A-OKVQA -> training parquet prep (trl_mdi.synthetic, trl_mdi.aokvqa).
+"""Synthetic A-OKVQA writer and the A-OKVQA -> training parquet prep (fixtures.synthetic, trl_mdi.aokvqa).
 
 Everything runs offline on data made here: the synthetic writer for the happy path, parquet files
 hand-crafted with pyarrow for each kind of bad input.
@@ -28,7 +28,9 @@ import pyarrow.parquet as pq  # noqa: E402
 import pytest  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from trl_mdi import aokvqa, synthetic  # noqa: E402
+from fixtures import synthetic  # noqa: E402
+from fixtures.synthetic import generate_synthetic_rows, write_synthetic_aokvqa  # noqa: E402
+from trl_mdi import aokvqa  # noqa: E402
 from trl_mdi.aokvqa import (  # noqa: E402
     DataPrepError,
     EmptyResultError,
@@ -36,7 +38,6 @@ from trl_mdi.aokvqa import (  # noqa: E402
     OutDirNotEmptyError,
     prepare_aokvqa,
 )
-from trl_mdi.synthetic import generate_synthetic_rows, write_synthetic_aokvqa  # noqa: E402
 
 datasets.disable_progress_bars()
 REPO_ROOT = Path(__file__).resolve().parents[1]

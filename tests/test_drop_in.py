@@ -66,7 +66,7 @@ def test_plain_grpo_config_is_upgraded_keeping_its_state(tiny_vlm_dir, grpo_trai
     for name in ("steps_per_generation", "generation_batch_size", "gradient_accumulation_steps", "beta",
                  "learning_rate", "num_generations", "output_dir", "seed"):
         assert getattr(trainer.args, name) == getattr(args, name), name
-    assert trainer.args.compute_attention_metrics is True  # None resolved: a VLM gets attention metrics
+    assert trainer.run_plan.attention_metrics is True  # None resolved: a VLM gets attention metrics
     assert trainer.args.attention_layer_segments == "thirds" and trainer.args.perturbation_seed == args.seed
     trainer.train()
     assert "attention/mdi" in logged(trainer)[0]
@@ -127,14 +127,16 @@ def test_segment_names_that_collide_with_fields_are_refused(spec):
         MDIGRPOConfig(output_dir="x", use_cpu=True, bf16=False, attention_layer_segments=spec)
 
 
-def test_segment_ranges_are_checked_against_the_model(tiny_vlm_dir, grpo_train_dataset, tmp_path, capsys):
+def test_segment_ranges_are_checked_against_the_model(tiny_vlm_dir, grpo_train_dataset, prepared_aokvqa_dir, tmp_path,
+                                                      capsys):
     model = tiny_vlm_dir("qwen2_5_vl")  # 3 text layers
     with pytest.raises(ValueError, match=r"early:0-99.*3 text layers.*names layers \[3, 4"):
         MDIGRPOTrainer(str(model), reward_funcs=[spread_reward], args=mdi_args(tmp_path, attention_layer_segments="early:0-99"),
                        train_dataset=grpo_train_dataset)
     from trl_mdi import cli
 
-    code = cli.main([str(a) for a in ("--model_name_or_path", model, "--dataset_path", "unused-before-the-check",
+    # The dry run prints the trainer's own run plan (phase 1), so it stops on the same error.
+    code = cli.main([str(a) for a in ("--model_name_or_path", model, "--dataset_path", prepared_aokvqa_dir,
                                       "--output_dir", tmp_path / "o", "--attention_layer_segments", "early:0-99",
                                       "--dry_run")])
     err = capsys.readouterr().err
@@ -167,7 +169,7 @@ def test_observing_does_not_change_the_run(dropout_model_dir, grpo_train_dataset
     on = MDIGRPOTrainer(str(dropout_model_dir), reward_funcs=[spread_reward],
                         args=mdi_args(tmp_path / "on", max_steps=3, attention_map_every_n_steps=1),
                         train_dataset=grpo_train_dataset)
-    assert on.args.compute_attention_metrics
+    assert on.run_plan.attention_metrics
     after_on = _params_after(on)
     assert "attention/mdi" in logged(on)[0] and (tmp_path / "on" / "logs" / "attention.md").exists()
     off = MDIGRPOTrainer(str(dropout_model_dir), reward_funcs=[spread_reward],
@@ -195,3 +197,20 @@ def test_with_metrics_off_the_update_equals_stock_grpo(dropout_model_dir, grpo_t
         assert torch.equal(after_ours[name], after_stock[name]), name
     assert logged(ours)[-1]["loss"] == pytest.approx(logged(stock)[-1]["loss"], abs=0, rel=0)
 
+
+
+def test_the_default_stack_stands_in_only_where_its_defaults_were_chosen(tiny_vlm_dir, tmp_path):
+    """GRPOTrainer's behaviour without a reward (its own error) unless the user chose this trainer's defaults (an
+    MDIGRPOConfig, or the entry point), and never on top of an environment that owns the reward."""
+    from trl_mdi.run_plan import plan_run
+
+    path = str(tiny_vlm_dir("qwen2_5_vl"))
+    config = mdi_args(tmp_path)
+    chosen = plan_run(path, None, config, defaults_chosen=True, columns={})
+    assert chosen.reward_names == ("mc_idx_reward", "think_format_reward", "mdi_balance_reward")
+    assert chosen.reward_weights == (4.0, 1.0, 1.0) and chosen.rewards_from == "the default stack"
+    assert "[the default stack]" in chosen.describe()
+    assert plan_run(path, [], config, defaults_chosen=True, columns={}).reward_names == chosen.reward_names
+    for kwargs in ({"defaults_chosen": False}, {"defaults_chosen": True, "environment_rewards": True}):
+        plan = plan_run(path, None, config, columns={}, **kwargs)
+        assert plan.reward_funcs == () and plan.rewards_from.startswith("none given"), kwargs

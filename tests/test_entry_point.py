@@ -77,6 +77,27 @@ def test_unknown_yaml_key_is_an_error(capsys, base_args, tmp_path):
     assert code == 2 and "not_a_field" in err
 
 
+@pytest.mark.parametrize("content, why", [
+    (None, r"not readable YAML \(byte [0-9a-f]{2} at offset \d+ is not UTF-8 text\)"),  # a parquet file
+    (b"learning_rate: 1.0\xa4\n", r"not readable YAML \(byte a4 at offset 18 is not UTF-8 text\)"),
+    (b"learning_rate: [1.0, 2.0\nmax_steps: 3\n", r"not readable YAML \(while parsing a flow sequence"),
+    (b"- learning_rate\n- 1.0\n", "is YAML but holds a list, not a mapping of flag names to values"),
+    (b"", "is YAML but holds nothing, not a mapping"),
+])
+def test_a_config_file_that_is_not_a_yaml_mapping_is_an_error_naming_it(capsys, tmp_path, content, why):
+    import re
+
+    path = tmp_path / ("train.parquet" if content is None else "config.yaml")
+    if content is None:
+        datasets.Dataset.from_dict({"question": ["What colour?"], "label_idx": [0]}).to_parquet(path)
+    else:
+        path.write_bytes(content)
+    # Parsing fails first: no model or data needed.
+    code, _, err = run_main(capsys, "--config", path, "--output_dir", tmp_path / "out")
+    assert code == 2 and f"--config {str(path)!r}" in err and re.search(why, err), err
+    assert "codec can't decode" not in err and "Traceback" not in err
+
+
 def test_yaml_config_cli_override_and_provenance(base_args, tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(DEMO_YAML.read_text() + "epsilon_high: 0.25\n")
@@ -124,6 +145,19 @@ def test_model_init_kwargs_from_model_flags(base_args):
                                                               "attn_implementation": "sdpa"}
     run = cli.parse_args([str(a) for a in base_args] + ["--model_init_kwargs", '{"dtype": "float16"}'])
     assert cli.model_init_kwargs(run.model, run.training)["dtype"] == "float16"  # the explicit JSON wins
+
+
+def test_trust_remote_code_reaches_model_init_kwargs(base_args):
+    """--trust_remote_code (a GRPOConfig field) must reach the kwargs the trainer reads the config and loads the weights
+    with; the explicit --model_init_kwargs JSON still wins."""
+    run = cli.parse_args([str(a) for a in base_args] + ["--trust_remote_code"])
+    assert run.training.trust_remote_code is True
+    assert cli.model_init_kwargs(run.model, run.training)["trust_remote_code"] is True
+    run = cli.parse_args([str(a) for a in base_args] + ["--trust_remote_code", "--model_init_kwargs",
+                                                        '{"trust_remote_code": false}'])
+    assert cli.model_init_kwargs(run.model, run.training)["trust_remote_code"] is False
+    assert "trust_remote_code" not in cli.model_init_kwargs(cli.parse_args([str(a) for a in base_args]).model,
+                                                            cli.parse_args([str(a) for a in base_args]).training)
 
 
 def test_processor_pixel_budget(tiny_vlm_dir):

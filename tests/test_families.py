@@ -4,17 +4,18 @@ windows that can hide every image key)."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
+from fixtures.testing import eager_masses, grpo_batch, shape_image
+from fixtures.tiny import TINY_ARCHS
 from trl_mdi import signals as S
 from trl_mdi.attention import image_token_ids, measure_modality_attention
 from trl_mdi.attention.model_facts import model_facts
-from trl_mdi.testing import eager_masses, grpo_batch, shape_image
-from trl_mdi.tiny import TINY_ARCHS
 
 
 def rows_of(res, segments="thirds"):
@@ -153,11 +154,12 @@ def test_per_query_image_mass_equals_eager(tiny_vlm_dir, arch, kwargs):
     torch.testing.assert_close(row_mean, res.image[:, late].mean(1).nan_to_num(0.0), atol=1e-5, rtol=0)
 
 
-def test_per_query_image_mass_falls_back_to_all_layers(tiny_vlm_dir):
+def test_per_query_image_mass_falls_back_to_all_layers(tiny_vlm_dir, caplog):
     path = tiny_vlm_dir("qwen2_5_vl", num_layers=1)  # thirds of one layer: only "middle"
     batch = _batch(AutoProcessor.from_pretrained(path))
-    with pytest.warns(UserWarning, match="segment 'late' does not exist on this model"):
+    with caplog.at_level(logging.WARNING, logger="trl_mdi"):  # the trainer's run plan says it in the same words
         res = measure_modality_attention(_load(path), **batch, token_segment="late")
+    assert "segment 'late', which this model does not have" in caplog.text
     assert res.token_layers == (0,)
     assert measure_modality_attention(_load(path), **batch).query_image_mass is None  # only when asked for
 
@@ -185,9 +187,8 @@ def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     them exactly where the sequence's image-token runs are."""
     from PIL import Image
 
-    from trl_mdi.attention_maps import attention_map_records, image_token_grids
-    from trl_mdi.logs.maps import split_per_image
-    from trl_mdi.testing import eager_group_masses
+    from fixtures.testing import eager_group_masses
+    from trl_mdi.diagnostics.maps import attention_map_records, image_token_grids, split_per_image
 
     path = tiny_vlm_dir(arch)
     processor = AutoProcessor.from_pretrained(path)
@@ -231,7 +232,7 @@ def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
 @pytest.mark.parametrize("arch", ["smolvlm", "llava_next", "gemma4"])
 def test_families_without_a_plain_token_grid_get_no_map(tiny_vlm_dir, arch):
     """No single row-major grid per image: no map rather than a wrong one."""
-    from trl_mdi.attention_maps import attention_map_records, image_token_grids
+    from trl_mdi.diagnostics.maps import attention_map_records, image_token_grids
 
     path = tiny_vlm_dir(arch)
     processor = AutoProcessor.from_pretrained(path)

@@ -1,4 +1,4 @@
-"""The language-prior task (`trl_mdi.synthetic` kind prior_color), its dataset columns, the held-out MDI of greedy
+"""The language-prior task (`fixtures.synthetic` kind prior_color), its dataset columns, the held-out MDI of greedy
 answers, and benchmarks/language_prior.py end to end in its quick mode (the pipeline, not the result)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
-from trl_mdi import synthetic
-from trl_mdi.synthetic import PRIOR_OBJECTS, generate_synthetic_rows, rows_to_table
+from fixtures import synthetic
+from fixtures.synthetic import PRIOR_OBJECTS, generate_synthetic_rows, rows_to_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,7 +90,7 @@ def test_prior_rows_keep_the_aokvqa_parquet_schema(tmp_path):
 
 
 def test_synthetic_dataset_carries_conflict_and_prior_columns():
-    from trl_mdi.warmup import WarmupRecipe, synthetic_dataset
+    from fixtures.warmup import WarmupRecipe, synthetic_dataset
 
     ds = synthetic_dataset(16, split="validation", kinds=("prior_color",), conflict_rate=0.5)
     assert sum(ds["conflict"]) == 8
@@ -107,8 +107,8 @@ def test_evaluate_accuracy_measures_the_mdi_of_greedy_answers(tiny_vlm_dir):
     """Per-row MDI of the greedy answers equals the probe run by hand on prompt + answer (up to its end)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from fixtures.warmup import evaluate_accuracy, synthetic_dataset
     from trl_mdi.attention import measure_modality_attention
-    from trl_mdi.warmup import evaluate_accuracy, synthetic_dataset
 
     model_dir = tiny_vlm_dir("qwen2_vl")
     model = AutoModelForImageTextToText.from_pretrained(model_dir)

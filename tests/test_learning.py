@@ -1,4 +1,4 @@
-"""trl_mdi.warmup: the supervised warm start and the held-out accuracy helper (fast; no learning guarantee).
+"""fixtures.warmup: the supervised warm start and the held-out accuracy helper (fast; no learning guarantee).
 
 The learning itself (accuracy rising under GRPO, the blank-image control at chance) is measured by
 benchmarks/learning_curve.py, which takes minutes; here we only check the pieces it and `make demo` rely on.
@@ -12,8 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trl_mdi.rewards import extract_choice_letter, mc_idx_reward, think_format_reward
-from trl_mdi.warmup import (
+from fixtures.warmup import (
     WarmupRecipe,
     evaluate_accuracy,
     main,
@@ -23,6 +22,7 @@ from trl_mdi.warmup import (
     target_completion,
     warm_start,
 )
+from trl_mdi.rewards import extract_choice_letter, mc_idx_reward, think_format_reward
 
 # A smaller model than the benchmark's, trained hard on a few examples: enough to learn the answer format.
 SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, vision_depth=1,

@@ -9,7 +9,7 @@ import torch
 from test_trainer import make_args, spread_reward
 from transformers import AutoProcessor, TrainerCallback
 
-from trl_mdi.logs import LogPathError
+from trl_mdi.diagnostics import LogPathError
 from trl_mdi.trainer import MDIGRPOTrainer
 
 STEP_HEADER = re.compile(r"^## Step (\d+)\b", re.M)
@@ -84,6 +84,9 @@ def test_logs_hold_every_step_and_the_rewards_the_trainer_computed(model_dir, gr
     assert all(len(v) == 12 for v in logged.values())
     blocks = re.split(r"^### Rollout ", body, flags=re.M)[1:]
     assert len(blocks) == 12  # 3 steps x 4 rollouts, all written in full
+    # Multiple-choice rows: the parsed letter, the gold letter with its choice, the format verdict.
+    assert all(re.search(r"^\*\*Parsed answer:\*\* (?:[A-J/]+|none) · \*\*Gold answer:\*\* [A-D] \(\w+\) · "
+                         r"\*\*Format:\*\* ", b, re.M) for b in blocks), blocks[0][:600]
     for k, block in enumerate(blocks):
         for name in trainer.reward_func_names:
             m = re.search(rf"^\| {name} \| ([^|]+) \|", block, re.M)
@@ -99,6 +102,27 @@ def test_logs_hold_every_step_and_the_rewards_the_trainer_computed(model_dir, gr
     assert cols == [[str(i), str(i // trainer.num_generations)] for i in range(4)], cols
     pngs = sorted((attention_log.parent).rglob("*.png"))
     assert pngs and all(p.stat().st_size > 0 for p in pngs)
+
+
+def test_a_free_form_task_gets_logs_without_multiple_choice_columns(model_dir, grpo_train_dataset, tmp_path, capsys):
+    """TRL's accuracy_reward on rows with a text ``solution`` and no label_idx / choices: the rollout log shows the
+    solution as gold, marks right / wrong from the accuracy reward, and has no parsed letter and no format verdict;
+    the console shows the accuracy reward's mean."""
+    from trl.rewards import accuracy_reward
+
+    rows = grpo_train_dataset.remove_columns(["label_idx", "choices"]).map(lambda _: {"solution": "$4$"})
+    rollout_log, attention_log = _logs(tmp_path)
+    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[accuracy_reward, spread_reward],
+                             args=make_args(tmp_path, max_steps=1, log_full_rollouts_per_step=1), train_dataset=rows)
+    trainer.train()
+    body = _outside_fences(rollout_log.read_text())
+    assert "**Gold answer:** $4$" in body and "Parsed answer" not in body and "**Format:**" not in body
+    header = [c.strip() for c in body.split("### Other rollouts (3)\n\n", 1)[1].split("\n", 1)[0].strip("|").split("|")]
+    assert header == ["#", "group", "accuracy_reward", "spread_reward", "total", "advantage", "correct", "length",
+                      "gold", "completion"], header
+    assert "| accuracy | 0 |" in body and "clean format" not in body  # the random model never writes 4
+    assert "### Rollouts (4)" in attention_log.read_text()  # the attention log is the same as for any task
+    assert "rewards/accuracy_reward/mean" in capsys.readouterr().out
 
 
 def test_hostile_completions_stay_valid_markdown(model_dir, grpo_train_dataset, tmp_path):
@@ -204,3 +228,70 @@ def test_attention_log_links_a_per_layer_mdi_picture_every_n_steps(model_dir, gr
     for _, rel in links:
         png = log.parent / rel
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def half_answered_generation(monkeypatch):
+    """Replace TRL's generation: even rollouts end with an answer line (A, B, ...), odd ones have none."""
+    from trl import GRPOTrainer
+
+    def generate(trainer, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        tok = trainer._tokenizer
+        think = tok("<think>look</think>", add_special_tokens=False)["input_ids"]
+        answer = [tok("\nAnswer: " + "ABCD"[i // 2 % 4], add_special_tokens=False)["input_ids"] if i % 2 == 0 else []
+                  for i in range(len(prompt_ids))]
+        return [think + a + [tok.eos_token_id] for a in answer], None
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", generate)
+
+
+@pytest.mark.parametrize("attention", [True, False], ids=["attention-on", "attention-off"])
+def test_reliance_signals_in_the_rollout_log(model_dir, grpo_train_dataset, tmp_path, monkeypatch, capsys, attention):
+    """reliance_signals=True: every rollout's visual gain, answer visual gain and blind verdict in the rollout log
+    (columns, and a worded line in the full rollouts), the step summary's blind-agreement rate, mean gains and answer
+    rate equal to the reliance/* metrics the trainer logged for the same batch, a blind-agreement trend, the
+    blind-agreement rate on the console; an attention log without any of it, or none with attention metrics off (the
+    signals need no probe; the answer letter's image attention is then left out)."""
+    from trl_mdi.rewards import mc_idx_reward
+
+    half_answered_generation(monkeypatch)
+    rollout_log, attention_log = _logs(tmp_path)
+    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[mc_idx_reward, spread_reward],
+                             args=make_args(tmp_path, max_steps=2, log_full_rollouts_per_step=2, reliance_signals=True,
+                                            compute_attention_metrics=attention),
+                             train_dataset=grpo_train_dataset)
+    trainer.train()
+    body = _outside_fences(rollout_log.read_text())
+    metrics = [h for h in trainer.state.log_history if "loss" in h]
+    blocks = re.split(r"^## Step \d+ ", body, flags=re.M)[1:]
+    assert len(blocks) == len(metrics) == 2
+    line = re.compile(r"^\*\*Reliance on the image\*\* \(counterfactual: a grey image of the same size\): (.*)$", re.M)
+    for block, logged in zip(blocks, metrics):
+        answered, unanswered = line.findall(block)  # rollouts 0 and 1, in full
+        assert re.fullmatch(r"answer visual gain [+-][\d.e+-]+ nats · visual gain [+-][\d.e+-]+ nats per token · "
+                            r"blind answer agrees: (yes \(the answer would have been the same without the image\)|"
+                            r"no \(without the image the answer would have been different\))"
+                            + (r" · image attention at the answer letter [\d.e-]+" if attention else ""), answered), answered
+        assert re.fullmatch(r"answer visual gain — \(no answer line\) · visual gain [+-][\d.e+-]+ nats per token · "
+                            r"blind answer agrees: — \(no answer letter to compare\)", unanswered), unanswered
+        table = block.split("### Other rollouts (2)\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+        header = [c.strip() for c in table[0].strip("|").split("|")]
+        assert header[-4:] == ["vis gain", "ans gain", "blind", "completion"], header
+        rows = [dict(zip(header, (c.strip() for c in row.strip("|").split("|")))) for row in table[2:]]
+        assert [r["#"] for r in rows] == ["2", "3"]
+        assert rows[0]["ans gain"] != "—" and rows[0]["blind"] in ("yes", "no")  # rollout 2 answered
+        assert rows[1]["ans gain"] == "—" and rows[1]["blind"] == "—" and rows[1]["vis gain"] != "—"
+        summary = dict(re.findall(r"^\| ([^|]+?) \| ([^|]+?) \|$", block.split("### Step summary", 1)[1], re.M))
+        answer_rate = float(summary["answer rate (rollouts with an image and an answer)"])
+        assert answer_rate == logged["reliance/answer_rate"] == 0.5
+        for label, key in (("blind agreement (share of answers unchanged without the image)", "blind_agree_rate"),
+                           ("answer visual gain mean (nats)", "answer_visual_gain"),
+                           ("visual gain mean (nats per token)", "visual_gain")):
+            assert float(summary[label]) == pytest.approx(logged[f"reliance/{key}"], rel=1e-3, abs=1e-6), label
+    assert re.search(r"^Blind agreement trend: `..` .* \(2 points\)$", blocks[1], re.M)
+    assert "reliance/blind_agree_rate" in capsys.readouterr().out
+    if not attention:
+        assert not attention_log.exists()
+        return
+    att = _outside_fences(attention_log.read_text())
+    assert [int(s) for s in STEP_HEADER.findall(att)] == [1, 2]
+    assert not re.search(r"gain|blind agree|reliance", att, re.I), "reliance signals leaked into the attention log"

@@ -1,4 +1,4 @@
-"""Live Markdown logs (trl_mdi.logs): safe formatting, the two writers, resume, failures, maps, console.
+"""Live Markdown logs (trl_mdi.diagnostics): safe formatting, the two writers, resume, failures, maps, console.
 
 The files are read back with a small fence-aware reader written here, independently of the library's own
 scanner, so a broken fence or a forged marker shows up as a wrong count of headings.
@@ -6,7 +6,9 @@ scanner, so a broken fence or a forged marker shows up as a wrong count of headi
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import functools
 import io
 import math
 import os
@@ -19,7 +21,7 @@ import torch
 from PIL import Image
 
 from trl_mdi import signals
-from trl_mdi.logs import (
+from trl_mdi.diagnostics import (
     AttentionLogWriter,
     LogPathError,
     RolloutLogWriter,
@@ -36,7 +38,7 @@ from trl_mdi.logs import (
     sparkline,
     trend_line,
 )
-from trl_mdi.logs.maps import display_size
+from trl_mdi.diagnostics.maps import display_size
 
 SPARKS = "▁▂▃▄▅▆▇█"
 
@@ -276,6 +278,280 @@ def test_rollout_log_says_how_many_images_a_prompt_had(tmp_path):
     assert "rollouts by images" not in text
 
 
+def _batch_log(rows: list[dict], completions: list[str]):
+    from trl_mdi.diagnostics import BatchLog
+
+    n = len(rows)
+    # Rewards and advantages are gathered: this process's rows are the last n of 2n.
+    rewards = torch.tensor([[0.0, 0.0]] * n + [[1.0, 0.5], [0.0, float("nan")]][:n])
+    return BatchLog(step=1, epoch=0.0, rows=rows, prompts=[f"Q{i}" for i in range(n)], completions=completions,
+                    completion_lengths=[7] * n, rewards=rewards, advantages=torch.arange(2 * n, dtype=torch.float32),
+                    reward_names=["accuracy_reward", "spread_reward"], reward_weights=[2.0, 1.0])
+
+
+MC_ROWS = [{"label_idx": 1, "choices": ["red", "blue"]}, {"label_idx": 0, "choices": ["red", "blue"]}]
+FREE_ROWS = [{"solution": "\\frac{1}{3}"}, {"question": "no gold at all"}]
+
+
+def test_task_columns_come_from_the_rows_not_from_multiple_choice(tmp_path):
+    """Multiple-choice rows (label_idx + choices) get a gold letter, the parsed letter and the format verdict; rows
+    of a math / free-form task (a ``solution`` column, or nothing) get their solution as gold and neither of the
+    others, so their log has no parsed and no format column."""
+    from trl_mdi.diagnostics import rollout_records
+    from trl_mdi.rewards import ThinkFormatReward
+
+    texts = ["<think>x</think>\nAnswer: B", "<think>x</think>\nThe answer is \\boxed{\\frac{1}{3}}"]
+    mc = [r["rollout"] for r in rollout_records(_batch_log(MC_ROWS, texts), offset=2, answer_format=ThinkFormatReward())]
+    assert [(r["answer"], r["parsed"], r["format_ok"]) for r in mc] == [("B (blue)", "B", True), ("A (red)", None, False)]
+    # Final values, numbered globally: rows 2 and 3 of the gathered rewards and advantages, None for a NaN reward.
+    assert [r["index"] for r in mc] == [2, 3] and [r["advantage"] for r in mc] == [2.0, 3.0]
+    assert mc[0]["reward"] == 2.5 and mc[1]["rewards"] == {"accuracy_reward": 0.0, "spread_reward": None}
+    free = [r["rollout"] for r in rollout_records(_batch_log(FREE_ROWS, texts), offset=2,
+                                                  answer_format=ThinkFormatReward())]
+    assert free[0]["answer"] == "\\frac{1}{3}" and not {"parsed", "format_ok"} & set(free[0])
+    assert not {"answer", "parsed", "format_ok"} & set(free[1])
+    with pytest.raises(ValueError, match="not in the 4 gathered rewards"):
+        rollout_records(_batch_log(MC_ROWS, texts), offset=3)
+
+    for name, rollouts in (("mc", mc), ("free", free)):
+        w = RolloutLogWriter(tmp_path / f"{name}.md", full_rollouts_per_step=1, accuracy_rewards=["accuracy_reward"])
+        assert w.write_step(1, 0.0, rollouts)
+        w.close()
+    mc_text, free_text = read(tmp_path / "mc.md"), read(tmp_path / "free.md")
+    header = cells(mc_text.split("### Other rollouts (1)\n\n", 1)[1].split("\n", 1)[0])
+    assert header[-4:] == ["parsed", "gold", "format", "completion"]
+    assert "**Parsed answer:** B · **Gold answer:** B (blue) · **Format:** ✅ asked" in mc_text
+    header = cells(free_text.split("### Other rollouts (1)\n\n", 1)[1].split("\n", 1)[0])
+    assert header[-2:] == ["gold", "completion"] and "parsed" not in header and "format" not in header
+    assert "**Gold answer:** \\frac{1}{3}" in free_text and "Parsed answer" not in free_text
+    assert "**Format:**" not in free_text and "clean format" not in free_text
+    assert "| accuracy | 0.5 |" in free_text  # right / wrong still comes from the accuracy reward
+
+
+def test_console_shows_the_accuracy_rewards_or_the_first_reward():
+    from trl_mdi.diagnostics import ConsoleSummaryCallback
+
+    default = ConsoleSummaryCallback(False, ["mc_idx_reward", "think_format_reward", "mdi_balance_reward"])
+    assert default.keys[:2] == ("reward", "rewards/mc_idx_reward/mean")
+    math_run = ConsoleSummaryCallback(False, ["think_format_reward", "accuracy_reward"])
+    assert math_run.keys[:2] == ("reward", "rewards/accuracy_reward/mean") and "rewards/mc_idx_reward/mean" not in math_run.keys
+    custom = ConsoleSummaryCallback(False, ["my_math_reward", "length_penalty"])
+    assert custom.keys[:3] == ("reward", "rewards/my_math_reward/mean", "attention/mdi")
+
+
+# --------------------------------------------------------------------------------------------------
+# Reliance signals (visual_gain, answer_visual_gain, blind_agrees) in the rollout log
+# --------------------------------------------------------------------------------------------------
+# One step of make_rollouts(1, n=3), one rollout in full: the rollout log of a run without reliance signals, pinned
+# byte for byte below its "## Step" line (the line holds the clock). The signals add to it only when computed.
+PINNED_STEP = """\
+### Rollout 0 · group 0 · reward 3.01 · advantage -0.1852 · ✅
+
+**Prompt** · 1 image(s)
+
+```text
+user: [image 56x48] Q1.0: color?
+```
+
+**Completion** · 40 chars
+
+```text
+<think>step 1 rollout 0</think>Answer: A
+```
+
+**Gold answer:** A (red)
+
+| reward | value |
+|---|---:|
+| mc_idx | 1 |
+| think_format | 0 |
+| mdi_balance | -0.99 |
+| **total (weighted)** | 3.01 |
+| advantage | -0.1852 |
+
+### Other rollouts (2)
+
+| # | group | mc_idx | think_format | mdi_balance | total | advantage | correct | length | gold | completion |
+|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|
+| 1 | 0 | 0 | 1 | -0.62 | 0.38 | -0.06173 | ❌ | 40 | A (red) | &lt;think&gt;step 1 rollout 1&lt;/think&gt;Answer: A |
+| 2 | 1 | 1 | 1 | — | 5 | 0.06173 | ✅ | 40 | A (red) | &lt;think&gt;step 1 rollout 2&lt;/think&gt;Answer: A |
+
+### Step summary
+
+| metric | value |
+|---|---|
+| rollouts | 3 |
+| reward (weighted) mean | 2.797 |
+| mc_idx mean | 0.6667 |
+| think_format mean | 0.6667 |
+| mdi_balance mean | -0.805 |
+| advantage mean \\|A\\| | 0.1029 |
+| accuracy | 0.6667 |
+| completion length mean (chars) | 40 |
+| completion length min / max (chars) | 40 / 40 |
+| groups with zero reward spread | 1 / 2 |
+
+Mean reward trend: `▄` min 2.797 · max 2.797 · last 2.797 (1 point)\x20\x20
+Accuracy trend: `▄` min 0.6667 · max 0.6667 · last 0.6667 (1 point)
+
+<!-- trl_mdi:end step=1 {"reward":2.79667,"accuracy":0.666667} -->
+
+"""
+
+RELIANCE_SUMMARY = ["blind agreement (share of answers unchanged without the image)", "answer visual gain mean (nats)",
+                    "visual gain mean (nats per token)", "answer rate (rollouts with an image and an answer)"]
+
+
+def with_reliance(rollouts: list[dict], values: list[tuple]) -> list[dict]:
+    """The rollouts with (visual_gain, answer_visual_gain, blind_agrees) added, as rollout_records adds them."""
+    return [{**r, "visual_gain": v, "answer_visual_gain": a, "blind_agrees": b}
+            for r, (v, a, b) in zip(rollouts, values)]
+
+
+def summary_of(block: str) -> dict[str, str]:
+    rows = block.split("### Step summary\n\n", 1)[1].split("\n\n", 1)[0].split("\n")[2:]
+    return dict(cells(row)[:2] for row in rows)
+
+
+def test_rollout_log_without_reliance_signals_is_unchanged(tmp_path):
+    """No reliance key on any rollout: the step block is today's, byte for byte (no column, line or summary row)."""
+    w = RolloutLogWriter(tmp_path / "p.md", full_rollouts_per_step=1, accuracy_rewards=["mc_idx"],
+                         counterfactual="grey")
+    assert w.write_step(1, 0.5, make_rollouts(1, n=3))
+    w.close()
+    text = read(tmp_path / "p.md")
+    assert text.split("\n## Step 1 · epoch 0.500 · ", 1)[1].split("\n\n", 1)[1] == PINNED_STEP
+
+
+def test_rollout_log_shows_reliance_signals_when_computed(tmp_path):
+    """Per rollout: vis gain / ans gain / blind columns and a worded line in the full rollouts; per step: the
+    blind-agreement rate over the rollouts with a verdict, the mean gains where defined, the answer rate over all
+    rollouts, and a blind-agreement trend that survives a resume."""
+    path = tmp_path / "rel.md"
+    values = {1: [(0.12, 2.31, 0.0), (-0.05, -0.4, 1.0), (0.3, None, None), (0.2, 1.0, 1.0), (None, None, None)],
+              2: [(0.1, 3.0, 0.0), (0.1, 2.0, 0.0), (0.1, 1.0, 1.0), (0.1, 1.0, 0.0), (0.1, 1.0, 0.0)]}
+    w = RolloutLogWriter(path, full_rollouts_per_step=2, accuracy_rewards=["mc_idx"], counterfactual="grey")
+    for step in (1, 2):
+        rollouts = with_reliance(make_rollouts(step, n=5), values[step])
+        rollouts[4]["image_sizes"] = []  # a text-only prompt: no signal
+        assert w.write_step(step, None, rollouts)
+    w.close()
+    text = read(path)
+    assert step_headings(text) == [1, 2]
+    block = re.split(r"^## Step \d+ ", text, flags=re.M)[1]
+    # The full rollouts say what each number means.
+    assert ("**Reliance on the image** (counterfactual: a grey image of the same size): answer visual gain +2.31 nats"
+            " · visual gain +0.12 nats per token · blind answer agrees: no (without the image the answer would have"
+            " been different)") in block
+    assert ("answer visual gain -0.4 nats · visual gain -0.05 nats per token · blind answer agrees: yes (the answer"
+            " would have been the same without the image)") in block
+    # The table: one row per other rollout, None as —, blind as yes / no.
+    table = block.split("### Other rollouts (3)\n\n", 1)[1].split("\n\n", 1)[0].split("\n")
+    header = cells(table[0])
+    assert header[-4:] == ["vis gain", "ans gain", "blind", "completion"]
+    rows = [dict(zip(header, cells(row))) for row in table[2:]]
+    assert [(r["vis gain"], r["ans gain"], r["blind"]) for r in rows] == [
+        ("0.3", "—", "—"), ("0.2", "1", "yes"), ("—", "—", "—")]
+    summary = summary_of(block)
+    assert [k for k in summary if k in RELIANCE_SUMMARY] == RELIANCE_SUMMARY
+    blind, answer_gain, gain, answer_rate = (summary[k] for k in RELIANCE_SUMMARY)
+    assert float(blind) == pytest.approx(2 / 3, abs=1e-4)  # 2 of the 3 rollouts with a verdict
+    assert float(answer_gain) == pytest.approx((2.31 - 0.4 + 1.0) / 3, abs=1e-3)
+    assert float(gain) == pytest.approx((0.12 - 0.05 + 0.3 + 0.2) / 4, abs=1e-3)
+    assert float(answer_rate) == 0.6  # 3 of all 5 rollouts have an answer visual gain
+    assert ("Accuracy trend: `▄` min 0.6 · max 0.6 · last 0.6 (1 point)  \n"
+            "Blind agreement trend: `▄` min 0.6667") in block
+
+    # Resume after step 1: the blind-agreement trend is rebuilt from the file's end markers.
+    w = RolloutLogWriter(path, full_rollouts_per_step=2, counterfactual="grey").open(resume_from_step=1)
+    assert w.records[0][1]["blind_agree"] == pytest.approx(2 / 3, abs=1e-5)
+    assert w.write_step(2, None, with_reliance(make_rollouts(2, n=5), values[2]))
+    w.close()
+    last = re.split(r"^## Step \d+ ", read(path), flags=re.M)[-1]
+    assert float(summary_of(last)[RELIANCE_SUMMARY[0]]) == 0.2 and float(summary_of(last)[RELIANCE_SUMMARY[3]]) == 1
+    assert "Blind agreement trend: `█▁` min 0.2 · max 0.6667 · last 0.2 (2 points)" in last
+
+
+def test_reliance_line_for_rollouts_without_an_answer_or_an_image(tmp_path):
+    """None values are explained, not printed as numbers; the counterfactual is named as configured (or not at all)."""
+    rollouts = with_reliance(make_rollouts(1, n=2), [(0.25, None, None), (None, None, None)])
+    rollouts[0]["answer_image_attention"] = 0.0312
+    rollouts[1]["image_sizes"] = []
+    w = RolloutLogWriter(tmp_path / "r.md", full_rollouts_per_step=2, counterfactual="none")
+    assert w.write_step(1, None, rollouts)
+    text = read(tmp_path / "r.md")
+    assert ("**Reliance on the image** (counterfactual: the prompt without its image): answer visual gain — (no answer"
+            " line) · visual gain +0.25 nats per token · blind answer agrees: — (no answer letter to compare) · image"
+            " attention at the answer letter 0.0312\n") in text
+    assert ("**Reliance on the image** (counterfactual: the prompt without its image): — (no image in the prompt)\n"
+            in text)
+    summary = summary_of(text)
+    assert summary[RELIANCE_SUMMARY[0]] == "—" and summary[RELIANCE_SUMMARY[1]] == "—"
+    assert summary[RELIANCE_SUMMARY[3]] == "0" and "Blind agreement trend: (no data yet)" in text
+    from trl_mdi.counterfactual import counterfactual_kinds
+    from trl_mdi.diagnostics.writers import COUNTERFACTUALS
+
+    assert set(COUNTERFACTUALS) == set(counterfactual_kinds())  # every configurable I' is named in words
+    w = RolloutLogWriter(tmp_path / "plain.md", full_rollouts_per_step=1)  # a writer that was not told I'
+    assert w.write_step(1, None, rollouts[:1])
+    assert "**Reliance on the image:** answer visual gain — (no answer line)" in read(tmp_path / "plain.md")
+
+
+def test_reliance_signals_go_to_the_rollout_record_not_the_attention_row(tmp_path):
+    """rollout_records puts the reliance signals (NaN -> None) on the rollout, keeps them and the reward-only group
+    score out of the attention row, and gives no attention row when the batch has reliance signals only (attention
+    metrics off). The attention log of a batch with reliance signals is the same as without them."""
+    from trl_mdi.diagnostics import rollout_records
+    from trl_mdi.rewards import ThinkFormatReward
+
+    texts = ["<think>x</think>\nAnswer: B", "<think>x</think>\nno answer"]
+    nan = float("nan")
+    reliance = {"visual_gain": torch.tensor([0.5, -0.1]), "answer_visual_gain": torch.tensor([2.0, nan]),
+                "blind_agrees": torch.tensor([0.0, nan]), "answer_image_attention": torch.tensor([0.04, nan]),
+                "answer_visual_gain_group_score": torch.tensor([0.0, nan])}
+    attention = {k: torch.tensor([float("nan") if v is None else float(v) for v in (attention_row(2.0)[k],
+                                                                                    attention_row(3.0)[k])])
+                 for k in attention_row(2.0)}
+    base = _batch_log(MC_ROWS, texts)
+
+    def records(table):
+        return rollout_records(dataclasses.replace(base, signals=table), offset=2, answer_format=ThinkFormatReward())
+
+    only_reliance, both, only_attention = records(reliance), records({**attention, **reliance}), records(attention)
+    assert [r["attention"] for r in only_reliance] == [None, None]
+    assert [r["attention"] for r in both] == [r["attention"] for r in only_attention]
+    assert not set(signals.RELIANCE_FIELDS) & set(both[0]["attention"])
+    for recs in (only_reliance, both):
+        assert [{k: r["rollout"].get(k) for k in signals.RELIANCE_SIGNALS} for r in recs] == [
+            {"visual_gain": 0.5, "answer_visual_gain": 2.0, "blind_agrees": 0.0,
+             "answer_image_attention": pytest.approx(0.04)},
+            {"visual_gain": pytest.approx(-0.1), "answer_visual_gain": None, "blind_agrees": None,
+             "answer_image_attention": None}]
+        assert "answer_visual_gain_group_score" not in recs[0]["rollout"]
+    assert not set(signals.RELIANCE_FIELDS) & set(only_attention[0]["rollout"])
+    assert [r["rollout"] for r in records(None)] == [r["rollout"] for r in only_attention]
+    for name, recs in (("both", both), ("attention", only_attention)):
+        w = attention_writer(tmp_path / name / "att.md", run_name="r")
+        assert w.write_step(1, None, [{"index": r["rollout"]["index"], **r["attention"]} for r in recs])
+        w.close()
+    clock = functools.partial(re.sub, r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}( \(\+[\d:]+\))?", "")
+    assert clock(read(tmp_path / "both" / "att.md")) == clock(read(tmp_path / "attention" / "att.md"))
+
+
+def test_console_shows_the_blind_agreement_rate_when_logged(capsys):
+    from types import SimpleNamespace
+
+    from trl_mdi.diagnostics import ConsoleSummaryCallback
+
+    callback = ConsoleSummaryCallback(False, ["mc_idx_reward"])
+    assert "reliance/blind_agree_rate" in callback.keys
+    state = SimpleNamespace(is_world_process_zero=True, global_step=3)
+    callback.on_log(None, state, None, logs={"loss": 0.1, "reward": 1.0, "reliance/blind_agree_rate": 0.25})
+    assert re.search(r"^  reliance/blind_agree_rate +0\.25$", capsys.readouterr().out, re.M)
+    callback.on_log(None, state, None, logs={"loss": 0.1, "reward": 1.0})
+    assert "reliance" not in capsys.readouterr().out
+
+
 HOSTILE = [
     "``` not closed\n## Step 99\n<script>alert(1)</script>",
     "`````` six\n``````\n````````````````",
@@ -446,7 +722,7 @@ def test_write_failure_warns_once_and_training_continues(tmp_path, monkeypatch):
     def full_disk(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("trl_mdi.logs.base.os.fsync", full_disk)
+    monkeypatch.setattr("trl_mdi.diagnostics.log_file.os.fsync", full_disk)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         results = [w.write_step(s, None, [attention_row(2.0)]) for s in (2, 3, 4)]
@@ -536,7 +812,7 @@ def test_segment_maps_side_by_side(tmp_path):
 
 
 def test_image_maps_one_panel_row_per_image_on_one_scale(tmp_path):
-    from trl_mdi.logs import render_image_maps, split_per_image
+    from trl_mdi.diagnostics import render_image_maps, split_per_image
 
     square, wide = Image.new("RGB", (32, 32), (255, 255, 255)), Image.new("RGB", (64, 32), (255, 255, 255))
     row_mass = torch.tensor([[1.0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0]])  # one layer: 4 tokens (2x2), then 6 (2x3)
@@ -586,8 +862,10 @@ def test_console_plain_without_tty_or_with_no_color(monkeypatch):
     assert "\x1b[" not in tty.getvalue() and "attention/mdi 4.25" in tty.getvalue() and "missing       —" in tty.getvalue()
 
 
-def test_logs_package_imports_no_trainer():
-    code = "import sys, trl_mdi.logs; print(any(m == 'trl' or m.startswith(('trl.', 'transformers')) for m in sys.modules))"
+def test_diagnostics_library_side_imports_no_trainer():
+    """The writers, maps, plots and console load without TRL or transformers (the callbacks load on first use)."""
+    code = ("import sys, trl_mdi.diagnostics.writers, trl_mdi.diagnostics.maps, trl_mdi.diagnostics.plots; "
+            "print(any(m == 'trl' or m.startswith(('trl.', 'transformers')) for m in sys.modules))")
     import subprocess
     import sys
 

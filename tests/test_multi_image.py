@@ -13,9 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from trl_mdi import cli, diagnostics
+from fixtures.testing import shape_image
+from trl_mdi import cli
 from trl_mdi.aokvqa import prepare_aokvqa
-from trl_mdi.testing import shape_image
+from trl_mdi.diagnostics import live
 
 IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 SOURCE_SCHEMA = pa.schema([("question_id", pa.string()), ("images", pa.list_(IMAGE)), ("question", pa.string()),
@@ -53,13 +54,13 @@ def test_multi_image_rows_train_and_log_one_map_row_per_image(tiny_vlm_dir, tmp_
     report = prepare_aokvqa(str(_source(tmp_path / "src")), str(prepared), splits=["train"], log=lambda *_: None)
     assert report.splits["train"].rows_out == 8
     drawn = []
-    real = diagnostics.render_image_maps
+    real = live.render_image_maps
 
     def spy(images, masses, grids, out_path, title=None, **kwargs):
         drawn.append((len(images), [len(m["all"]) for m in masses], [h * w for h, w in grids], kwargs["captions"]))
         return real(images, masses, grids, out_path, title, **kwargs)
 
-    monkeypatch.setattr(diagnostics, "render_image_maps", spy)
+    monkeypatch.setattr(live, "render_image_maps", spy)
     logs = tmp_path / "logs"
     code = cli.main([
         "--model_name_or_path", str(tiny_vlm_dir(arch)), "--dataset_path", str(prepared),

@@ -82,7 +82,7 @@ def _reference(model, input_ids, attention_mask, completion_length, mm):
     completion_mask[:, -completion_length:] = attention_mask[:, -completion_length:]
     mm = {k: mm[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if mm.get(k) is not None}
     ref = measure_modality_attention(model, input_ids, attention_mask, completion_mask, token_segment="late", **mm)
-    return ref.completion_image_attention(completion_length) * completion_mask[:, -completion_length:]
+    return ref.attention_signal(completion_length) * completion_mask[:, -completion_length:]
 
 
 @pytest.mark.parametrize("rides_trl", [False, True], ids=["own_forward", "trl_forward"])
@@ -93,33 +93,42 @@ def test_the_signal_tprl_ranks_by_is_the_probes_exact_per_token_mass(model_dir, 
     that chose it; whichever forward measured it (the trainer's own, or TRL's old-log-prob forward)."""
     checked = []
     if rides_trl:
-        original = MDIGRPOTrainer._get_per_token_logps_and_entropies
+        from trl import GRPOTrainer
 
-        def spy(trainer, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-            out = original(trainer, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-            if not torch.is_grad_enabled() and trainer._batch is not None and trainer._batch.forward is not None:
-                got = trainer._batch.forward.image_attention * attention_mask[:, -logits_to_keep:]
-                checked.append((got, _reference(trainer.model, input_ids, attention_mask, logits_to_keep, kwargs)))
-            return out
+        original, original_measured, last = GRPOTrainer._get_per_token_logps_and_entropies, MDIGRPOTrainer._measured, {}
 
-        monkeypatch.setattr(MDIGRPOTrainer, "_get_per_token_logps_and_entropies", spy)
-    else:
-        original = MDIGRPOTrainer._scoring_forward
+        def forward_spy(trainer, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+            if not torch.is_grad_enabled():  # TRL's old-log-prob forward, which the probe rides on
+                last.update(input_ids=input_ids, attention_mask=attention_mask, c_len=logits_to_keep, mm=kwargs)
+            return original(trainer, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
 
-        def spy(trainer, map_rows, fwd):
-            forward = original(trainer, map_rows, fwd)
-            c_len = fwd["logits_to_keep"]
-            got = forward.image_attention * fwd["attention_mask"][:, -c_len:]
-            checked.append((got, _reference(trainer.model, fwd["input_ids"], fwd["attention_mask"], c_len, fwd)))
+        def measured_spy(trainer, probe, completion_length, *args, **kwargs):
+            forward = original_measured(trainer, probe, completion_length, *args, **kwargs)
+            got = forward.perception["attention"] * last["attention_mask"][:, -last["c_len"]:]
+            checked.append((got, _reference(trainer.model, last["input_ids"], last["attention_mask"], last["c_len"],
+                                            last["mm"])))
             return forward
 
-        monkeypatch.setattr(MDIGRPOTrainer, "_scoring_forward", spy)
+        monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", forward_spy)
+        monkeypatch.setattr(MDIGRPOTrainer, "_measured", measured_spy)
+    else:
+        original = MDIGRPOTrainer._extra_forward
+
+        def spy(trainer, map_rows, batch):
+            forward = original(trainer, map_rows, batch)
+            c_len = batch.logits_to_keep
+            got = forward.perception["attention"] * batch.attention_mask[:, -c_len:]
+            checked.append((got, _reference(trainer.model, batch.input_ids, batch.attention_mask, c_len,
+                                            batch.multimodal)))
+            return forward
+
+        monkeypatch.setattr(MDIGRPOTrainer, "_extra_forward", spy)
     extra = dict(num_iterations=2) if rides_trl else {}
     trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward],
                              args=make_args(tmp_path, perception_signal="attention", **PERCEPTION, **extra),
                              train_dataset=grpo_train_dataset)
     n_layers = trainer.model.config.get_text_config().num_hidden_layers
-    assert trainer._token_layers == tuple(layer_segments(n_layers, "thirds")["late"])
+    assert trainer.run_plan.token_layers == tuple(layer_segments(n_layers, "thirds")["late"])
     trainer.train()
     assert len(checked) == (1 if rides_trl else 2)  # num_iterations=2 reuses one generation for both steps
     for got, expected in checked:
@@ -156,7 +165,7 @@ def test_missing_segment_falls_back_to_all_and_says_so(tiny_vlm_dir, grpo_train_
         trainer = MDIGRPOTrainer(str(path), reward_funcs=[spread_reward],
                                  args=make_args(tmp_path, perception_signal="attention", **PERCEPTION),
                                  train_dataset=grpo_train_dataset)
-    assert trainer._token_layers == (0,)
+    assert trainer.run_plan.token_layers == (0,)
     assert "does not have" in caplog.text and "all measured layers" in caplog.text
 
 

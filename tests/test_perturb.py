@@ -163,3 +163,30 @@ def test_errors_name_the_parameter():
         P.perturb_images([img], "noise", seed=0, step=0)
     with pytest.raises(TypeError, match="PIL"):
         P.perturb_images(["path/to/img.png"], seed=0, step=0)
+
+
+def test_grey_is_uniform_mid_grey_of_the_same_size_whatever_the_input():
+    # Nothing of the real image leaks: two different images (and modes) give byte-identical grey images.
+    a, b = _random_image(37, 21, seed=1), _random_image(37, 21, seed=2, mode="RGBA")
+    ga, gb = P.perturb_image(a, "grey"), P.perturb_image(b, "grey", generator=5)
+    assert ga.size == (37, 21) and ga.mode == "RGB" and ga.tobytes() == gb.tobytes()
+    assert ga.getextrema() == ((128, 128),) * 3 and P.GREY == (128, 128, 128)
+    rows = P.perturb_images([a, None, [b, a]], "grey", seed=0, step=0)
+    assert rows[1] is None and [r.size for r in rows[2]] == [(37, 21), (37, 21)]
+    assert rows[0].tobytes() == rows[2][1].tobytes() == P.perturb_images([a], "grey", seed=9, step=4)[0].tobytes()
+    assert a.tobytes() == _random_image(37, 21, seed=1).tobytes()  # input untouched
+
+
+def test_existing_kinds_are_unchanged_by_the_grey_kind():
+    # Digests of the seeded kinds' outputs, recorded before "grey" was added: adding a kind must not move
+    # their draws. (Blur is left out: its pixels depend on PIL's kernel, not on us.)
+    import hashlib
+
+    img = _random_image(30, 20, seed=4)
+    digests = {k: hashlib.sha256(P.perturb_images([img], k, seed=3, step=2)[0].tobytes()).hexdigest()[:16]
+               for k in EXPECTED_DIGESTS}
+    assert digests == EXPECTED_DIGESTS
+
+
+EXPECTED_DIGESTS = {"patch_blackening": "bef9eab51d64d9d0", "gaussian_noise": "af0fd0675836cd2b",
+                    "black": "09cec5a5bd8afffb"}

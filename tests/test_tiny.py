@@ -12,8 +12,8 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from trl_mdi import tiny
-from trl_mdi.tiny import SYSTEM_PROMPT, TINY_ARCHS, build_tiny_text_model, build_tiny_vlm, save_tiny_vlm
+from fixtures import tiny
+from fixtures.tiny import SYSTEM_PROMPT, TINY_ARCHS, build_tiny_text_model, build_tiny_vlm, save_tiny_vlm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -254,7 +254,7 @@ def test_cli_writes_a_reloadable_model(tmp_path, tiny_vlm_dir):
     out = tmp_path / "cli-model"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run(
-        [sys.executable, "-m", "trl_mdi.tiny", "--arch", "qwen2_5_vl", "--out", str(out), "--num_layers", "3"],
+        [sys.executable, "-m", "fixtures.tiny", "--arch", "qwen2_5_vl", "--out", str(out), "--num_layers", "3"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -292,7 +292,7 @@ def test_cli_rejects_unknown_arch_and_bad_sizes(tmp_path, capsys):
 def test_text_models_save_reload_generate_and_score(tmp_path):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    from trl_mdi.tiny import save_tiny_text_model
+    from fixtures.tiny import save_tiny_text_model
 
     lm_dir = save_tiny_text_model(tmp_path / "lm", "causal_lm", seed=1)
     rm_dir = save_tiny_text_model(tmp_path / "rm", "sequence_classification", seed=1)

@@ -12,8 +12,8 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from trl_mdi import tiny
-from trl_mdi.tiny import SYSTEM_PROMPT, TINY_ARCHS, build_tiny_vlm
+from fixtures import tiny
+from fixtures.tiny import SYSTEM_PROMPT, TINY_ARCHS, build_tiny_vlm
 
 FAMILIES = ("qwen3_5", "gemma3", "llava_next", "qwen3_5_moe", "gemma4")
 EXPECTED = {

@@ -16,7 +16,7 @@ NAN, INF = float("nan"), float("inf")
 def test_visual_dependency_formula_and_clamps():
     logp = torch.tensor([-1.0, -1.0, -2.0, -60.0, 0.0, -0.5])
     aug = torch.tensor([-1.0, -2.0, -1.0, 0.0, -60.0, -0.5])
-    s = T.token_visual_dependency(logp, aug)
+    s = T.perturbation_signal(logp, aug)
     d = torch.tensor([0.0, -1.0, 1.0])
     torch.testing.assert_close(s[:3], d.exp() - d - 1)
     assert s[0].item() == 0.0 and s[5].item() == 0.0  # unchanged probability: no dependency
@@ -31,21 +31,21 @@ def test_visual_dependency_is_unbiased_k3_estimate_of_kl():
     logits = torch.randn(50, generator=g, dtype=torch.float64)
     p = torch.softmax(logits, 0)
     q = torch.softmax(logits + torch.randn(50, generator=g, dtype=torch.float64), 0)  # I' shifts the logits
-    s = T.token_visual_dependency(p.log(), q.log())
+    s = T.perturbation_signal(p.log(), q.log())
     assert s.max() < 10  # clamps inactive, so the identity is exact
     torch.testing.assert_close((p * s).sum(), (p * (p / q).log()).sum())
 
 
 def test_visual_dependency_promotes_low_precision_and_propagates_nan():
-    s = T.token_visual_dependency(
+    s = T.perturbation_signal(
         torch.tensor([-1.0], dtype=torch.bfloat16), torch.tensor([-1.5], dtype=torch.bfloat16)
     )
     assert s.dtype == torch.float32
     assert (
-        T.token_visual_dependency(torch.tensor([-1.0], dtype=torch.float64), torch.tensor([-1.0])).dtype
+        T.perturbation_signal(torch.tensor([-1.0], dtype=torch.float64), torch.tensor([-1.0])).dtype
         == torch.float64
     )
-    assert math.isnan(T.token_visual_dependency(torch.tensor([NAN]), torch.tensor([0.0])).item())
+    assert math.isnan(T.perturbation_signal(torch.tensor([NAN]), torch.tensor([0.0])).item())
 
 
 # ---------------------------------------------------------------- sequence mean
@@ -259,10 +259,10 @@ def test_pipeline_ignores_garbage_at_padded_positions():
     mask = torch.ones(6, 10, dtype=torch.long)
     mask[1, 6:] = 0
     mask[4] = 0
-    s = T.token_visual_dependency(logp, aug)
+    s = T.perturbation_signal(logp, aug)
     dirty_logp, dirty_aug = logp.clone(), aug.clone()
     dirty_logp[mask == 0], dirty_aug[mask == 0] = NAN, 123.0
-    s_dirty = T.token_visual_dependency(dirty_logp, dirty_aug)
+    s_dirty = T.perturbation_signal(dirty_logp, dirty_aug)
     assert torch.equal(T.top_p_token_mask(s, mask, 0.3), T.top_p_token_mask(s_dirty, mask, 0.3))
     seq, seq_dirty = T.sequence_mean(s, mask), T.sequence_mean(s_dirty, mask)
     assert torch.equal(seq, seq_dirty)
@@ -286,7 +286,7 @@ def test_token_mask_zeroes_masked_gradients_and_leaves_kept_ones_unchanged():
     adv = torch.randn(4, generator=g)
     completion_mask = torch.ones(4, 12)
     completion_mask[2, 8:] = 0
-    scores = T.token_visual_dependency(old, old + torch.randn(4, 12, generator=g))
+    scores = T.perturbation_signal(old, old + torch.randn(4, 12, generator=g))
     keep = T.combine_masks(
         T.top_p_token_mask(torch.rand(4, 12, generator=g), completion_mask, 0.2),
         T.top_p_token_mask(scores, completion_mask, 0.2),

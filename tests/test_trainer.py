@@ -225,7 +225,7 @@ def test_trainer_input_errors(model_dir, grpo_train_dataset, tmp_path):
     with pytest.raises(ValueError, match="unknown reward 'mdi_balanse'.*Registry names"):
         MDIGRPOTrainer(str(model_dir), reward_funcs=["mdi_balanse"], args=make_args(tmp_path),
                        train_dataset=grpo_train_dataset)
-    with pytest.raises(ValueError, match="2 reward functions but 3 reward_weights"):
+    with pytest.raises(ValueError, match="3 reward weights for 2 reward functions"):
         MDIGRPOTrainer(str(model_dir), reward_funcs=["mc_idx", "think_format"],
                        args=make_args(tmp_path, reward_weights=[1.0, 2.0, 3.0]), train_dataset=grpo_train_dataset)
     with pytest.raises(ValueError, match="cannot load reward 'no_such_pkg.mod:fn'.*No module named"):
@@ -261,23 +261,23 @@ def test_trainer_measurement_equals_the_probe_on_the_same_rollouts(model_dir, gr
     from trl_mdi.attention import measure_modality_attention
 
     checked = []
-    original = MDIGRPOTrainer._scoring_forward
+    original = MDIGRPOTrainer._extra_forward
 
-    def scoring_forward(trainer, map_rows, fwd):
-        forward = original(trainer, map_rows, fwd)
-        c_len = fwd["logits_to_keep"]
-        completion_mask = torch.zeros_like(fwd["attention_mask"])
-        completion_mask[:, -c_len:] = fwd["attention_mask"][:, -c_len:]
-        mm = {k: fwd[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if fwd.get(k) is not None}
-        ref = measure_modality_attention(trainer.model, fwd["input_ids"], fwd["attention_mask"], completion_mask, **mm)
+    def extra_forward(trainer, map_rows, batch):
+        forward = original(trainer, map_rows, batch)
+        c_len = batch.logits_to_keep
+        completion_mask = torch.zeros_like(batch.attention_mask)
+        completion_mask[:, -c_len:] = batch.attention_mask[:, -c_len:]
+        ref = measure_modality_attention(trainer.model, batch.input_ids, batch.attention_mask, completion_mask,
+                                         **batch.multimodal)
         got = forward.attention
         assert got.n_queries.tolist() == completion_mask.sum(1).tolist() == ref.n_queries.tolist()
         for group in ("image", "prompt_text", "completion", "special"):
             torch.testing.assert_close(getattr(got, group), getattr(ref, group), atol=1e-6, rtol=0)
-        checked.append(len(fwd["input_ids"]))
+        checked.append(len(batch.input_ids))
         return forward
 
-    monkeypatch.setattr(MDIGRPOTrainer, "_scoring_forward", scoring_forward)
+    monkeypatch.setattr(MDIGRPOTrainer, "_extra_forward", extra_forward)
     # A reward reads MDI, so the trainer measures in its own forward before the rewards.
     trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward, RecordingReward()],
                              args=make_args(tmp_path, max_steps=2),

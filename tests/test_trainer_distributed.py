@@ -150,7 +150,7 @@ def test_every_family_under_zero3_in_one_launch(tiny_vlm_dir, tmp_path):
     """A plain GRPOConfig and default attention settings, 2 steps per family, weights sharded over 2 processes, and
     every step an image prompt on rank 0 and a text-only one on rank 1: the dummy vision pass works on every family
     under ZeRO-3 (a family it failed on would hang here and hit the timeout)."""
-    from trl_mdi.tiny import TINY_ARCHS
+    from fixtures.tiny import TINY_ARCHS
 
     dirs = [str(tiny_vlm_dir(arch)) for arch in TINY_ARCHS]
     out = tmp_path / "families.jsonl"

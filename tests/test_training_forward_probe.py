@@ -1,6 +1,7 @@
 """Metrics-only attention: measured inside TRL's training forward, at zero extra forwards, without changing the run."""
 
 import logging
+import re
 
 import pytest
 import torch
@@ -33,8 +34,9 @@ def test_metrics_only_adds_no_forward_and_logs_every_batch(model_dir, grpo_train
     counter = ForwardCounter(monkeypatch)
     with caplog.at_level(logging.INFO, logger="trl_mdi"):
         trainer = _train(model_dir, grpo_train_dataset, tmp_path, max_steps=2, **overrides)
-    assert trainer._probe_placement == "training_forward"
-    assert "inside TRL's training forward" in caplog.text
+    assert trainer.run_plan.placement == "training_forward"
+    assert "nothing reads attention before the loss" in trainer.run_plan.placement_why
+    assert "probe placement" in caplog.text and re.search(r"extra forwards per batch +none", caplog.text)
     assert counter.per_generation and set(counter.per_generation) == {0}, counter.per_generation
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert all("attention/mdi" in h for h in logs), logs
@@ -48,24 +50,29 @@ def test_a_consumer_before_the_loss_keeps_todays_forward_and_says_why(model_dir,
     with caplog.at_level(logging.INFO, logger="trl_mdi"):
         trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward, RecordingReward()],
                                  args=make_args(tmp_path), train_dataset=grpo_train_dataset)
-    assert trainer._probe_placement == "extra_forward"
-    assert "one extra no-grad forward" in caplog.text and "reward recording_reward reads mdi" in caplog.text
+    assert trainer.run_plan.placement == "extra_forward"
+    assert "reward recording_reward reads mdi" in trainer.run_plan.placement_why
+    assert "policy forward with the attention probe" in caplog.text  # the printed plan says which forward runs
     tprl = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward],
                           args=make_args(tmp_path, enable_entropy_filtering=True), train_dataset=grpo_train_dataset)
-    assert tprl._probe_placement == "extra_forward"
+    assert tprl.run_plan.placement == "extra_forward"
 
 
 def test_masses_from_the_training_forward_equal_the_probe_on_the_same_rollouts(model_dir, grpo_train_dataset,
                                                                                 tmp_path, monkeypatch):
     """Two shuffled slices per generation batch: reassembled in generation order, the masses equal
     measure_modality_attention (exact against eager attention in test_families) on the very rollouts."""
-    checked = []
-    original = MDIGRPOTrainer._finish_measurement
+    checked, outputs = [], []
+    original_finish = MDIGRPOTrainer._finish_batch
 
-    def finish(trainer, pending):
-        original(trainer, pending)
-        got = pending.record.forward.attention
-        out = pending.full
+    def finish_batch(trainer, out, inputs, record):
+        original_finish(trainer, out, inputs, record)
+        outputs.append({k: v.clone() if torch.is_tensor(v) else v for k, v in out.items()})  # before TRL shuffles
+
+    original_attach = MDIGRPOTrainer._attach_signals
+
+    def attach(trainer, got, inputs, mode):  # called once the batch's last slice has been measured
+        out = outputs[-1]
         ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
         mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
         completion = torch.cat([torch.zeros_like(out["prompt_mask"]), out["completion_mask"]], dim=1)
@@ -77,17 +84,10 @@ def test_masses_from_the_training_forward_equal_the_probe_on_the_same_rollouts(m
         for group in ("image", "prompt_text", "completion"):
             torch.testing.assert_close(getattr(got, group), getattr(ref, group), atol=1e-5, rtol=0, equal_nan=True)
         checked.append(len(ids))
+        return original_attach(trainer, got, inputs, mode)
 
-    original_score = MDIGRPOTrainer._score_batch
-
-    def score(trainer, inputs, record):
-        out = original_score(trainer, inputs, record)
-        if trainer._pending is not None:
-            trainer._pending.full = {k: v.clone() if torch.is_tensor(v) else v for k, v in out.items()}
-        return out
-
-    monkeypatch.setattr(MDIGRPOTrainer, "_finish_measurement", finish)
-    monkeypatch.setattr(MDIGRPOTrainer, "_score_batch", score)
+    monkeypatch.setattr(MDIGRPOTrainer, "_finish_batch", finish_batch)
+    monkeypatch.setattr(MDIGRPOTrainer, "_attach_signals", attach)
     _train(model_dir, grpo_train_dataset, tmp_path, max_steps=2, steps_per_generation=2,
            gradient_accumulation_steps=2, per_device_train_batch_size=2)
     assert checked == [4, 4]  # both slices measured before the optimizer step: under the generating weights

@@ -19,6 +19,9 @@ def test_overridden_method_signatures():
     assert _params(GRPOTrainer._generate_and_score_completions) == ["self", "inputs"]
     assert _params(GRPOTrainer._calculate_rewards) == ["self", "inputs", "prompts", "completions", "completion_ids_list"]
     assert _params(GRPOTrainer._generate) == ["self", "prompts"]
+    assert _params(GRPOTrainer._tokenize_prompts) == ["self", "prompts"]
+    assert _params(GRPOTrainer.compute_loss) == ["self", "model", "inputs", "return_outputs", "num_items_in_batch"]
+    assert _params(GRPOTrainer.training_step) == ["self", "model", "inputs", "num_items_in_batch"]
     logp = _params(GRPOTrainer._get_per_token_logps_and_entropies)
     assert logp[:5] == ["self", "model", "input_ids", "attention_mask", "logits_to_keep"]
     # The multimodal keyword arguments our own forward passes through.
@@ -27,9 +30,13 @@ def test_overridden_method_signatures():
         assert name in logp, name
 
 
-def test_generate_returns_images_at_index_6():
+def test_generate_returns_its_8_tuple_and_encodes_prompts_once():
     src = inspect.getsource(GRPOTrainer._generate)
     assert "return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images" in src
+    # The trainer keeps _tokenize_prompts' encoding for its extra forwards (trl_mdi.batch): it must be TRL's one
+    # encoding of the batch's prompts, (prompt_ids, images, multimodal_fields), skipped only with a rollout_func.
+    assert "prompt_ids, images, multimodal_fields = self._tokenize_prompts(prompts)" in src
+    assert "return prompt_ids, images, multimodal_fields" in inspect.getsource(GRPOTrainer._tokenize_prompts)
 
 
 def test_old_logps_condition_is_the_one_we_mirror():
@@ -64,14 +71,17 @@ def test_tool_mask_only_enters_the_loss_mask():
     assert "num_items_in_batch = self.accelerator.gather(loss_mask.sum()).sum()" in gen
 
 
-def test_forward_inputs_match_what_trl_passes(tiny_vlm_dir, grpo_train_dataset, tmp_path, monkeypatch):
-    """With num_iterations=2 TRL runs its own old-log-prob forward: our rebuilt inputs must equal its inputs."""
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3", "smolvlm"])
+def test_forward_inputs_match_what_trl_passes(tiny_vlm_dir, grpo_train_dataset, tmp_path, monkeypatch, arch):
+    """With num_iterations=2 TRL runs its own old-log-prob forward: the trainer's batch builder must lay out exactly
+    its inputs, both from TRL's own prompt encoding (``_tokenize_prompts``, the usual path) and from the prompts
+    encoded again (the path of a ``rollout_func``, which bypasses TRL's encoding)."""
     args = MDIGRPOConfig(
         output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4,
         num_generations=4, max_completion_length=6, max_steps=1, num_iterations=2, save_strategy="no",
         mask_truncated_completions=False, disable_tqdm=True,
     )
-    trainer = MDIGRPOTrainer(str(tiny_vlm_dir("qwen2_5_vl")), reward_funcs=["mdi_balance"], args=args,
+    trainer = MDIGRPOTrainer(str(tiny_vlm_dir(arch)), reward_funcs=["mdi_balance"], args=args,
                              train_dataset=grpo_train_dataset)
     seen = {}
     original = GRPOTrainer._get_per_token_logps_and_entropies
@@ -83,18 +93,31 @@ def test_forward_inputs_match_what_trl_passes(tiny_vlm_dir, grpo_train_dataset, 
                            **kwargs}
         return original(self, model, input_ids, attention_mask, logits_to_keep, **kwargs)
 
+    original_tokenize = GRPOTrainer._tokenize_prompts
+
+    def tokenize_spy(self, prompts):
+        out = original_tokenize(self, prompts)
+        seen.setdefault("encoded", (out[0], out[2]))  # what the trainer keeps of TRL's own encoding
+        return out
+
     def rewards_spy(self, inputs, prompts, completions, completion_ids_list):
-        seen.setdefault("ours", self._policy_forward_inputs(inputs, prompts, completion_ids_list))
+        seen.setdefault("ours", self._policy_batch(seen["encoded"], prompts, inputs, completion_ids_list))
+        seen.setdefault("again", self._policy_batch(None, prompts, inputs, completion_ids_list))
         return original_rewards(self, inputs, prompts, completions, completion_ids_list)
 
     monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", spy)
     monkeypatch.setattr(MDIGRPOTrainer, "_calculate_rewards", rewards_spy)
+    monkeypatch.setattr(GRPOTrainer, "_tokenize_prompts", tokenize_spy)
     trainer.train()
-    trl_in, ours = seen["trl"], seen["ours"]
-    for key in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"):
-        assert torch.equal(trl_in[key], ours[key]), key
-    assert trl_in["logits_to_keep"] == ours["logits_to_keep"]
-    assert trl_in["num_images"] == ours["num_images"]
+    trl_in = seen["trl"]
+    for name in ("ours", "again"):
+        ours = seen[name].logp_inputs()
+        keys = {k for k, v in trl_in.items() if torch.is_tensor(v)}
+        assert keys == {k for k, v in ours.items() if torch.is_tensor(v)}, (name, keys)
+        for key in keys:
+            assert torch.equal(trl_in[key], ours[key]), (name, key)
+        assert trl_in["logits_to_keep"] == ours["logits_to_keep"]
+        assert trl_in["num_images"] == ours["num_images"]
 
 
 @pytest.mark.parametrize("attr", ["_metrics", "reward_func_names", "num_generations", "num_generations_eval",

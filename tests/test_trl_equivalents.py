@@ -19,9 +19,9 @@ import torch
 from transformers import AutoModelForImageTextToText
 from trl import GRPOConfig
 
+from fixtures.testing import zen_image_dataset
+from fixtures.tiny import TINY_ARCHS
 from trl_mdi import MDIGRPOTrainer
-from trl_mdi.testing import zen_image_dataset
-from trl_mdi.tiny import TINY_ARCHS
 
 # TRL's list, plus Qwen3.5's multimodal merger and the vision weights LLaVA-NeXT leaves unused (it reads the
 # features of the second-to-last CLIP layer, so the last layer and post_layernorm never get a gradient).
@@ -135,7 +135,7 @@ def test_training_vlm_and_importance_sampling(tiny_vlm_dir, image_data, tmp_path
 # ------------------------------------------------------------------------------------------------- text-only
 @pytest.fixture(scope="module")
 def text_models(tmp_path_factory):
-    from trl_mdi.tiny import save_tiny_text_model
+    from fixtures.tiny import save_tiny_text_model
 
     root = tmp_path_factory.mktemp("text")
     return (save_tiny_text_model(root / "policy", "causal_lm"),
@@ -157,12 +157,12 @@ def test_text_only_causal_lm_with_a_reward_model_id(text_models, text_data, tmp_
     policy, reward_model = text_models
     # Its own log folder: default log names carry the start second, which another test's run may share.
     monkeypatch.setenv("TRL_MDI_LOG_DIR", str(tmp_path / "logs"))
-    with caplog.at_level(logging.WARNING, logger="trl_mdi.drop_in"):
+    with caplog.at_level(logging.WARNING, logger="trl_mdi.run_plan"):
         trainer = MDIGRPOTrainer(model=str(policy), reward_funcs=str(reward_model),
                                  args=grpo_args(tmp_path), train_dataset=text_data)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "trl_mdi.drop_in"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "trl_mdi.run_plan"]
     assert len(warnings) == 1 and "attention metrics are off" in warnings[0]
-    assert trainer.args.compute_attention_metrics is False
+    assert trainer.run_plan.attention_metrics is False
     logs = train_and_check(trainer, skip=())
     assert not any(k.startswith("attention/") for h in logs for k in h)
     diag = trainer.live_logs
@@ -172,7 +172,7 @@ def test_text_only_causal_lm_with_a_reward_model_id(text_models, text_data, tmp_
 def test_text_only_default_stack_leaves_out_mdi_balance(text_models, text_data, tmp_path, caplog):
     from trl_mdi import MDIGRPOConfig
 
-    with caplog.at_level(logging.WARNING, logger="trl_mdi.drop_in"):
+    with caplog.at_level(logging.WARNING, logger="trl_mdi.run_plan"):
         args = MDIGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
                              per_device_train_batch_size=3, num_generations=3)
         trainer = MDIGRPOTrainer(model=str(text_models[0]), args=args,
@@ -215,9 +215,87 @@ def test_a_thinking_template_that_prefills_think_is_detected_and_bound(tiny_vlm_
     trainer = MDIGRPOTrainer(model=path, reward_funcs=names, args=grpo_args(tmp_path), train_dataset=image_data,
                              processing_class=processor)
     bound = [f for f in trainer.reward_funcs if isinstance(f, ThinkFormatReward)]
-    assert len(bound) == 1 and bound[0].think_prefilled and trainer._answer_format.think_prefilled
+    assert len(bound) == 1 and bound[0].think_prefilled and trainer.answer_format.think_prefilled
     assert bound[0](["the shape is red</think>\nAnswer: A", "<think>red</think>\nAnswer: A"]) == [1.0, 0.0]
     # The same template with thinking switched off through TRL's chat_template_kwargs prefills nothing.
     off = MDIGRPOTrainer(model=path, reward_funcs=names, train_dataset=image_data, processing_class=processor,
                          args=grpo_args(tmp_path / "off", chat_template_kwargs={"enable_thinking": False}))
     assert not [f for f in off.reward_funcs if isinstance(f, ThinkFormatReward)][0].think_prefilled
+
+
+# ----------------------------------------------------------------------------------- custom code, no reward source
+ZEN_PROMPTS = ["Beautiful is better than", "Explicit is", "Simple is better", "Complex", "Flat is better than",
+               "Sparse is better", "Readability", "Errors should never", "Unless explicitly"]
+
+
+@pytest.fixture
+def force_use_cpu_without_accelerator(monkeypatch):
+    """TRL's own conftest fixture: its configs default bf16=True, which TrainingArguments rejects on a machine without
+    an accelerator, so TRL's suite sets use_cpu=True on every config there (the tests below build their configs as
+    TRL writes them, without use_cpu / bf16)."""
+    from transformers.testing_utils import torch_device
+    from trl.trainer.base_config import _BaseConfig
+
+    if torch_device is not None and torch_device != "cpu":
+        return
+    original_post_init = _BaseConfig.__post_init__
+
+    def patched_post_init(self):
+        self.use_cpu = True
+        original_post_init(self)
+
+    monkeypatch.setattr(_BaseConfig, "__post_init__", patched_post_init)
+
+
+@pytest.fixture(scope="module")
+def remote_model_id(tmp_path_factory):
+    """Stands in for trl-internal-testing/tiny-RemoteForCausalLM: a causal LM shipped as custom code (its own
+    configuration / modeling files and an auto_map), class RemoteForCausalLM."""
+    from fixtures.custom_code import save_tiny_remote_lm
+
+    return str(save_tiny_remote_lm(tmp_path_factory.mktemp("remote") / "tiny-RemoteForCausalLM"))
+
+
+@pytest.mark.usefixtures("force_use_cpu_without_accelerator")
+def test_trust_remote_code(remote_model_id, tmp_path):
+    """TRL's TestGRPOTrainer::test_trust_remote_code, as TRL writes it: GRPOConfig's own trust_remote_code field."""
+    from datasets import Dataset
+
+    dataset = Dataset.from_dict({"prompt": ZEN_PROMPTS})  # stands in for zen "standard_prompt_only"
+    model_id = remote_model_id
+
+    def reward_func(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    with pytest.raises(ValueError, match="custom code"):
+        MDIGRPOTrainer(
+            model=model_id,
+            args=GRPOConfig(output_dir=str(tmp_path), report_to="none"),
+            reward_funcs=reward_func,
+            train_dataset=dataset,
+        )
+
+    trainer = MDIGRPOTrainer(
+        model=model_id,
+        args=GRPOConfig(output_dir=str(tmp_path), report_to="none", trust_remote_code=True),
+        reward_funcs=reward_func,
+        train_dataset=dataset,
+    )
+    assert type(trainer.model).__name__ == "RemoteForCausalLM"
+
+
+@pytest.mark.usefixtures("force_use_cpu_without_accelerator")
+def test_no_reward_source_raises(text_models, tmp_path):
+    """TRL's TestGRPOTrainer::test_no_reward_source_raises: a plain GRPOConfig and no reward function is GRPOTrainer's
+    error (the default reward stack is for MDIGRPOConfig and the entry point only)."""
+    from datasets import Dataset
+
+    # stands in for zen "conversational_prompt_only"
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in ZEN_PROMPTS]})
+    training_args = GRPOConfig(output_dir=str(tmp_path), report_to="none")
+    with pytest.raises(ValueError, match="No reward source provided"):
+        MDIGRPOTrainer(
+            model=str(text_models[0]),  # stands in for trl-internal-testing/tiny-Qwen3ForCausalLM
+            args=training_args,
+            train_dataset=dataset,
+        )

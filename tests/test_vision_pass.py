@@ -6,7 +6,7 @@ from test_trainer import make_args, spread_reward
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl import GRPOConfig, GRPOTrainer
 
-from trl_mdi.tiny import TINY_ARCHS
+from fixtures.tiny import TINY_ARCHS
 from trl_mdi.trainer import MDIGRPOTrainer
 from trl_mdi.vision_pass import dummy_vision_inputs, vision_pass_for_run, zero_weighted_vision_pass
 
@@ -52,14 +52,14 @@ def test_a_text_only_batch_has_stock_grpo_loss_with_the_dummy_pass(tiny_vlm_dir,
     text_only = grpo_train_dataset.map(lambda ex: {"image": None})
     ours = MDIGRPOTrainer(str(path), reward_funcs=[spread_reward], args=make_args(tmp_path / "a", max_steps=1),
                           train_dataset=text_only)
-    assert ours._vision_pass is None  # one process: not installed by default
-    ours._vision_pass = vision_pass_for_run(ours.model, ours.processing_class, 2, True, print)
+    assert ours.vision_pass is None  # one process: not installed by default
+    ours.vision_pass = vision_pass_for_run(ours.model, ours.processing_class, 2, True, print)
     ours.model.train()
     ours.current_gradient_accumulation_steps = 1  # set by Trainer's loop; compute_loss reads it
     batch = ours._generate_and_score_completions(next(iter(ours.get_train_dataloader())))
     batch.pop("trl_mdi_rollout", None)
     loss = ours.compute_loss(ours.model, dict(batch))
-    assert ours._vision_pass.count >= 1
+    assert ours.vision_pass.count >= 1
     stock = GRPOTrainer(str(path), reward_funcs=[spread_reward], train_dataset=text_only, args=GRPOConfig(
         output_dir=str(tmp_path / "b"), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4,
         num_generations=4, max_completion_length=8, max_steps=1, seed=0, learning_rate=1e-3))
@@ -91,7 +91,7 @@ def test_without_a_dummy_pass_zero3_keeps_the_clear_error():
 def test_a_slice_with_zero_images_is_the_text_only_forward(tiny_vlm_dir, arch):
     """TRL hands a chunk / micro-batch of text-only rows image tensors sliced to zero images: with the guard the
     forward equals the text-only forward bit for bit (and, with the dummy pass, runs the dummy)."""
-    from trl_mdi.testing import shape_image
+    from fixtures.testing import shape_image
     from trl_mdi.vision_pass import drop_empty_image_inputs
 
     path = tiny_vlm_dir(arch)
@@ -120,7 +120,7 @@ def test_a_slice_with_zero_images_is_the_text_only_forward(tiny_vlm_dir, arch):
 def test_mixed_data_trains_when_a_micro_batch_holds_text_rows_only(tiny_vlm_dir, tmp_path, monkeypatch):
     """One process, image and text-only prompts alternating, one row per micro-batch and four per generation batch:
     TRL's chunked log-prob forward and two of every four micro-batches get zero-image slices, and the run trains."""
-    from trl_mdi.testing import zen_image_dataset
+    from fixtures.testing import zen_image_dataset
 
     seen = []
     original = GRPOTrainer.compute_loss

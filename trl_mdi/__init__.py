@@ -38,15 +38,13 @@ _EXPORTS: dict[str, str] = {
     "DEFAULT_REWARD_WEIGHTS": "trl_mdi.rewards",
     "resolve_rewards": "trl_mdi.rewards",
     "reward_help": "trl_mdi.rewards",
-    "build_tiny_vlm": "trl_mdi.tiny",
-    "save_tiny_vlm": "trl_mdi.tiny",
 }
 
 __all__ = [  # a literal list, so linters and `from trl_mdi import *` see every name; a test checks it equals _EXPORTS
     "DEFAULT_REWARDS", "DEFAULT_REWARD_WEIGHTS", "MDIGRPOConfig", "MDIGRPOTrainer", "ModalityAttention", "ModelFacts",
-    "REWARD_REGISTRY", "accuracy_reward", "aei", "build_tiny_vlm", "layer_segments", "mc_idx_reward", "mdi",
-    "mdi_balance", "mdi_balance_reward", "mdi_group_reward", "measure_modality_attention", "model_facts",
-    "probe_attention", "resolve_rewards", "reward_help", "save_tiny_vlm", "think_format_reward",
+    "REWARD_REGISTRY", "accuracy_reward", "aei", "layer_segments", "mc_idx_reward", "mdi", "mdi_balance",
+    "mdi_balance_reward", "mdi_group_reward", "measure_modality_attention", "model_facts", "probe_attention",
+    "resolve_rewards", "reward_help", "think_format_reward",
 ]
 
 
@@ -80,5 +78,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         reward_help,
         think_format_reward,
     )
-    from .tiny import build_tiny_vlm, save_tiny_vlm
     from .trainer import MDIGRPOTrainer

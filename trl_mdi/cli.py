@@ -45,13 +45,13 @@ from .cli_args import (  # noqa: F401  (re-exported: the entry point's public na
 )
 from .cli_checks import (  # noqa: F401
     answer_format_warning,
+    check_image_token,
     check_peft,
-    check_reward_data,
-    check_segments,
     check_vlm,
     effective_rewards,
     load_processor,
     model_init_kwargs,
+    plan_entry_point,
 )
 from .data import DatasetError, load_training_data
 from .run_report import (  # noqa: F401
@@ -119,19 +119,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_config = check_vlm(m.model_name_or_path, revision=m.model_revision,
                                  trust_remote_code=t.trust_remote_code)
         check_peft(m, model_config)
-        check_segments(t, model_config)
         processor = load_processor(m.model_name_or_path, revision=m.model_revision,
                                    trust_remote_code=t.trust_remote_code, min_pixels=s.min_pixels,
                                    max_pixels=s.max_pixels)
+        check_image_token(model_config, processor)
         # The main process prepares (and caches) the data first; the others then read the cache.
         with t.main_process_first(desc="dataset preparation"):
             data = load_training_data(run.data, need_eval=t.eval_strategy != "no" or s.eval_only, seed=t.seed, log=log)
-        check_reward_data(run, data, model_config)
+        t.model_init_kwargs = model_init_kwargs(m, t)
+        plan = plan_entry_point(run, data)
     except (UsageError, DatasetError) as e:
         return _fail(str(e))
-    t.model_init_kwargs = model_init_kwargs(m, t)
     if is_main:
         print(format_effective_config(run, data), flush=True)
+        print(plan.describe(), flush=True)
         warning = answer_format_warning(run)
         if warning:
             print(warning, file=sys.stderr, flush=True)

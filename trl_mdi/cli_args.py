@@ -151,11 +151,20 @@ def _yaml_keys(argv: Sequence[str]) -> tuple[str | None, set[str]]:
         raise ValueError("--config needs a YAML file path")
     path = argv[i + 1]
     try:
-        with open(path) as fh:
+        with open(path, encoding="utf-8") as fh:
             content = yaml.safe_load(fh)
-    except (OSError, yaml.YAMLError) as e:
+    except OSError as e:
         raise ValueError(f"cannot read --config {path!r}: {e}") from None
-    return path, set(content) - {"env"} if isinstance(content, dict) else set()
+    except (UnicodeDecodeError, yaml.YAMLError) as e:  # a binary file (parquet, ...) or broken YAML syntax
+        why = (f"byte {e.object[e.start:e.start + 1].hex()} at offset {e.start} is not UTF-8 text"
+               if isinstance(e, UnicodeDecodeError) else " ".join(str(e).split()))
+        raise ValueError(f"--config {path!r} is not readable YAML ({why}). --config takes a YAML file of flag names "
+                         "and values, e.g. examples/configs/demo.yaml.") from None
+    if not isinstance(content, dict):
+        held = "nothing" if content is None else f"a {type(content).__name__}"
+        raise ValueError(f"--config {path!r} is YAML but holds {held}, not a mapping of flag names to values "
+                         "(e.g. 'learning_rate: 1.0e-6' on its own line).")
+    return path, set(content) - {"env"}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ParsedRun:

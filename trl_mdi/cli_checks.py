@@ -3,7 +3,6 @@ the model, the processor's pixel budget, and every reward's inputs exist."""
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any
 
@@ -14,9 +13,16 @@ from .data import DatasetError, TrainingData
 
 
 def check_vlm(model_name_or_path: str | None, *, revision: str | None = None, trust_remote_code: bool = False):
-    """The model's config, after checking it describes an image-text-to-text model; ModelCheckError otherwise."""
+    """The model's config, after checking it describes an image-text-to-text model; ModelCheckError otherwise.
+
+    A VLM is a config with a vision part (``model_facts.vision_part``: ``vision_config``, ``visual``, ``vit_config``,
+    ...) or an image token. A model with custom code is read only with ``trust_remote_code`` (transformers' own
+    "custom code" error otherwise) and must name in its ``auto_map`` a class TRL loads a policy with.
+    """
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    from .attention.model_facts import IMAGE_TOKEN_ATTRIBUTES, find_image_token_ids, vision_part
 
     if not model_name_or_path:
         raise ModelCheckError("no model given: pass --model_name_or_path (a local folder or a Hub id such as "
@@ -27,15 +33,29 @@ def check_vlm(model_name_or_path: str | None, *, revision: str | None = None, tr
     try:
         config = AutoConfig.from_pretrained(model_name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     except Exception as e:  # OSError, ValueError, ...: one clear message either way
+        if "custom code" in str(e) and not trust_remote_code:  # transformers' own error, then the flag that lifts it
+            raise ModelCheckError(f"{e}\nHere: pass --trust_remote_code (trust_remote_code: true in a --config "
+                                  "file) once you trust the model's code.") from e
         raise ModelCheckError(f"cannot read a model config from {model_name_or_path!r} ({type(e).__name__}: {e}). "
                               "Give a folder holding config.json, or a Hub model id (needs network).") from e
     what = f"model_type {config.model_type!r}, architectures {getattr(config, 'architectures', None)}"
-    if getattr(config, "vision_config", None) is None:
+    if vision_part(config) is None and not find_image_token_ids(config)[0]:
         raise ModelCheckError(
-            f"{model_name_or_path!r} is not a vision-language model: its config ({what}) has no vision_config. "
+            f"{model_name_or_path!r} is not a vision-language model: its config ({what}) has no vision part (a "
+            "sub-config such as vision_config, visual or vit_config) and no image token "
+            f"({', '.join(IMAGE_TOKEN_ATTRIBUTES)}). "
             "trl_mdi trains image-text models such as Qwen2.5-VL (e.g. Qwen/Qwen2.5-VL-3B-Instruct)."
         )
-    if not trust_remote_code and config.model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+    auto_map = getattr(config, "auto_map", None) or {}
+    if trust_remote_code and auto_map:
+        # TRL loads a custom-code policy as AutoModelForImageTextToText when auto_map names it, else as
+        # AutoModelForCausalLM.
+        if not {"AutoModelForImageTextToText", "AutoModelForCausalLM"} & set(auto_map):
+            raise ModelCheckError(
+                f"{model_name_or_path!r} ships custom code ({what}) whose auto_map names {sorted(auto_map)}, but "
+                "neither AutoModelForImageTextToText nor AutoModelForCausalLM, the classes TRL loads a policy with"
+            )
+    elif config.model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         raise ModelCheckError(
             f"{model_name_or_path!r} has a vision config but no image-text-to-text model class in transformers "
             f"({what}): it cannot generate text from images. Use a VLM such as Qwen2.5-VL."
@@ -43,21 +63,15 @@ def check_vlm(model_name_or_path: str | None, *, revision: str | None = None, tr
     return config
 
 
-def check_segments(training_args, config) -> None:
-    """--attention_layer_segments against the model's real layers (ranges, softmax-attention layers), as the trainer
-    will check them, so that --dry_run catches 'early:0-99' on a 3-layer model."""
-    from .attention.model_facts import model_facts
-    from .drop_in import model_segment_names
+def check_image_token(config, processor) -> None:
+    """The image token must be known (from the config, else the processor) and be where TRL's GRPOTrainer reads it,
+    ``model.config.image_token_id``: say which attribute is missing here rather than fail inside the trainer's
+    construction (``model_facts.image_token_problem``)."""
+    from .attention.model_facts import image_token_problem
 
-    facts = model_facts(config)
-    if not facts.is_vlm or training_args.compute_attention_metrics is False:
-        return
-    probe = copy.copy(training_args)  # the check must not decide the flag for the trainer
-    probe.compute_attention_metrics = True
-    try:
-        model_segment_names(probe, facts)
-    except ValueError as e:
-        raise UsageError(f"--{e}") from None
+    problem = image_token_problem(config, processor)
+    if problem:
+        raise ModelCheckError(f"{problem}.")
 
 
 def check_peft(model_args, config) -> None:
@@ -103,10 +117,13 @@ def load_processor(model_name_or_path: str, *, revision: str | None = None, trus
 
 
 def model_init_kwargs(model_args, training_args) -> dict[str, Any]:
-    """from_pretrained kwargs from ModelConfig (revision, dtype, attn_implementation); --model_init_kwargs wins."""
+    """from_pretrained kwargs from ModelConfig (revision, dtype, attn_implementation) and --trust_remote_code, so that
+    the trainer reads the config and loads the weights alike; --model_init_kwargs wins."""
     kwargs: dict[str, Any] = {"revision": model_args.model_revision, "dtype": model_args.dtype}
     if model_args.attn_implementation:
         kwargs["attn_implementation"] = model_args.attn_implementation
+    if training_args.trust_remote_code:
+        kwargs["trust_remote_code"] = True
     kwargs.update(training_args.model_init_kwargs or {})
     return kwargs
 
@@ -118,29 +135,22 @@ def effective_rewards(training_args) -> tuple[list[str], list[float] | None]:
     return default_reward_stack(training_args.reward_funcs, training_args.reward_weights)
 
 
-def check_reward_data(run: ParsedRun, data: TrainingData, model_config) -> None:
-    """The trainer's reward-input check (trl_mdi.rewards.inputs), run before any weight is loaded."""
-    from .attention.metrics import segment_names
-    from .attention.model_facts import model_facts
-    from .rewards import resolve_rewards
-    from .rewards.inputs import check_reward_inputs
+def plan_entry_point(run: ParsedRun, data: TrainingData):
+    """Phase 1 of the trainer's run plan (``trl_mdi.run_plan.plan_run``, the function the trainer calls), before any
+    weight loads: so ``--dry_run`` prints what the run will do, and a bad segment spec or a reward whose inputs the
+    data lacks stops here."""
+    from .run_plan import plan_run
 
-    names, weights = effective_rewards(run.training)
-    functions = [n for n in names if "/" not in n or ":" in n]  # the others are reward model ids, loaded by TRL
-    try:
-        funcs = resolve_rewards(functions, weights if len(functions) == len(names) else None)[0]
-    except (ValueError, TypeError) as e:
-        raise UsageError(f"--reward_funcs / --reward_weights: {e}") from None
-    attention = run.training.compute_attention_metrics is not False  # None = on: the entry point only takes VLMs
-    facts = model_facts(model_config)
-    segments = (segment_names(facts.num_layers, run.training.attention_layer_segments, list(facts.measured_layers))
-                if attention and facts.is_vlm else [])
+    t = run.training
     splits = {data.train_split: data.train.column_names, **({"eval": data.eval.column_names} if data.eval else {})}
     try:
-        check_reward_inputs(funcs, splits, attention=attention, segments=segments)
-    except ValueError as e:
+        return plan_run(run.model.model_name_or_path, None, t, defaults_chosen=True, columns=splits)
+    except DatasetError as e:
         raise DatasetError(f"{e} For math data with 'solution' use --reward_funcs accuracy think_format mdi_balance "
                            "--reward_weights 4 1 1.") from None
+    except ValueError as e:  # segments against the model, reward names and weights, attention on a text-only model
+        message = str(e)
+        raise UsageError(f"--{message}" if message.startswith("attention_layer_segments") else message) from None
 
 
 def answer_format_warning(run: ParsedRun) -> str | None:

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from transformers.utils import logging
 from trl import GRPOConfig
 
-from .answer_format import DEFAULT_ANSWER_PATTERN
-from .config_checks import TEXT_KEY_CHOICES, validate_added_fields
+from .answer_format import DEFAULT_ANSWER_PATTERN, compile_answer_pattern
 
 logger = logging.get_logger(__name__)
 
@@ -71,12 +70,12 @@ class MDIGRPOConfig(GRPOConfig):
         top_p_perception_tokens (`float`, *optional*, defaults to `0.2`):
             Fraction in (0, 1] of each completion's tokens kept by the perception filter.
         enable_trajectory_reweighting (`bool`, *optional*, defaults to `False`):
-            Scale each rollout's advantage by `alpha_i` from its mean visual dependency, min-max normalised over
+            Scale each rollout's advantage by `alpha_i` from its mean perception signal, min-max normalised over
             the whole generation batch gathered from all processes (VPPO normalises per device); mean(alpha) = 1.
         trajectory_scaling_min (`float`, *optional*, defaults to `0.8`):
             beta_min in [0, 1]: the multiplier of the least visually dependent rollout.
         perception_signal (`str`, *optional*, defaults to `"perturbation"`):
-            The per-token visual dependency both use. `"perturbation"` (VPPO): `s_t` above, one extra no-grad
+            The per-token perception signal both use. `"perturbation"` (VPPO): `s_t` above, one extra no-grad
             forward with I'. `"attention"`: `a_t`, the image attention mass of the position that chose token t
             (mean over heads and the `perception_attention_segment` layers), from the probe's forward: no extra
             forward (none at all when TRL runs its old-log-prob forward).
@@ -87,12 +86,27 @@ class MDIGRPOConfig(GRPOConfig):
             Spearman correlation over the completion tokens of rows with an image, averaged over rows.
         perception_perturbation (`str`, *optional*, defaults to `"patch_blackening"`):
             How I' is made from I, on the PIL image before the processor: `patch_blackening`, `gaussian_noise`,
-            `blur` or `black`.
+            `blur`, `black` or `grey`.
         perturbation_patch_size (`int`, *optional*, defaults to `14`), perturbation_prob (`float`, defaults to
         `0.5`), perturbation_noise_std (`float`, defaults to `189.0`), perturbation_blur_radius (`float`, defaults
         to `6.0`), perturbation_seed (`int`, *optional*, defaults to `seed`):
             Parameters of the perturbation; masks are drawn per (seed, step, rollout), so resumed runs continue
             deterministically.
+
+        > Reliance: did the answer come from the image? (docs/reliance.md)
+
+        reliance_signals (`bool`, *optional*, defaults to `False`):
+            Compute, per rollout, the counterfactual reliance signals and log them (`reliance/*`, the rollout log):
+            `visual_gain` (mean over the completion of `log p(y_t | I) - log p(y_t | I')`), `answer_visual_gain`
+            (the same summed over the answer letter's tokens), `blind_agrees` (the counterfactual's most likely
+            choice letter, at the position that chose the answer, is the rollout's) and, with attention metrics
+            on, `answer_image_attention`. Costs one no-grad forward with the counterfactual image per generation
+            batch. On by itself when a reward reads one of these fields.
+        counterfactual_image (`str`, *optional*, defaults to `"grey"`):
+            I' of the reliance signals: `"none"` (the image removed: a text-only prompt) or a same-size image that
+            keeps every token position: `grey` (uniform mid-grey), `black`, `blur`, `gaussian_noise`,
+            `patch_blackening` (their parameters are the `perturbation_*` fields). When TPRL's perturbation signal
+            uses the same kind (`perception_perturbation`), one forward serves both.
 
         > Online group filtering (TPRL brief's online_filtering / filter_key / filter_low / filter_high)
 
@@ -165,7 +179,7 @@ class MDIGRPOConfig(GRPOConfig):
         metadata={
             "help": "Which prompt keys count as text: 'all' (special tokens and system prompt included) or "
             "'content' (those reported separately as 'special').",
-            "choices": list(TEXT_KEY_CHOICES),
+            "choices": ["all", "content"],  # TEXT_KEY_CHOICES
         },
     )
     enable_entropy_filtering: bool = field(
@@ -184,7 +198,7 @@ class MDIGRPOConfig(GRPOConfig):
     )
     enable_trajectory_reweighting: bool = field(
         default=False,
-        metadata={"help": "TAS: scale each rollout's advantage by its batch-normalised visual dependency "
+        metadata={"help": "TAS: scale each rollout's advantage by its batch-normalised mean perception signal "
                   "(mean multiplier 1)."},
     )
     trajectory_scaling_min: float = field(
@@ -192,7 +206,7 @@ class MDIGRPOConfig(GRPOConfig):
     )
     perception_signal: str = field(
         default="perturbation",
-        metadata={"help": "Per-token visual dependency for TPRL: 'perturbation' (VPPO, one extra forward with a "
+        metadata={"help": "Per-token perception signal for TPRL: 'perturbation' (VPPO, one extra forward with a "
                   "perturbed image) or 'attention' (image attention mass from the probe, no extra forward)."},
     )
     perception_attention_segment: str = field(
@@ -204,7 +218,7 @@ class MDIGRPOConfig(GRPOConfig):
     )
     perception_perturbation: str = field(
         default="patch_blackening",
-        metadata={"help": "How the perturbed image is made: patch_blackening, gaussian_noise, blur or black."},
+        metadata={"help": "How the perturbed image is made: patch_blackening, gaussian_noise, blur, black or grey."},
     )
     perturbation_patch_size: int = field(default=14, metadata={"help": "patch_blackening: patch side in pixels."})
     perturbation_prob: float = field(default=0.5, metadata={"help": "patch_blackening: probability a patch is blacked."})
@@ -212,6 +226,17 @@ class MDIGRPOConfig(GRPOConfig):
     perturbation_blur_radius: float = field(default=6.0, metadata={"help": "blur: Gaussian blur radius in pixels."})
     perturbation_seed: int | None = field(
         default=None, metadata={"help": "Seed of the perturbation masks (default: the run's seed)."}
+    )
+    reliance_signals: bool = field(
+        default=False,
+        metadata={"help": "Compute and log per-rollout counterfactual reliance signals (visual_gain, "
+                  "answer_visual_gain, blind_agrees, answer_image_attention): one extra no-grad forward with the "
+                  "counterfactual image per generation batch. On by itself when a reward reads one of them."},
+    )
+    counterfactual_image: str = field(
+        default="grey",
+        metadata={"help": "The counterfactual image of the reliance signals: none (image removed), grey, black, blur, "
+                  "gaussian_noise or patch_blackening (same size: token positions kept)."},
     )
     on_bad_image: str = field(
         default="skip",
@@ -257,39 +282,41 @@ class MDIGRPOConfig(GRPOConfig):
     )
 
     @property
-    def uses_visual_dependency(self) -> bool:
-        """Whether the perturbed-image forward is needed (perception filter or trajectory reweighting)."""
+    def uses_perception_signal(self) -> bool:
+        """Whether a per-token perception signal is used: the perception filter or trajectory reweighting reads it."""
         return self.enable_perception_filtering or self.enable_trajectory_reweighting
 
     @property
     def uses_perturbed_forward(self) -> bool:
-        """Whether VPPO's perturbed-image forward runs (its signal is used, or both are compared)."""
-        return (self.uses_visual_dependency and self.perception_signal == "perturbation") or self.perception_signal_compare
+        """Whether the perturbation signal is computed (one perturbed-image forward): used, or compared."""
+        return (self.uses_perception_signal and self.perception_signal == "perturbation") or self.perception_signal_compare
 
     @property
-    def uses_token_attention(self) -> bool:
-        """Whether the probe records the per-token image mass (the attention signal is used, or compared)."""
-        return (self.uses_visual_dependency and self.perception_signal == "attention") or self.perception_signal_compare
+    def uses_attention_signal(self) -> bool:
+        """Whether the attention signal is computed (the probe records per-token image mass): used, or compared."""
+        return (self.uses_perception_signal and self.perception_signal == "attention") or self.perception_signal_compare
+
+    @property
+    def shares_counterfactual_forward(self) -> bool:
+        """Whether TPRL's perturbed image is the reliance signals' counterfactual (same kind, same seeds), so one
+        forward serves both."""
+        return self.uses_perturbed_forward and self.perception_perturbation == self.counterfactual_image
 
     @property
     def uses_tprl(self) -> bool:
-        return self.enable_entropy_filtering or self.uses_visual_dependency
+        return self.enable_entropy_filtering or self.uses_perception_signal
 
     def __post_init__(self):
         super().__post_init__()
-        self._validate_mdi_fields()
-
-    def _validate_mdi_fields(self) -> None:
-        """Validate (and fill defaults of) the fields this class adds, so a bad flag fails before any model loads."""
         validate_added_fields(self)
 
     @classmethod
     def from_grpo_config(cls, args: GRPOConfig) -> MDIGRPOConfig:
-        """An MDIGRPOConfig holding ``args``' initialised state, with every field this class adds at its default.
+        """An MDIGRPOConfig with every field of ``args`` (a plain ``trl.GRPOConfig``) and the added fields at their
+        defaults, built through the constructor so the added fields are validated like any other.
 
-        GRPOConfig.__post_init__ is not re-run: it derives ``generation_batch_size`` and ``steps_per_generation``
-        from each other and refuses to see both set, so re-validating the copied values would fail. Only the
-        added fields are validated.
+        ``generation_batch_size`` is left for ``GRPOConfig.__post_init__`` to derive again from
+        ``steps_per_generation`` (it refuses both set); it derives the value ``args`` holds.
         """
         if isinstance(args, cls):
             return args
@@ -298,15 +325,69 @@ class MDIGRPOConfig(GRPOConfig):
                 f"args must be a trl.GRPOConfig or an MDIGRPOConfig, got {type(args).__name__}. Build one with "
                 "MDIGRPOConfig(output_dir=..., ...) (every GRPOConfig field is accepted)."
             )
-        new = cls.__new__(cls)
-        new.__dict__.update(args.__dict__)
-        inherited = {f.name for f in dataclasses.fields(GRPOConfig)}
-        for f in dataclasses.fields(cls):
-            if f.name in inherited:
-                continue
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            setattr(new, f.name, default)
-        new._validate_mdi_fields()
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+        values["generation_batch_size"] = None
+        new = cls(**values)
         logger.info("MDIGRPOTrainer: upgraded the %s to an MDIGRPOConfig (added fields at their defaults)",
                     type(args).__name__)
         return new
+
+
+TEXT_KEY_CHOICES = ("all", "content")
+
+
+def validate_added_fields(args: MDIGRPOConfig) -> None:
+    """Check every added field of ``args`` and fill the defaults that depend on others (``perturbation_seed`` from
+    ``seed``, a space-separated ``reward_funcs`` string split), so a bad flag fails before any model loads."""
+    from .signals import check_segment_spec
+    from .tprl.formulas import PERCEPTION_SIGNALS, validate_scaling_min, validate_top_p
+    from .tprl.perturb import check_perturbation
+
+    if not args.mdi_balance_ratio > 1.0:
+        raise ValueError(f"mdi_balance_ratio must be > 1 (balance uses log R), got {args.mdi_balance_ratio}")
+    if args.compute_attention_metrics not in (None, True, False):
+        raise ValueError(f"compute_attention_metrics must be True, False or None (auto), got "
+                         f"{args.compute_attention_metrics!r}")
+    if args.attention_text_keys not in TEXT_KEY_CHOICES:
+        raise ValueError(
+            f"attention_text_keys must be one of {TEXT_KEY_CHOICES}, got {args.attention_text_keys!r}"
+        )
+    try:
+        # Syntax and names only: the layer count is known once the model is, where ranges are checked again.
+        check_segment_spec(args.attention_layer_segments)
+    except ValueError as e:
+        raise ValueError(f"attention_layer_segments: {e}") from None
+    validate_top_p(args.top_p_entropy_tokens, "top_p_entropy_tokens")
+    validate_top_p(args.top_p_perception_tokens, "top_p_perception_tokens")
+    validate_scaling_min(args.trajectory_scaling_min, "trajectory_scaling_min")
+    try:
+        check_perturbation(args.perception_perturbation, patch_size=args.perturbation_patch_size,
+                           prob=args.perturbation_prob, noise_std=args.perturbation_noise_std,
+                           blur_radius=args.perturbation_blur_radius)
+    except ValueError as e:
+        raise ValueError(f"perception_perturbation: {e}") from None
+    if args.perception_signal not in PERCEPTION_SIGNALS:
+        raise ValueError(f"perception_signal must be one of {PERCEPTION_SIGNALS}, got {args.perception_signal!r}")
+    from .counterfactual import counterfactual_kinds
+
+    if args.counterfactual_image not in counterfactual_kinds():
+        raise ValueError(f"counterfactual_image must be one of {', '.join(counterfactual_kinds())}, got "
+                         f"{args.counterfactual_image!r}")
+    if args.on_bad_image not in ("skip", "error"):
+        raise ValueError(f"on_bad_image must be 'skip' or 'error', got {args.on_bad_image!r}")
+    if args.filter_low > args.filter_high:
+        raise ValueError(f"filter_low ({args.filter_low}) must be <= filter_high ({args.filter_high})")
+    for name in ("log_prompt_preview_chars", "log_completion_preview_chars", "log_full_rollouts_per_step",
+                 "attention_map_every_n_steps", "attention_maps_per_step"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(args, name)}")
+    compile_answer_pattern(args.answer_pattern)
+    if args.perturbation_seed is None:
+        args.perturbation_seed = args.seed
+    if isinstance(args.reward_funcs, str):
+        args.reward_funcs = args.reward_funcs.split()
+    if args.reward_funcs is not None:
+        from .rewards import resolve_rewards
+
+        # Resolve now so that unknown names, failing imports and weight-count mismatches fail at construction.
+        resolve_rewards(list(args.reward_funcs), args.reward_weights)

@@ -1,7 +1,7 @@
 """Greedy held-out evaluation of a VLM on multiple-choice rows: accuracy, format and what the answers looked like.
 
-Used by the warm-up (``python -m trl_mdi.warmup --evaluate``), the demo and the learning-check benchmark, so every
-accuracy figure of the project is computed the same way, with the reward's own answer parser.
+Used by the repository's warm-up (``python -m fixtures.warmup --evaluate``), the demo and the learning-check
+benchmark, so every accuracy figure of the project is computed the same way, with the reward's own answer parser.
 """
 
 from __future__ import annotations
@@ -87,70 +87,52 @@ def evaluate_accuracy(model, processor, ds, *, batch_size: int = 50, max_new_tok
                       measure_attention: bool = False, segments: str | dict | None = "thirds") -> EvalResult:
     """Greedy held-out multiple-choice accuracy of ``model`` on ``ds`` (rows of ``synthetic_dataset``).
 
-    Prompts are rendered as GRPOTrainer renders them (``prepare_multimodal_messages`` + the processor's chat
-    template with the generation prompt); generation is greedy with ``suppress_tokens=[image_token_id]``, the one
-    departure GRPOTrainer's sampling makes from a plain ``generate``. The model's train/eval mode is restored.
+    Prompts are encoded and laid out by the trainer's batch builder (``trl_mdi.batch``: the images inserted as
+    GRPOTrainer inserts them, the chat template with the generation prompt); generation is greedy with the image
+    placeholder ids suppressed, the one departure GRPOTrainer's sampling makes from a plain ``generate``, and ends at
+    the generation config's end-of-sequence ids. The model's train/eval mode is restored.
 
     ``measure_attention``: also measure, per row, the MDI of the greedy answer (``measure_modality_attention`` on
     prompt + answer, the answer's tokens up to its end-of-sequence as queries, as the trainer measures rollouts;
     text = every prompt token that is no image token), for all measured layers and each of ``segments``.
     """
-    from trl.data_utils import prepare_multimodal_messages
+    from .attention import measure_modality_attention
+    from .attention.model_facts import model_facts
+    from .batch import completion_mask_until_eos, encode_prompts, eos_token_ids, policy_batch
 
     start = time.perf_counter()
     was_training = model.training
     model.eval()
     tok = getattr(processor, "tokenizer", processor)
-    image_token_id = model.config.image_token_id
+    eos = eos_token_ids(model, tok)
     texts: list[str] = []
     ended: list[bool] = []
     mdi: dict[str, list[float]] = {}
     try:
         for lo in range(0, len(ds), batch_size):
             batch = ds[lo : lo + batch_size]
-            conversations = [prepare_multimodal_messages(p, images=[img])
-                             for p, img in zip(batch["prompt"], batch["image"])]
-            inputs = processor.apply_chat_template(conversations, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=True, return_tensors="pt",
-                                                   processor_kwargs={"padding": True, "padding_side": "left"})
-            inputs = inputs.to(model.device)
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                 suppress_tokens=[image_token_id], pad_token_id=tok.pad_token_id,
-                                 eos_token_id=tok.eos_token_id, temperature=None, top_p=None, top_k=None)
-            new = out[:, inputs["input_ids"].shape[1]:]
+            prompt_ids, fields = encode_prompts(processor, batch["prompt"], [[img] for img in batch["image"]])
+            prompt = policy_batch(prompt_ids, [[] for _ in prompt_ids], pad_token_id=tok.pad_token_id,
+                                  multimodal=fields, device=model.device)
+            out = model.generate(**prompt.model_inputs(), max_new_tokens=max_new_tokens, do_sample=False,
+                                 suppress_tokens=list(model_facts(model.config).image_token_ids),
+                                 pad_token_id=tok.pad_token_id, eos_token_id=eos, temperature=None, top_p=None,
+                                 top_k=None)
+            new = out[:, prompt.input_ids.shape[1]:]
             texts += tok.batch_decode(new, skip_special_tokens=True)
-            ended += (new == tok.eos_token_id).any(dim=1).tolist()
+            ended += torch.isin(new, torch.tensor(eos, device=new.device)).any(dim=1).tolist()
             if measure_attention:
-                for name, values in _answer_mdi(model, inputs, new, tok.eos_token_id, segments).items():
-                    mdi.setdefault(name, []).extend(values)
+                # The answer's tokens up to and including its end of sequence are the measured queries, as the
+                # trainer measures rollouts; text = every prompt token that is no image token.
+                answer = policy_batch(prompt.input_ids, new, prompt_mask=prompt.attention_mask,
+                                      completion_mask=completion_mask_until_eos(new, eos), multimodal=fields,
+                                      pad_token_id=tok.pad_token_id, device=model.device)
+                result = measure_modality_attention(model, **answer.probe_inputs())
+                for name, m in result.segment_metrics(segments).items():
+                    mdi.setdefault(name, []).extend(m["mdi"].tolist())
     finally:
         model.train(was_training)
     result = score_completions(texts, ds["label_idx"], [len(c) for c in ds["choices"]], ended)
     result.mdi = mdi if measure_attention else None
     result.seconds = time.perf_counter() - start
     return result
-
-
-def _answer_mdi(model, inputs, new: torch.Tensor, eos_token_id: int, segments) -> dict[str, list[float]]:
-    """Per-row MDI of generated answers ``new`` (B, C) after the left-padded prompts of ``inputs``."""
-    from .attention import measure_modality_attention
-
-    pos = torch.arange(new.shape[1], device=new.device)
-    is_eos = new == eos_token_id
-    first_eos = torch.where(is_eos, pos, torch.full_like(pos, new.shape[1])).amin(dim=1, keepdim=True)
-    answer = pos <= first_eos  # the answer's tokens and its end-of-sequence, none of the padding after it
-    ids = torch.cat([inputs["input_ids"], new], dim=1)
-    attention_mask = torch.cat([inputs["attention_mask"], answer.long()], dim=1)
-    completion_mask = torch.cat([torch.zeros_like(inputs["attention_mask"]), answer.long()], dim=1)
-    mm = {}
-    for key, value in inputs.items():
-        if key in ("input_ids", "attention_mask"):
-            continue
-        if torch.is_tensor(value) and value.shape == inputs["input_ids"].shape:  # per-token (mm_token_type_ids)
-            value = torch.nn.functional.pad(value, (0, new.shape[1]))
-        mm[key] = value
-    result = measure_modality_attention(model, ids, attention_mask, completion_mask, **mm)
-    return {name: m["mdi"].tolist() for name, m in result.segment_metrics(segments).items()}
-
-
-# ------------------------------------------------------------------------------------------------ warm start

@@ -10,6 +10,22 @@ import torch
 Gather = Callable[[torch.Tensor], torch.Tensor]
 
 
+def filter_column(key: str, names: list[str]) -> int | None:
+    """Index of the reward ``key`` names among ``names`` (TRL's ``mc_idx_reward`` or the registry's ``mc_idx``); None
+    for ``reward``, the weighted total. ValueError naming the rewards when ``key`` matches none.
+
+    >>> filter_column("mc_idx", ["mc_idx_reward", "think_format_reward"]), filter_column("reward", [])
+    (0, None)
+    """
+    if key == "reward":
+        return None
+    matches = [i for i, n in enumerate(names) if n in (key, f"{key}_reward")]
+    if not matches:
+        raise ValueError(f"filter_key {key!r} is not one of the rewards {list(names)} (or 'reward' for the weighted "
+                         "total)")
+    return matches[0]
+
+
 def group_filter_keep(rewards_per_func: torch.Tensor, weights: torch.Tensor, names: list[str], key: str,
                       low: float, high: float, num_generations: int) -> torch.Tensor:
     """(N,) bool: rows whose group's mean of reward ``key`` lies in ``[low, high]`` (NaN rewards ignored).
@@ -21,14 +37,12 @@ def group_filter_keep(rewards_per_func: torch.Tensor, weights: torch.Tensor, nam
     >>> group_filter_keep(r, torch.ones(1), ["mc_idx_reward"], "mc_idx", 0.01, 0.99, 2).tolist()
     [False, False, True, True, False, False]
     """
-    if key == "reward":
+    column = filter_column(key, names)
+    if column is None:
         values = (rewards_per_func * weights.to(rewards_per_func.device)).nansum(dim=1)
         values[torch.isnan(rewards_per_func).all(dim=1)] = float("nan")
     else:
-        matches = [i for i, n in enumerate(names) if n in (key, f"{key}_reward")]
-        if not matches:
-            raise ValueError(f"filter_key {key!r} is not one of the rewards {names} (or 'reward' for the total)")
-        values = rewards_per_func[:, matches[0]]
+        values = rewards_per_func[:, column]
     means = torch.nanmean(values.view(-1, num_generations), dim=1)
     keep = (means >= low) & (means <= high)  # NaN means compare False: dropped
     return keep.repeat_interleave(num_generations)

@@ -135,6 +135,23 @@ def signal_of(name: str) -> Signal | None:
     return None
 
 
+RELIANCE_SIGNALS = ("visual_gain", "answer_visual_gain", "blind_agrees", "answer_image_attention")
+"""The per-rollout counterfactual reliance signals (``trl_mdi.counterfactual``), in the order the logs show them."""
+
+RELIANCE_FIELDS = (*RELIANCE_SIGNALS, "answer_visual_gain_group_score")
+"""The reliance fields the trainer adds to the rows TRL hands to reward functions (None where undefined)."""
+
+
+def trainer_field(name: str) -> bool:
+    """Whether a reward input named ``name`` is a per-rollout field the trainer computes (attention or reliance),
+    not a dataset column.
+
+    >>> trainer_field("mdi_late"), trainer_field("blind_agrees"), trainer_field("label_idx")
+    (True, True, False)
+    """
+    return reward_field_pattern(name) or name in RELIANCE_FIELDS
+
+
 def reward_field_pattern(name: str) -> bool:
     """Whether a reward input named ``name`` is (for some segment names) a signal the trainer provides.
 
@@ -259,6 +276,38 @@ def attach_signals(attention: ModalityAttention, rows: list[dict], *, segments_s
     return values, batch_metrics(gathered)
 
 
+def attach_reliance(values: dict[str, torch.Tensor], rows: list[dict] | None, *,
+                    gather: Callable[[torch.Tensor], torch.Tensor], local: Callable[[torch.Tensor], torch.Tensor],
+                    group_size: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The reliance counterpart of :func:`attach_signals`: ``values`` are this process's counterfactual signals
+    (``trl_mdi.counterfactual.reliance_signals``, (B,) each); adds the group score ``answer_visual_gain_group_score``
+    (ranked over the gathered batch: groups can span processes), writes every reliance field into ``rows`` (None
+    where undefined; ``rows`` None: logs only) and returns ``(local values, reliance/* metrics)``:
+
+    ``reliance/blind_agree_rate`` (the share of answered rollouts whose answer the counterfactual would have given:
+    the number to watch), ``reliance/visual_gain``, ``reliance/answer_visual_gain``,
+    ``reliance/answer_image_attention`` (means where defined) and ``reliance/answer_rate`` (the share of rollouts
+    with an image and an answer line: it falls when a policy games the gain with junk). All processes must call it.
+    """
+    names = [n for n in RELIANCE_SIGNALS if n in values]
+    device = values[names[0]].device
+    table = gather(torch.stack([values[n].float().to(device) for n in names], dim=1))
+    gathered = {n: table[:, i] for i, n in enumerate(names)}
+    score = group_rank_score(gathered["answer_visual_gain"], group_size, higher_is_better=True)
+    out = dict(values)
+    out["answer_visual_gain_group_score"] = local(score).float()
+    if rows is not None:
+        for row, fields in zip(rows, rollout_rows({n: out[n] for n in RELIANCE_FIELDS if n in out})):
+            row.update(fields)
+    metrics = {"reliance/answer_rate": float((~gathered["answer_visual_gain"].isnan()).float().mean())}
+    labels = {"blind_agrees": "reliance/blind_agree_rate"}
+    for name, column in gathered.items():
+        finite = column[torch.isfinite(column)]
+        if finite.numel():
+            metrics[labels.get(name, f"reliance/{name}")] = float(finite.mean())
+    return out, metrics
+
+
 def group_signals(gathered: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:
     """Signals over whole groups of the gathered batch (groups can span processes): ``mdi_group_score``."""
     return {"mdi_group_score": group_relative_mdi_score(gathered["mdi"], group_size)}
@@ -297,7 +346,12 @@ def rollout_rows(table: dict[str, torch.Tensor]) -> list[dict[str, float | None]
 
 
 # ------------------------------------------------------------------------------------------------ group score
-def _groups(x: torch.Tensor, num_generations: int) -> torch.Tensor:
+def split_groups(x: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """(N, ...) -> (N / G, G, ...): the rollouts of each prompt together (TRL's sampler puts them consecutively).
+
+    >>> split_groups(torch.arange(4), 2).tolist()
+    [[0, 1], [2, 3]]
+    """
     if num_generations < 1 or x.shape[0] % num_generations:
         raise ValueError(f"{x.shape[0]} rollouts do not split into groups of num_generations={num_generations}")
     return x.reshape(x.shape[0] // num_generations, num_generations, *x.shape[1:])
@@ -327,7 +381,20 @@ def group_relative_mdi_score(mdi: torch.Tensor, num_generations: int) -> torch.T
     """
     if mdi.dim() != 1:
         raise ValueError(f"mdi must be 1-D (N,), got shape {tuple(mdi.shape)}")
-    x = _groups(mdi.double().log().abs(), num_generations)  # (groups, G)
+    dtype = mdi.dtype if mdi.is_floating_point() else torch.float32
+    return group_rank_score(mdi.double().log().abs(), num_generations, higher_is_better=False).to(dtype)
+
+
+def group_rank_score(values: torch.Tensor, num_generations: int, *, higher_is_better: bool) -> torch.Tensor:
+    """Rank of each value inside its group of ``num_generations`` consecutive rollouts, mapped to [-1, 1]:
+    ``1 - 2 * rank / (n_valid - 1)`` with rank 0 for the best (ties share their average rank), so a group's scores
+    sum to zero. NaN values get NaN and leave the ranking; a group with one valid value gives it 0.
+
+    >>> group_rank_score(torch.tensor([1.0, 3.0, 2.0, float("nan")]), 4, higher_is_better=True)
+    tensor([-1.,  1.,  0., nan], dtype=torch.float64)
+    """
+    # Ascending ranks of the "cost": the value itself when lower is better, its negation when higher is.
+    x = split_groups(-values.double() if higher_is_better else values.double(), num_generations)  # (groups, G)
     valid = ~x.isnan()
     xi, xj, valid_j = x.unsqueeze(-1), x.unsqueeze(-2), valid.unsqueeze(-2)
     below = ((xj < xi) & valid_j).sum(-1).double()
@@ -336,5 +403,5 @@ def group_relative_mdi_score(mdi: torch.Tensor, num_generations: int) -> torch.T
     n_valid = valid.sum(-1, keepdim=True).double()
     score = torch.where(n_valid > 1, 1 - 2 * rank / (n_valid - 1).clamp(min=1), torch.zeros_like(rank))
     score = torch.where(valid, score, torch.full_like(score, math.nan))
-    dtype = mdi.dtype if mdi.is_floating_point() else torch.float32
-    return score.reshape(-1).to(dtype)
+    return score.reshape(-1)
+

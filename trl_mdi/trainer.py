@@ -1,147 +1,274 @@
-"""MDIGRPOTrainer: TRL's GRPOTrainer plus per-rollout attention measurement and the MDI reward fields."""
+"""MDIGRPOTrainer: TRL's GRPOTrainer that measures, per rollout, how much the generated tokens attend to the image.
+
+Departures from ``trl.GRPOTrainer`` (everything else is inherited unchanged; docs/differences.md has one line per
+interception):
+
+1. **A run plan** (``trl_mdi.run_plan``): everything decided at construction (rewards and weights, attention metrics
+   and why, segments, where the probe measures, the extra forwards) in one frozen record, printed at start.
+2. **Attention probe** (``trl_mdi.attention``): every rollout measured per layer, exact, in O(L) memory. It rides on
+   TRL's no-grad old-log-prob forward when TRL runs one, on TRL's training forward when nothing reads it before the
+   loss, else on one extra no-grad forward through TRL's own log-prob path (``RunPlan.placement``).
+3. **Per-rollout signals** (``trl_mdi.signals``): ``mdi``, ``mdi_<segment>``, ``mdi_balance``, AEI... added to the
+   rows TRL hands to reward functions (None without image tokens), and logged as ``attention/*``.
+4. **Reliance signals** (``trl_mdi.counterfactual``, docs/reliance.md): when asked, one more no-grad forward of the
+   same rollouts with a counterfactual image gives ``visual_gain``, ``answer_visual_gain``, ``blind_agrees``:
+   whether the answer would have been the same without the image; logged as ``reliance/*``, readable by rewards.
+5. **Rewards by name** (``trl_mdi.rewards``): registry names or import paths; the 4:1:1 stack when the user chose
+   this trainer's defaults; every reward's inputs checked at construction.
+6. **TPRL** (``trl_mdi.tprl``): token masks into TRL's loss mask, trajectory multipliers into the advantages, from a
+   per-token perception signal: ``perturbation`` (one forward with perturbed images) or ``attention`` (the probe).
+7. **Online group filtering** and **unreadable images**: such rollouts leave the update; images on some processes
+   only: a dummy vision pass (``trl_mdi.vision_pass``).
+8. **Live diagnostics** (``trl_mdi.diagnostics``): Markdown logs, attention maps, console summary; ``perf/*``.
+9. **Observing changes nothing**: the extra forwards run no-grad in a forked RNG, on every process.
+
+TRL offers no channel between its stages (its old-log-prob forward, ``_calculate_rewards``, the advantages), so the
+trainer holds exactly two per-batch records, each set and cleared in ``try/finally``: ``_batch`` while a generation
+batch is scored, and ``_pending`` while a batch measured in the training forward waits for its last slice (like
+TRL's own ``_buffered_inputs``). Everything else flows through arguments.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from accelerate.utils import gather_object
 from transformers.utils import logging
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
 
 from . import signals as S
 from .answer_format import template_prefills_think
-from .attention import ModalityAttention
-from .attention.model_facts import load_model_config, model_facts, unwrap_model
+from .answer_tokens import answer_tokens
+from .attention import ModalityAttention, probe_attention, trailing_completion_layout
+from .attention.model_facts import unwrap_model
+from .attention.probe import probe_support
+from .batch import encode_prompts, fit_width, pad_rows, policy_batch, rng_untouched
 from .config import MDIGRPOConfig
-from .data.images import (
-    decode_row_images,
-    lazy_images,
-    report_bad_images,
-    row_images,
+from .counterfactual import (
+    NO_IMAGE,
+    candidate_logits,
+    check_counterfactual_encodes,
+    counterfactual_prompts,
+    reliance_signals,
 )
-from .diagnostics import ConsoleSummaryCallback, LiveDiagnostics, perception_strips, write_batch
-from .drop_in import (
-    check_filter_key,
-    check_image_columns_for_tprl,
-    check_world_size,
-    model_segment_names,
-    perception_token_layers,
-    probe_placement,
-    resolve_attention_metrics,
-    reward_stack_for_model,
-)
+from .data.images import decode_row_images, lazy_images, report_bad_images, row_images
+from .diagnostics import BatchLog, ConsoleSummaryCallback, LiveDiagnostics, perception_strips, write_batch
 from .filtering import apply_group_filter, group_filter_keep
-from .policy_forwards import PolicyForwards
-from .records import BatchRecord, PendingMeasurement, PolicyForward, ScoredRollouts, StepTiming
-from .rewards import (
-    ThinkFormatReward,
-    bind_think_format,
-    resolve_reward_funcs,
-    reward_name,
-    zero_spread_fraction,
+from .rewards import ThinkFormatReward, bind_think_format, zero_spread_fraction
+from .rewards.inputs import dataset_columns
+from .run_plan import (
+    ProbePlacement,
+    check_filter_key,
+    check_world_size,
+    effective_config,
+    plan_run,
+    trl_runs_policy_forward,
 )
-from .rewards.inputs import check_reward_inputs, dataset_columns
-from .tprl import apply_tprl, signal_rank_corr
-from .training_forward import TrainingForwardProbe
+from .tprl import apply_tprl, perturbation_signal, signal_rank_corr
 from .vision_pass import drop_empty_image_inputs, images_on_some_processes_only, vision_pass_for_run
 
 logger = logging.get_logger(__name__)
 
+ROLLOUT_KEY = "trl_mdi_rollout"  # (B,) local row indices carried through TRL's shuffle and split into slices
 
-class MDIGRPOTrainer(TrainingForwardProbe, PolicyForwards, GRPOTrainer):
+
+# ------------------------------------------------------------------------------------------------ per-batch records
+@dataclass
+class PolicyForward:
+    """What the policy forward over prompt + completion measured (TRL's old-log-prob forward, or the trainer's own).
+
+    Local rows, TRL's order. ``logps``/``entropies`` are filled only when TPRL needs them; ``perception`` holds the
+    per-token perception signals computed this batch, by kind (``"perturbation"``, ``"attention"``), (B, C) each.
+    """
+
+    attention: ModalityAttention | None = None
+    logps: torch.Tensor | None = None  # (B, C) log-probs of the completion under the real image
+    entropies: torch.Tensor | None = None  # (B, C) token entropies of the generation-time policy
+    perception: dict[str, torch.Tensor] = field(default_factory=dict)
+    has_image: torch.Tensor | None = None  # (B,) bool
+
+
+@dataclass
+class CounterfactualForward:
+    """The counterfactual forward of a batch (``RunPlan.reliance``): the completion's log-probs with the
+    counterfactual image, (B, C), the counterfactual's logits of the choice letters at the position that chose the
+    answer letter, (B, K), and where each rollout wrote its answer (``trl_mdi.answer_tokens.AnswerTokens``)."""
+
+    logps: torch.Tensor
+    choice_logits: torch.Tensor
+    answers: Any
+
+
+@dataclass
+class ScoredRollouts:
+    """What ``_calculate_rewards`` saw and TRL computed from it, kept for filtering and the live logs."""
+
+    rewards: torch.Tensor  # (N_global, F) per reward function, NaN for unreadable images and None rewards
+    bad: torch.Tensor  # (N_global,) bool: rollouts of an unreadable image
+    signals: dict[str, torch.Tensor] | None  # local per-rollout signals (trl_mdi.signals) the rewards read
+    prompts: list  # local rows
+    completions: list
+    lengths: list[int]
+
+
+@dataclass
+class StepTiming:
+    """Wall seconds of one generation batch: generating, and the trainer's own scoring (probe, perturbed forward)."""
+
+    started: float = 0.0
+    rewards_started: float = 0.0
+    scoring: float = 0.0
+    rides_trl_forward: bool = False  # scoring time is then inside TRL's forward, before rewards_started
+
+    @property
+    def generation(self) -> float:
+        inside = self.scoring if self.rides_trl_forward else 0.0
+        return max(self.rewards_started - self.started - inside, 0.0)
+
+
+@dataclass
+class BatchRecord:
+    """One generation batch between TRL's stages. ``map_rows`` is the request (local rows whose per-image-token
+    attention the probe keeps, for attention maps); the rest is filled as TRL's stages run."""
+
+    map_rows: list[int] = field(default_factory=list)
+    bad_rows: torch.Tensor | None = None  # (B,) bool: local rows whose image could not be decoded
+    encoded: tuple | None = None  # TRL's own prompt encoding (_tokenize_prompts): (prompt_ids, multimodal_fields)
+    forward: PolicyForward | None = None  # set once the policy forward ran: never run a second one
+    counterfactual: CounterfactualForward | None = None
+    scored: ScoredRollouts | None = None
+    timing: StepTiming = field(default_factory=StepTiming)
+    tokens: float = 0.0  # prompt + completion tokens of the generation batch, all processes
+    samples: float = 0.0
+    in_training_forward: bool = False  # the probe measures in the training forward (no forward before the rewards)
+    mixed: bool = False  # images on some processes only
+
+    @property
+    def generated(self) -> bool:
+        """Whether a generation batch ran under this record (a training step without one only updates)."""
+        return self.timing.started > 0.0
+
+    def perf(self, wall: float) -> dict[str, float]:
+        """perf/* of a training step that took ``wall`` seconds: the update's share and, if it generated, throughput.
+
+        >>> r = BatchRecord(timing=StepTiming(started=1.0, rewards_started=3.0, scoring=0.5), tokens=100, samples=8)
+        >>> r.perf(4.0)
+        {'perf/update_seconds': 1.5, 'perf/tokens_per_second': 25.0, 'perf/samples_per_second': 2.0}
+        """
+        if not self.generated:
+            return {"perf/update_seconds": wall}
+        return {"perf/update_seconds": max(wall - self.timing.generation - self.timing.scoring, 0.0),
+                "perf/tokens_per_second": self.tokens / wall, "perf/samples_per_second": self.samples / wall}
+
+
+@dataclass
+class PendingMeasurement:
+    """A generation batch whose attention is measured in the training forward, slice by slice (TRL shuffles and splits
+    the batch; each slice carries its rows' local indices). Complete once every row has been measured; then its
+    metrics and live logs are written. ``out`` keeps what the logs need of TRL's output (advantages gathered,
+    completion ids and mask, local)."""
+
+    step: int
+    inputs: list[dict]
+    record: BatchRecord
+    out: dict[str, torch.Tensor]
+    parts: list[tuple[list[int], ModalityAttention | None, torch.Tensor]] = field(default_factory=list)
+    active_rows: list[int] | None = None  # the slice being trained now (set around its loss computation)
+
+    @property
+    def complete(self) -> bool:
+        return sum(len(rows) for rows, _, _ in self.parts) == len(self.inputs)
+
+    def slice_map_rows(self) -> list[int]:
+        """Positions in the active slice of the rows the attention maps want."""
+        return [i for i, row in enumerate(self.active_rows or []) if row in self.record.map_rows]
+
+    def forward(self) -> PolicyForward:
+        """The whole batch's measurement, rows back in generation order: the probe's result (None with attention
+        metrics off) and the completion's log-probs from the training forward (detached)."""
+        rows = [r for part_rows, _, _ in self.parts for r in part_rows]
+        order = sorted(range(len(rows)), key=rows.__getitem__)
+        logps = torch.cat([lp for _, _, lp in self.parts])[order]
+        parts = [a for _, a, _ in self.parts]
+        attention = ModalityAttention.cat(parts).take(order) if parts[0] is not None else None
+        return PolicyForward(attention=attention, logps=logps)
+
+
+# ------------------------------------------------------------------------------------------------ the trainer
+class MDIGRPOTrainer(GRPOTrainer):
     """GRPOTrainer that measures, per rollout, how much the generated tokens attend to the image vs the text.
 
-    Departures from `trl.GRPOTrainer` (everything else is inherited unchanged; docs/differences.md has the
-    details):
-
-    1. **Attention probe** (`trl_mdi.attention`): every rollout measured per layer, exact, O(L) memory; it rides on
-       TRL's own no-grad policy forward when TRL runs one, on TRL's training forward when nothing reads it before the
-       loss, else one extra no-grad forward through TRL's log-prob path (`drop_in.probe_placement`).
-    2. **Per-rollout signals** (`trl_mdi.signals`): `mdi`, `mdi_<segment>`, `mdi_balance`, `mdi_group_score`, AEI...
-       added to the rows TRL hands to reward functions (None without image tokens), and logged as `attention/*`.
-    3. **Rewards by name** (`trl_mdi.rewards`): registry names or import paths; the 4:1:1 stack by default; every
-       reward's inputs checked at construction (`trl_mdi.rewards.inputs`).
-    4. **TPRL** (`trl_mdi.tprl`): token masks into TRL's loss mask, trajectory multipliers into the advantages.
-    5. **Online group filtering** (`trl_mdi.filtering`) and **unreadable images** (`trl_mdi.data.images`): such
-       rollouts leave the update; images on some processes only: a dummy vision pass (`trl_mdi.vision_pass`).
-    6. **Live diagnostics** (`trl_mdi.diagnostics`): Markdown logs, attention maps, console summary; `perf/*`.
-    7. **Drop-in for any model** (`trl_mdi.drop_in`): a plain `GRPOConfig` is upgraded; what the probe can measure is
-       read from the model's config before loading (text-only: metrics off; hybrid: softmax layers only).
-    8. **Observing changes nothing**: the probe's extra forwards run in a forked RNG (`trl_mdi.forward`).
-
-    One record (`trl_mdi.records.BatchRecord`) carries a batch between TRL's stages, set and cleared in try/finally
-    (TRL offers no other channel); everything else flows through arguments.
+    A drop-in: same arguments as ``trl.GRPOTrainer``; ``args`` may be a plain ``GRPOConfig`` (upgraded, the added
+    fields at their defaults) or an :class:`~trl_mdi.MDIGRPOConfig`. ``trainer.run_plan`` says what the run does.
     """
 
     _tag_names = ["trl", "grpo", "trl_mdi"]
 
-    def __init__(self, model, reward_funcs=None, args: MDIGRPOConfig | None = None, train_dataset=None,
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, **kwargs):
+        defaults_chosen = isinstance(args, MDIGRPOConfig)  # only then may the default reward stack stand in
         if args is None:
             name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
-            args = MDIGRPOConfig(f"{str(name).split('/')[-1]}-MDI-GRPO")
-        else:
-            args = MDIGRPOConfig.from_grpo_config(args)  # a plain GRPOConfig works: the added fields take defaults
-        # What the probe can measure on this model, from its config alone: the weights load inside super().__init__.
-        facts = model_facts(load_model_config(model, args.model_init_kwargs))
-        if reward_funcs is not None and not isinstance(reward_funcs, (list, tuple)):
-            reward_funcs = [reward_funcs]
-        named = reward_funcs if reward_funcs is not None else args.reward_funcs
-        names, args.reward_weights = reward_stack_for_model(named, args.reward_weights, facts)
-        # think_format pays for the format the prompt asks: bind this run's pattern (a fresh instance per trainer).
-        funcs = bind_think_format(resolve_reward_funcs(list(names), args.reward_weights), answer_pattern=args.answer_pattern)
-        resolve_attention_metrics(args, facts, funcs, user_named_rewards=named is not None)
-        segment_names = model_segment_names(args, facts)
-        check_reward_inputs(funcs, dataset_columns(train_dataset, eval_dataset),
-                            attention=bool(args.compute_attention_metrics), segments=segment_names)
-        check_image_columns_for_tprl(args, dataset_columns(train_dataset, eval_dataset))
-        train_dataset, eval_dataset = lazy_images(train_dataset), lazy_images(eval_dataset)
-        self._model_facts = facts  # fixed for the run: which layers the probe must find, the image token ids
-        self._image_ids = list(facts.image_token_ids)
-        self._token_layers = perception_token_layers(args, facts)  # layers a_t averages over; () when unused
-        self._batch: BatchRecord | None = None  # the one per-batch channel between TRL's stages (records.py)
-        # A batch measured in the training forward lives across micro-steps, like TRL's own _buffered_inputs.
+            args = MDIGRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
+        config = MDIGRPOConfig.from_grpo_config(args)
+        plan = plan_run(model, reward_funcs, config, defaults_chosen=defaults_chosen,
+                        columns=dataset_columns(train_dataset, eval_dataset),
+                        environment_rewards=kwargs.get("environment_factory") is not None,
+                        processing_class=kwargs.get("processing_class"))
+        config = effective_config(config, plan)
+        self._batch: BatchRecord | None = None
         self._pending: PendingMeasurement | None = None
+        # Built before the weights load: a log path that cannot be written fails before any model work.
         self.live_logs = (
-            LiveDiagnostics(args, is_main_process=args.process_index == 0,
-                            reward_names=[reward_name(f) for f in funcs], num_generations=args.num_generations,
-                            model_name=model if isinstance(model, str) else getattr(model.config, "_name_or_path", ""),
-                            layers=facts.describe_layers() if args.compute_attention_metrics else None,
-                            segments=segment_names)
-            if args.realtime_rollout_logging else None
+            LiveDiagnostics(config, is_main_process=config.process_index == 0, reward_names=list(plan.reward_names),
+                            num_generations=config.num_generations, model_name=plan.model_name,
+                            layers=plan.facts.describe_layers() if plan.attention_metrics else None,
+                            segments=list(plan.segments))
+            if config.realtime_rollout_logging else None
         )
-        super().__init__(model, reward_funcs=funcs, args=args, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, **kwargs)
-        check_filter_key(args, self.reward_func_names)
-        self.add_callback(ConsoleSummaryCallback(args.colorize_output))
+        super().__init__(model, reward_funcs=list(plan.reward_funcs) if plan.reward_funcs else reward_funcs,
+                         args=config, train_dataset=lazy_images(train_dataset), eval_dataset=lazy_images(eval_dataset),
+                         **kwargs)
+        check_filter_key(config, self.reward_func_names)
+        check_world_size(self.accelerator.num_processes)
+        self.add_callback(ConsoleSummaryCallback(config.colorize_output, self.reward_func_names))
         if self.live_logs is not None:
             self.add_callback(self.live_logs)  # closes the log files when training ends
-        check_world_size(self.accelerator.num_processes)
         # The format check the rewards, the clean-format metric and the logs share (one definition everywhere).
         prefilled = template_prefills_think(self.processing_class, self.chat_template_kwargs)
-        self._answer_format = ThinkFormatReward(args.answer_pattern, think_prefilled=prefilled)
+        self.answer_format = ThinkFormatReward(config.answer_pattern, think_prefilled=prefilled)
         self.reward_funcs = bind_think_format(self.reward_funcs, think_prefilled=prefilled)
         # Mixed data: a slice of text-only rows is a text-only forward (TRL hands it empty image tensors), and under
         # ZeRO-3 / DDP image-less processes run the vision tower on a dummy, times zero.
-        if facts.is_vlm:
+        if plan.facts.is_vlm:
             drop_empty_image_inputs(self.model)
-        self._vision_pass = vision_pass_for_run(self.model, self.processing_class, self.accelerator.num_processes,
-                                                facts.is_vlm, logger.info)
-        attn = unwrap_model(self.model).config.get_text_config()._attn_implementation
-        self._probe_placement = probe_placement(args, self.reward_funcs, attn, self._trl_runs_policy_forward())
+        self.vision_pass = vision_pass_for_run(self.model, self.processing_class, self.accelerator.num_processes,
+                                               plan.facts.is_vlm, logger.info)
+        self.run_plan = plan.with_model(
+            attn_implementation=unwrap_model(self.model).config.get_text_config()._attn_implementation,
+            trl_runs_policy_forward=trl_runs_policy_forward(config, self.num_iterations, self.use_vllm,
+                                                            self.vllm_importance_sampling_correction),
+            think_prefilled=prefilled, vision_pass=self.vision_pass is not None,
+            probe_unsupported=probe_support(self.model) if plan.attention_metrics else None)
+        if self.run_plan.reliance:
+            check_counterfactual_encodes(self.processing_class, config.counterfactual_image, self.chat_template_kwargs,
+                                         self.chat_template)
+        if self.run_plan.reward_names != plan.reward_names:  # the default stack lost mdi_balance: metrics are off
+            self._keep_rewards(self.run_plan.reward_names)
+        if not self.run_plan.attention_metrics:  # the loaded model's attention cannot be measured after all
+            self.args.compute_attention_metrics = False  # the trainer's own copy of the config, not the user's
+            if self.live_logs is not None:
+                self.live_logs.attention = None
+        if self.accelerator.is_main_process:
+            logger.info(self.run_plan.describe())
 
-    # --------------------------------------------------------------------------------------------- overrides
-    def _generate(self, prompts):
-        out = super()._generate(prompts)
-        images = out[6]
-        if images is not None and any(imgs is None for imgs in images):
-            # TRL 1.16 gives None for a row without an image and hands the list to the processor, which rejects
-            # None: a batch mixing rows with and without images would crash. Per-row lists ([img] / []) work.
-            out = (*out[:6], [imgs if imgs is not None else [] for imgs in images], *out[7:])
-        return out
-
+    # ------------------------------------------------------------------------------------ TRL's stages, intercepted
     def training_step(self, model, inputs, num_items_in_batch):
         # The step owns the batch record, so that the perf split below sees what its generation (if any) measured.
         self._batch = record = BatchRecord()
@@ -158,48 +285,72 @@ class MDIGRPOTrainer(TrainingForwardProbe, PolicyForwards, GRPOTrainer):
         owned = self._batch is None  # evaluation batches arrive without a training step around them
         record = self._batch = self._batch or BatchRecord()
         try:
-            return self._score_batch(inputs, record)
+            self._prepare_batch(inputs, record)
+            # TRL 1.16 gathers the batch's images for its completion logs only on processes that have some: with
+            # images on some processes only, that gather would pair with another collective. Skip it for such batches.
+            log_multimodal, self.log_multimodal = self.log_multimodal, self.log_multimodal and not record.mixed
+            try:
+                out = super()._generate_and_score_completions(inputs)
+            finally:
+                self.log_multimodal = log_multimodal
+            self._finish_batch(out, inputs, record)
+            return out
         finally:
             if owned:
                 self._batch = None
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+    def _tokenize_prompts(self, prompts):
+        out = super()._tokenize_prompts(prompts)
         record = self._batch
-        if (record is None or not record.timing.rides_trl_forward or record.forward is not None
-                or model is not self.model or torch.is_grad_enabled()):
+        if record is not None and record.encoded is None:
+            record.encoded = out[0], out[2]  # TRL's own encoding: an extra forward needs no second processor call
+        return out
+
+    def _generate(self, prompts):
+        # TRL 1.16's 8-tuple (tests/test_trl_contract.py pins it).
+        prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images = super()._generate(
+            prompts)
+        if images is not None and any(imgs is None for imgs in images):
+            # TRL gives None for a row without an image and hands the list to the processor, which rejects None: a
+            # batch mixing rows with and without images would crash. Per-row lists ([img] / []) work. (The dataset's
+            # image column gets the same fix in _prepare_batch, for batches in which TRL sees no image at all.)
+            images = [imgs if imgs is not None else [] for imgs in images]
+        return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        # The probe rides on TRL's own forwards where the plan puts it: TRL's no-grad old-log-prob forward of the
+        # policy, or the first (grad-enabled) pass of each training slice. Anything else is TRL's forward unchanged.
+        record, pending = self._batch, self._pending
+        rides_trl = (record is not None and record.timing.rides_trl_forward and record.forward is None
+                     and model is self.model and not torch.is_grad_enabled())
+        rides_training = pending is not None and pending.active_rows is not None and torch.is_grad_enabled()
+        if not (rides_trl or rides_training):
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                               *args, **kwargs)
-        # TRL's old-log-prob forward of the policy: measure inside it instead of running another one.
-        if self.args.enable_entropy_filtering:
+        if rides_trl and self.args.enable_entropy_filtering:
             kwargs["compute_entropy"] = True  # the fused head returns it at no extra forward
         start = time.perf_counter()
-        with self._maybe_probe(record.map_rows, logits_to_keep) as state:
+        map_rows = record.map_rows if rides_trl else pending.slice_map_rows()
+        with self._probe(map_rows, logits_to_keep) as probe:
             out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                              *args, **kwargs)
-        record.timing.scoring += time.perf_counter() - start
-        record.forward = self._measured_forward(state, logits_to_keep, logps=out[0], entropies=out[1])
+        if rides_trl:
+            record.timing.scoring += time.perf_counter() - start
+            record.forward = self._measured(probe, logits_to_keep, logps=out[0], entropies=out[1])
+        else:
+            pending.parts.append((pending.active_rows, probe.result() if probe is not None else None,
+                                  out[0].detach()))
+            pending.active_rows = None  # one measurement per slice
         return out
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         record, mode, signals = self._batch, self._mode(), None
         if record is not None:
             record.timing.rewards_started = start = time.perf_counter()
-            if ((self.args.compute_attention_metrics or self.args.uses_tprl) and record.forward is None
-                    and not record.in_training_forward):
-                fwd = self._policy_forward_inputs(inputs, prompts, completion_ids_list)
-                record.forward = self._scoring_forward(record.map_rows, fwd)
-            if record.forward is not None:
-                record.forward.has_image = has_image = torch.tensor([bool(row_images(x)) for x in inputs])
-                if self.args.uses_perturbed_forward:
-                    record.forward.visual_dependency = self._visual_dependency(
-                        inputs, prompts, completion_ids_list, record.forward.logps, has_image)
-                if record.forward.image_attention is not None:  # no image: nothing to depend on, as for s_t
-                    record.forward.image_attention *= has_image.to(record.forward.image_attention)[:, None]
-                if record.forward.attention is not None:
-                    signals = self._attach_signals(record.forward.attention, inputs, mode)
+            signals = self._forward_before_rewards(record, inputs, prompts, completion_ids_list)
             record.timing.scoring += time.perf_counter() - start
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        clean = self.accelerator.gather(torch.tensor(self._answer_format(completions, [x.get("choices") for x in inputs]),
+        clean = self.accelerator.gather(torch.tensor(self.answer_format(completions, [x.get("choices") for x in inputs]),
                                                      device=self.accelerator.device))  # NCCL gathers device tensors
         self._metrics[mode]["completions/clean_format_frac"].append(float(clean.mean()))
         if record is not None:
@@ -215,7 +366,257 @@ class MDIGRPOTrainer(TrainingForwardProbe, PolicyForwards, GRPOTrainer):
                 self._metrics[mode][f"rewards/{name}/zero_spread_frac"].append(value)
         return rewards
 
-    # -------------------------------------------------------------------------------------------- internals
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # A batch measured in the training forward: each slice at its first pass (the key is popped, so later passes
+        # over the buffered slice are not measured again); the batch is finished once its last slice has trained.
+        rows, pending = inputs.pop(ROLLOUT_KEY, None), self._pending
+        if rows is None or pending is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        pending.active_rows = rows.tolist()
+        try:
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            pending.active_rows = None
+        if pending.complete:
+            self._pending = None
+            record = pending.record
+            record.forward = forward = pending.forward()
+            signals = (self._attach_signals(forward.attention, pending.inputs, "train") if forward.attention is not None
+                       else {})
+            if record.counterfactual is not None:
+                forward.has_image = torch.tensor([bool(row_images(x)) for x in pending.inputs])
+                signals.update(self._reliance(forward, record.counterfactual, pending.out["completion_mask"], None,
+                                              "train"))
+            record.scored.signals = signals or None
+            if self.live_logs is not None:
+                self._write_live_logs(pending.step, pending.inputs, pending.record, pending.out)
+        return loss
+
+    # ------------------------------------------------------------------------------------ one generation batch
+    def _prepare_batch(self, inputs: list[dict], record: BatchRecord) -> None:
+        """Before TRL generates: decode the images (a bad one is reported, never fatal by default), pick the rows the
+        attention maps want, start the clock and say where this batch is measured."""
+        mode, step = self._mode(), self.state.global_step + 1  # the optimizer step this batch feeds
+        errors = decode_row_images(inputs)
+        report_bad_images(inputs, errors, self.args.on_bad_image, gather_object)
+        zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        record.mixed = images_on_some_processes_only(inputs, self.accelerator, zero3=zero3,
+                                                     has_vision_pass=self.vision_pass is not None)
+        if any(x.get("image", 0) is None for x in inputs) and not any("images" in x for x in inputs):
+            # Same fix as _generate's for the dataset's image column, which TRL uses when a batch holds no image.
+            for x in inputs:
+                x["images"] = [x["image"]] if x.get("image") is not None else []
+        record.bad_rows = torch.tensor([i in errors for i in range(len(inputs))])
+        if self.live_logs and self.live_logs.is_main and self.live_logs.wants_maps(step):
+            rows = [i for i, x in enumerate(inputs) if row_images(x)]  # one panel row per image of a prompt
+            record.map_rows = rows[: self.args.attention_maps_per_step]
+        record.timing = StepTiming(started=time.perf_counter(),
+                                   rides_trl_forward=self.run_plan.placement is ProbePlacement.TRL_FORWARD)
+        record.in_training_forward = (mode == "train"
+                                      and self.run_plan.placement is ProbePlacement.TRAINING_FORWARD)
+
+    def _finish_batch(self, out: dict[str, Any], inputs: list[dict], record: BatchRecord) -> None:
+        """After TRL scored the batch: unreadable images and online filtering out of the update, TPRL into the loss
+        mask and advantages, perf metrics, then the live logs (now, or once the training forward measured it)."""
+        mode, step = self._mode(), self.state.global_step + 1
+        scored = record.scored
+        if scored.bad.any():
+            apply_group_filter(out, ~self._local(scored.bad, len(inputs)).to(out["advantages"].device),
+                               self.accelerator.gather)
+        self._metrics[mode]["data/bad_images"].append(float(scored.bad.sum()))
+        if self.args.online_filtering:
+            keep = group_filter_keep(scored.rewards, self.reward_weights, self.reward_func_names, self.args.filter_key,
+                                     self.args.filter_low, self.args.filter_high, self._group_size(mode))
+            apply_group_filter(out, self._local(keep, len(inputs)), self.accelerator.gather)
+            self._metrics[mode]["filter/groups_dropped_frac"].append(1.0 - float(keep.float().mean()))
+        forward = record.forward
+        if self.args.uses_tprl:
+            self._log(mode, apply_tprl(out, self.args, entropies=forward.entropies,
+                                       perception=forward.perception.get(self.args.perception_signal),
+                                       has_image=forward.has_image, gather=self.accelerator.gather,
+                                       process_index=self.accelerator.process_index))
+        if self.args.perception_signal_compare and forward is not None:
+            self._metrics[mode]["tprl/signal_rank_corr"].append(signal_rank_corr(
+                forward.perception["perturbation"], forward.perception["attention"], out["completion_mask"],
+                forward.has_image, self.accelerator.gather))
+        record.tokens = float(self.accelerator.gather(out["prompt_mask"].sum() + out["completion_mask"].sum()).sum())
+        record.samples = float(len(inputs) * self.accelerator.num_processes)
+        self._metrics[mode]["perf/generation_seconds"].append(record.timing.generation)
+        self._metrics[mode]["perf/scoring_seconds"].append(record.timing.scoring)
+        if record.in_training_forward:
+            # Tag TRL's output with row indices (they survive its shuffle) and hold the batch until every slice
+            # has been measured in compute_loss.
+            out[ROLLOUT_KEY] = torch.arange(len(inputs), device=out["advantages"].device)
+            kept = {"advantages": self.accelerator.gather(out["advantages"]), "completion_ids": out["completion_ids"],
+                    "completion_mask": out["completion_mask"]}
+            self._pending = PendingMeasurement(step, inputs, record, kept)
+        elif self.live_logs is not None:
+            self._write_live_logs(step, inputs, record, out)
+
+    def _forward_before_rewards(self, record: BatchRecord, inputs, prompts, completion_ids_list) -> dict | None:
+        """Before the rewards: the policy forward the rewards and TPRL read (TRL's, already measured, else one extra
+        no-grad forward), the counterfactual forward of the reliance signals, the perception signals; returns this
+        batch's per-rollout signals, added to the rows (None when the batch is measured in the training forward)."""
+        plan, mode = self.run_plan, self._mode()
+        if record.forward is None and plan.measures_policy and not record.in_training_forward:
+            record.forward = self._extra_forward(record.map_rows, self._policy_batch(record.encoded, prompts, inputs,
+                                                                                     completion_ids_list))
+        if plan.reliance:
+            record.counterfactual = self._counterfactual_forward(inputs, prompts, completion_ids_list)
+        forward = record.forward
+        if forward is None:
+            return None
+        forward.has_image = has_image = torch.tensor([bool(row_images(x)) for x in inputs])
+        if self.args.uses_perturbed_forward:
+            forward.perception["perturbation"] = self._perturbation_signal(
+                inputs, prompts, completion_ids_list, forward.logps, has_image, record.counterfactual)
+        if "attention" in forward.perception:  # no image: nothing to depend on, as for the perturbation signal
+            forward.perception["attention"] *= has_image.to(forward.perception["attention"])[:, None]
+        signals = self._attach_signals(forward.attention, inputs, mode) if forward.attention is not None else {}
+        if record.counterfactual is not None:
+            mask = pad_rows(completion_ids_list, 0, "right")[1].to(forward.logps.device)
+            signals.update(self._reliance(forward, record.counterfactual, mask, inputs, mode))
+        return signals or None
+
+    # ------------------------------------------------------------------------------------ the trainer's own forwards
+    def _policy_batch(self, encoded, prompts, inputs, completion_ids_list, with_images: bool = True):
+        """Prompt + completion as TRL lays out its log-prob forward, from TRL's own prompt encoding when there is one
+        (a ``rollout_func`` bypasses it: the prompts are encoded again, as TRL encodes them). ``with_images=False``:
+        the prompts hold no image (the counterfactual without the image)."""
+        prompt_ids, fields = encoded if encoded is not None else encode_prompts(
+            self.processing_class, prompts, chat_template_kwargs=self.chat_template_kwargs,
+            chat_template=self.chat_template)
+        images = [row_images(x) for x in inputs] if with_images else []
+        return policy_batch(prompt_ids, completion_ids_list, pad_token_id=self._tokenizer.pad_token_id,
+                            multimodal=fields, num_images=[len(i) for i in images] if any(images) else None,
+                            pad_to_multiple_of=self.pad_to_multiple_of, device=self.accelerator.device)
+
+    @contextlib.contextmanager
+    def _probe(self, map_rows: list[int], completion_length: int):
+        """The attention probe over a forward whose last ``completion_length`` positions are the completion; yields
+        None with attention metrics off."""
+        if not self.run_plan.attention_metrics:
+            yield None
+            return
+        tokenizer = self._tokenizer if self.args.attention_text_keys == "content" else None
+        layout = trailing_completion_layout(completion_length, list(self.run_plan.facts.image_token_ids), tokenizer)
+        with probe_attention(self.model, layout, map_rows, self.run_plan.token_layers) as state:
+            yield state
+
+    def _measured(self, probe, completion_length: int, logps=None, entropies=None) -> PolicyForward:
+        """What a probed policy forward gives: the attention result and, when asked, the attention signal (B, C)."""
+        attention = probe.result() if probe is not None else None
+        forward = PolicyForward(attention=attention, logps=logps, entropies=entropies)
+        if attention is not None and attention.query_image_mass is not None:
+            forward.perception["attention"] = attention.attention_signal(completion_length)
+        return forward
+
+    def _policy_logps(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One no-grad policy forward through TRL's own log-prob path (same chunking, fused head).
+
+        It runs in the model's current mode, as TRL's own old-log-prob forward does (so with dropout > 0 it draws
+        dropout masks), inside a forked RNG: the random stream the training step sees afterwards is the one it would
+        have seen without this forward, so observing never changes the run. Every rank runs it (same number of
+        chunks): ZeRO-3 needs all ranks in every gather.
+        """
+        batch_size = (self.args.per_device_train_batch_size if self._mode() == "train"
+                      else self.args.per_device_eval_batch_size)
+        inputs = batch.logp_inputs()
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
+                rng_untouched(self.accelerator.device):
+            logps, entropies, _ = super()._get_per_token_logps_and_entropies(
+                self.model, inputs.pop("input_ids"), inputs.pop("attention_mask"), inputs.pop("logits_to_keep"),
+                batch_size=batch_size, compute_entropy=self.args.enable_entropy_filtering, **inputs)
+        return logps, entropies
+
+    def _extra_forward(self, map_rows: list[int], batch) -> PolicyForward:
+        """The one extra no-grad forward: attention probe (with the attention signal when asked) and, when TPRL needs
+        them, log-probs under the real image (the perturbation signal) and entropies (the entropy filter)."""
+        completion_length = batch.logits_to_keep
+        needs_head = self.args.uses_perturbed_forward or self.args.enable_entropy_filtering or self.run_plan.reliance
+        if not needs_head:
+            # Only attention is wanted: let the LM head score one position per row instead of the whole completion
+            # (TRL's fused head skips positions whose label is -100). At Qwen's 152k vocabulary the head is about a
+            # tenth of the forward's FLOPs; the probe still measures every completion token.
+            batch = dataclasses.replace(batch, logits_to_keep=1)
+        with self._probe(map_rows, completion_length) as probe:
+            logps, entropies = self._policy_logps(batch)
+        return self._measured(probe, completion_length, *((logps, entropies) if needs_head else ()))
+
+    def _perturbation_signal(self, inputs, prompts, completion_ids_list, logps: torch.Tensor, has_image: torch.Tensor,
+                             counterfactual: CounterfactualForward | None) -> torch.Tensor:
+        """s_t from one no-grad forward with perturbed images (re-encoded: other pixels, same token positions); the
+        counterfactual forward's log-probs when it used the same perturbation (``RunPlan.shared_counterfactual``)."""
+        if self.run_plan.shared_counterfactual:
+            aug_logps = counterfactual.logps
+        else:
+            aug_prompts = self._counterfactual_prompts(inputs, prompts, self.args.perception_perturbation)
+            encoded = encode_prompts(self.processing_class, aug_prompts,
+                                     chat_template_kwargs=self.chat_template_kwargs, chat_template=self.chat_template)
+            aug_logps, _ = self._policy_logps(self._policy_batch(encoded, aug_prompts, inputs, completion_ids_list))
+        s_t = perturbation_signal(fit_width(logps, aug_logps.shape[1]), aug_logps)
+        # Rows without an image have no visual dependency to measure: 0, and the masks leave them unfiltered.
+        return s_t * has_image.to(s_t.device)[:, None]
+
+    def _counterfactual_prompts(self, inputs, prompts, kind: str) -> list:
+        """The batch's prompts with each row's images replaced by its counterfactual of ``kind``, drawn per (seed,
+        step, rollout) so that resumed runs and every process draw the same."""
+        a = self.args
+        step = self.state.global_step if self.model.training else 10**9 + self.state.global_step
+        return counterfactual_prompts(
+            prompts, [row_images(x) for x in inputs], kind, seed=a.perturbation_seed, step=step,
+            row_offset=self.accelerator.process_index * len(inputs), patch_size=a.perturbation_patch_size,
+            prob=a.perturbation_prob, noise_std=a.perturbation_noise_std, blur_radius=a.perturbation_blur_radius)
+
+    def _counterfactual_forward(self, inputs, prompts, completion_ids_list) -> CounterfactualForward:
+        """The reliance signals' one extra no-grad forward: the same rollouts with the counterfactual image
+        (``counterfactual_image``), keeping the completion's log-probs and, at the position that chose each answer
+        letter, the logits of the row's choice letters (read off the backbone's hidden state through the LM head's
+        rows of those letters: no (B, C, vocabulary) logits)."""
+        kind = self.args.counterfactual_image
+        cf_prompts = self._counterfactual_prompts(inputs, prompts, kind)
+        encoded = encode_prompts(self.processing_class, cf_prompts, chat_template_kwargs=self.chat_template_kwargs,
+                                 chat_template=self.chat_template)
+        batch = self._policy_batch(encoded, cf_prompts, inputs, completion_ids_list, with_images=kind != NO_IMAGE)
+        ids, mask = pad_rows(completion_ids_list, self._tokenizer.pad_token_id, "right")
+        answers = answer_tokens(self._tokenizer, ids, mask, [x.get("choices") for x in inputs],
+                                self.answer_format.answer_pattern)
+        base = unwrap_model(self.model)
+        with hidden_states_at(base.base_model, answers.letter_position, batch.logits_to_keep) as hidden:
+            logps, _ = self._policy_logps(batch)
+        head = base.get_output_embeddings()
+        with gathered_parameters([head.weight, head.bias]):
+            choice_logits = candidate_logits(hidden.result().to(head.weight.device), head.weight, head.bias,
+                                             answers.candidates.to(head.weight.device))
+        return CounterfactualForward(logps=logps, choice_logits=choice_logits, answers=answers)
+
+    def _reliance(self, forward: PolicyForward, counterfactual: CounterfactualForward, completion_mask: torch.Tensor,
+                  rows: list[dict] | None, mode: str) -> dict[str, torch.Tensor]:
+        """The batch's reliance signals from the real image's log-probs and the counterfactual forward: added to the
+        rows (when the rewards read them), logged as reliance/*, returned for the live logs."""
+        attention = forward.perception.get("attention")
+        if attention is None and forward.attention is not None and forward.attention.query_image_mass is not None:
+            attention = forward.attention.attention_signal(completion_mask.shape[1])
+        values = reliance_signals(forward.logps, counterfactual.logps, completion_mask, counterfactual.answers,
+                                  counterfactual.choice_logits, forward.has_image, attention)
+        n = len(forward.has_image)
+        local, metrics = S.attach_reliance(
+            {k: v.cpu() for k, v in values.items()}, rows,
+            gather=lambda t: self.accelerator.gather(t.to(self.accelerator.device)).cpu(),
+            local=lambda t: self._local(t, n), group_size=self._group_size(mode))
+        self._log(mode, metrics)
+        return local
+
+    # ------------------------------------------------------------------------------------ small pieces
+    def _keep_rewards(self, names: tuple[str, ...]) -> None:
+        """Keep only the rewards ``names`` in TRL's four parallel reward lists (tests/test_trl_contract.py pins them),
+        for a default stack decided before the model loaded."""
+        keep = [i for i, n in enumerate(self.reward_func_names) if n in names]
+        self.reward_funcs = [self.reward_funcs[i] for i in keep]
+        self.reward_func_names = [self.reward_func_names[i] for i in keep]
+        self.reward_processing_classes = [self.reward_processing_classes[i] for i in keep]
+        self.reward_weights = self.reward_weights[keep]
+
     def _mode(self) -> str:
         return "train" if self.model.training else "eval"
 
@@ -227,98 +628,70 @@ class MDIGRPOTrainer(TrainingForwardProbe, PolicyForwards, GRPOTrainer):
         start = self.accelerator.process_index * n_local
         return gathered[start : start + n_local]
 
-    def _score_batch(self, inputs, record: BatchRecord) -> dict[str, Any]:
-        """TRL's generation and scoring of one batch, with the images decoded first and TRL's output post-processed
-        (unreadable images, online filtering, TPRL), the perf metrics and the live logs."""
-        mode, step = self._mode(), self.state.global_step + 1  # the optimizer step this batch feeds
-        errors = decode_row_images(inputs)
-        report_bad_images(inputs, errors, self.args.on_bad_image, gather_object)
-        zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
-        mixed = images_on_some_processes_only(inputs, self.accelerator, has_vision_pass=self._vision_pass is not None,
-                                              zero3=zero3)
-        if any(x.get("image", 0) is None for x in inputs) and not any("images" in x for x in inputs):
-            # Same fix as _generate's for the dataset's image column, which TRL uses when a batch holds no image.
-            for x in inputs:
-                x["images"] = [x["image"]] if x.get("image") is not None else []
-        record.bad_rows = torch.tensor([i in errors for i in range(len(inputs))])
-        if self.live_logs and self.live_logs.is_main and self.live_logs.wants_maps(step):
-            rows = [i for i, x in enumerate(inputs) if row_images(x)]  # one panel row per image of a prompt
-            record.map_rows = rows[: self.args.attention_maps_per_step]
-        record.timing = StepTiming(started=time.perf_counter(), rides_trl_forward=self._trl_runs_policy_forward())
-        record.in_training_forward = mode == "train" and self._probe_placement == "training_forward"
-        # TRL 1.16 gathers the batch's images for its completion logs only on processes that have some: with images
-        # on some processes only, that gather would pair with another collective. Skip image logging for such batches.
-        log_multimodal, self.log_multimodal = self.log_multimodal, self.log_multimodal and not mixed
-        try:
-            out = super()._generate_and_score_completions(inputs)
-        finally:
-            self.log_multimodal = log_multimodal
-        scored = record.scored
-        if scored.bad.any():
-            apply_group_filter(out, ~self._local(scored.bad, len(inputs)).to(out["advantages"].device),
-                               self.accelerator.gather)
-        self._metrics[mode]["data/bad_images"].append(float(scored.bad.sum()))
-        if self.args.online_filtering:
-            self._filter_groups(out, scored.rewards, mode)
-        if self.args.uses_tprl:
-            self._apply_tprl(out, record.forward, mode)
-        if self.args.perception_signal_compare and record.forward is not None:
-            self._metrics[mode]["tprl/signal_rank_corr"].append(signal_rank_corr(
-                record.forward.visual_dependency, record.forward.image_attention, out["completion_mask"],
-                record.forward.has_image, self.accelerator.gather))
-        record.tokens = float(self.accelerator.gather(out["prompt_mask"].sum() + out["completion_mask"].sum()).sum())
-        record.samples = float(len(inputs) * self.accelerator.num_processes)
-        self._metrics[mode]["perf/generation_seconds"].append(record.timing.generation)
-        self._metrics[mode]["perf/scoring_seconds"].append(record.timing.scoring)
-        if record.in_training_forward:
-            self._measure_in_training(out, step, inputs, record)
-        elif self.live_logs is not None:
-            self._write_live_logs(step, inputs, record, out)
-        return out
-
-    def _trl_runs_policy_forward(self) -> bool:
-        """Whether TRL runs a no-grad policy forward (old log-probs): TRL 1.16's condition (test_trl_contract.py)."""
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        return self.args.gradient_accumulation_steps % generate_every != 0 or bool(
-            self.use_vllm and self.vllm_importance_sampling_correction
-        )
+    def _log(self, mode: str, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self._metrics[mode][name].append(value)
 
     def _attach_signals(self, attention: ModalityAttention, inputs: list[dict], mode: str) -> dict[str, torch.Tensor]:
         """This batch's per-rollout signals: added to the rows, logged as attention/*, returned for the live logs."""
         local, metrics = S.attach_signals(
             attention, inputs, segments_spec=self.args.attention_layer_segments,
-            balance_ratio=self.args.mdi_balance_ratio, expected_layers=list(self._model_facts.measured_layers),
+            balance_ratio=self.args.mdi_balance_ratio, expected_layers=list(self.run_plan.facts.measured_layers),
             gather=lambda t: self.accelerator.gather(t.to(self.accelerator.device)).cpu(),
             local=lambda t: self._local(t, len(inputs)), group_size=self._group_size(mode))
-        for name, value in metrics.items():
-            self._metrics[mode][name].append(value)
+        self._log(mode, metrics)
         return local
-
-    def _filter_groups(self, out: dict[str, Any], rewards: torch.Tensor, mode: str) -> None:
-        keep = group_filter_keep(rewards, self.reward_weights, self.reward_func_names, self.args.filter_key,
-                                 self.args.filter_low, self.args.filter_high, self._group_size(mode))
-        apply_group_filter(out, self._local(keep, len(out["advantages"])), self.accelerator.gather)
-        self._metrics[mode]["filter/groups_dropped_frac"].append(1.0 - float(keep.float().mean()))
-
-    def _apply_tprl(self, out: dict[str, Any], forward: PolicyForward, mode: str) -> None:
-        metrics = apply_tprl(out, self.args, entropies=forward.entropies,
-                             visual_dependency=forward.perception(self.args.perception_signal),
-                             has_image=forward.has_image, gather=self.accelerator.gather,
-                             process_index=self.accelerator.process_index)
-        for name, value in metrics.items():
-            self._metrics[mode][name].append(value)
 
     def _write_live_logs(self, step: int, inputs: list[dict], record: BatchRecord, out: dict[str, Any]) -> None:
         """Gather this batch's rollouts (all ranks take part) and append them to the live logs (main process)."""
-        attention = record.forward.attention if record.forward is not None else None
-        scores = record.forward.perception(self.args.perception_signal) if record.forward is not None else None
+        forward = record.forward
+        attention = forward.attention if forward is not None else None
+        scores = forward.perception.get(self.args.perception_signal) if forward is not None else None
         strips = None
         if scores is not None and self.accelerator.process_index == 0:  # the first rows are the fully printed ones
             strips = perception_strips(scores, out["completion_ids"], out["completion_mask"], self._tokenizer,
                                        top_p=self.args.top_p_perception_tokens, signal=self.args.perception_signal,
                                        rows=self.args.log_full_rollouts_per_step)
-        write_batch(self.live_logs, step, float(self.state.epoch or 0.0), inputs=inputs, scored=record.scored,
-                    attention=attention, map_rows=record.map_rows, reward_names=self.reward_func_names,
-                    reward_weights=self.reward_weights, advantages=self.accelerator.gather(out["advantages"]),
-                    segments_spec=self.args.attention_layer_segments, processing_class=self.processing_class,
-                    answer_format=self._answer_format, strips=strips)
+        scored = record.scored
+        batch = BatchLog(step=step, epoch=float(self.state.epoch or 0.0), rows=inputs, prompts=scored.prompts,
+                         completions=scored.completions, completion_lengths=scored.lengths, rewards=scored.rewards,
+                         advantages=self.accelerator.gather(out["advantages"]), reward_names=self.reward_func_names,
+                         reward_weights=self.reward_weights, signals=scored.signals, attention=attention,
+                         map_rows=record.map_rows, strips=strips)
+        write_batch(self.live_logs, batch, processing_class=self.processing_class, answer_format=self.answer_format)
+
+
+@contextlib.contextmanager
+def hidden_states_at(backbone: torch.nn.Module, positions: torch.Tensor, completion_length: int):
+    """Collect, over the (chunked) forwards of ``backbone`` inside the block, each row's last hidden state at the
+    position that chose completion token ``positions[row]`` (``L - C - 1 + t``; -1: none, a zero vector). Rows arrive
+    in order, chunk after chunk, as TRL's log-prob path runs them. ``.result()`` gives (B, H)."""
+    collected: list[torch.Tensor] = []
+
+    def hook(_module, _args, output):
+        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        start = sum(len(c) for c in collected)
+        t = positions[start:start + hidden.shape[0]].to(hidden.device)
+        index = (hidden.shape[1] - completion_length - 1 + t.clamp(min=0))
+        picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), index].detach()
+        collected.append(torch.where((t >= 0)[:, None], picked, torch.zeros_like(picked)))
+
+    handle = backbone.register_forward_hook(hook)
+    state = type("HiddenStates", (), {"result": lambda self: torch.cat(collected)})()
+    try:
+        yield state
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def gathered_parameters(params: list):
+    """Under DeepSpeed ZeRO-3, the full parameters inside the block (every process must enter it); else as they are."""
+    params = [p for p in params if p is not None]
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield
+        return
+    yield

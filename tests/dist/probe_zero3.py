@@ -7,13 +7,17 @@ rank to the file given as argv[2].
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from trl_mdi.attention import image_token_ids, measure_modality_attention
-from trl_mdi.testing import eager_group_masses, grpo_batch, shape_image
+
+# Run as a script, so tests/dist/ is on sys.path and not the checkout, whose fixtures/ folder is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from fixtures.testing import eager_group_masses, grpo_batch, shape_image  # noqa: E402
 
 
 def main():

@@ -15,7 +15,10 @@ from pathlib import Path
 from trl import GRPOConfig
 
 from trl_mdi import MDIGRPOTrainer
-from trl_mdi.testing import zen_image_dataset
+
+# Run as a script, so tests/dist/ is on sys.path and not the checkout, whose fixtures/ folder is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from fixtures.testing import zen_image_dataset  # noqa: E402
 
 
 def spread_reward(completions, **kwargs):
@@ -35,8 +38,8 @@ def main():
         trainer.train()
         acc = trainer.accelerator
         record = {"model": model_dir, "rank": acc.process_index, "world_size": acc.num_processes,
-                  "distributed_type": str(acc.distributed_type), "placement": trainer._probe_placement,
-                  "dummy_vision_passes": trainer._vision_pass.count if trainer._vision_pass is not None else None,
+                  "distributed_type": str(acc.distributed_type), "placement": str(trainer.run_plan.placement),
+                  "dummy_vision_passes": trainer.vision_pass.count if trainer.vision_pass is not None else None,
                   "logs": [h for h in trainer.state.log_history if "loss" in h] if acc.is_main_process else []}
         ds_params = [p for p in trainer.model.parameters() if hasattr(p, "ds_numel")]
         if ds_params:

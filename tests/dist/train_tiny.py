@@ -88,9 +88,9 @@ def main():
     args = MDIGRPOConfig(**kwargs)
     trainer = MDIGRPOTrainer(model_dir, reward_funcs=["mdi_balance", "mdi_group", spread_reward, recording_reward],
                              args=args, train_dataset=ds)
-    if no_vision_pass and trainer._vision_pass is not None:
-        trainer._vision_pass.remove()
-        trainer._vision_pass = None
+    if no_vision_pass and trainer.vision_pass is not None:
+        trainer.vision_pass.remove()
+        trainer.vision_pass = None
     trainer.train(resume_from_checkpoint=resume)
     acc = trainer.accelerator
     record = {
@@ -104,7 +104,7 @@ def main():
         "group_scores": group_scores,
         "logs": [h for h in trainer.state.log_history if "loss" in h] if acc.is_main_process else [],
     }
-    record["dummy_vision_passes"] = trainer._vision_pass.count if trainer._vision_pass is not None else None
+    record["dummy_vision_passes"] = trainer.vision_pass.count if trainer.vision_pass is not None else None
     digest = hashlib.sha256()
     for name, p in sorted(acc.unwrap_model(trainer.model).named_parameters()):
         digest.update(name.encode() + p.detach().cpu().float().numpy().tobytes())

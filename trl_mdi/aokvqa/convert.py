@@ -11,6 +11,8 @@ from typing import Any
 from PIL import Image as PILImage
 
 from .schema import (
+    IMAGE_COLUMN,
+    IMAGES_COLUMN,
     LETTERS,
     SKIP_BAD_CHOICES,
     SKIP_BAD_IMAGE,
@@ -19,8 +21,6 @@ from .schema import (
     SKIP_LABEL_RANGE,
     SKIP_MISSING_IMAGE,
     SKIP_MISSING_LABEL,
-    IMAGE_COLUMN,
-    IMAGES_COLUMN,
     format_prompt,
 )
 

@@ -170,7 +170,7 @@ def open_source(dataset_path: str, log: Callable[[str], None] = print) -> dict[s
         raise DataPrepError(
             f"could not load {dataset_path!r} from the Hugging Face Hub ({type(exc).__name__}: {exc}). "
             "Offline? Pass a local copy with --dataset_path DIR (a directory of parquet files in the "
-            "A-OKVQA schema, e.g. one written by `python -m trl_mdi.synthetic`)."
+            "A-OKVQA schema, e.g. a local copy of the HuggingFaceM4/A-OKVQA dataset repository)."
         ) from exc
     return _datasets_split_sources(dataset_dict, dataset_path)
 

@@ -98,16 +98,9 @@ def measure_modality_attention(
     return state.result()
 
 
-def _segment_layers(model: torch.nn.Module, segments, name: str) -> list[int]:
+def _segment_layers(model: torch.nn.Module, segments, name: str) -> tuple[int, ...]:
     """The measured layers of segment ``name`` on this model (``"all"`` when the model has no such segment)."""
-    import warnings
-
-    from .metrics import layer_segments
+    from .metrics import token_segment_layers
 
     facts = model_facts(model.config)
-    found = layer_segments(facts.num_layers, segments, list(facts.measured_layers))
-    if name not in found:
-        warnings.warn(f"segment {name!r} does not exist on this model (segments: {sorted(found)}): per-token image "
-                      "mass averaged over all measured layers instead", stacklevel=3)
-        name = "all"
-    return found[name]
+    return token_segment_layers(facts.num_layers, segments, list(facts.measured_layers), name)

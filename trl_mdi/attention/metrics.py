@@ -87,6 +87,26 @@ def explicit_segment_names(spec: str | dict[str, list[int]] | None) -> list[str]
     return list(_parse_segments(10**6, spec) or {})
 
 
+def token_segment_layers(num_layers: int, spec, measured_layers: list[int], name: str) -> tuple[int, ...]:
+    """The measured layers of segment ``name`` under ``spec``, for per-token image mass (the attention perception
+    signal); a model without that segment (thirds of 1 or 2 measured layers, an explicit spec without it) falls back
+    to ``all``, said in one warning.
+
+    >>> token_segment_layers(6, "thirds", list(range(6)), "late")
+    (4, 5)
+    """
+    import logging
+
+    segments = layer_segments(num_layers, spec, measured_layers)
+    if name not in segments:
+        logging.getLogger("trl_mdi").warning(
+            "the attention perception signal averages over segment %r, which this model does not have (segments: "
+            "%s): using all measured layers (%s) instead", name, ", ".join(segments),
+            ", ".join(map(str, segments["all"])))
+        name = "all"
+    return tuple(segments[name])
+
+
 def layer_segments(
     num_layers: int, spec: str | dict[str, list[int]] | None = None, measured: list[int] | None = None
 ) -> dict[str, list[int]]:

@@ -1,4 +1,5 @@
-"""What the probe can measure on a model, read from its config before any weight is loaded.
+"""What the probe can measure on a model, read from its config (and, for the image token, its processor) before any
+weight is loaded.
 
 A trainer needs this at construction (to validate segments and reward inputs, and to decide whether attention
 metrics can run at all), but a model given by Hub id or path is only loaded inside ``GRPOTrainer.__init__``; so
@@ -12,8 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from .layout import image_token_ids
+from transformers import PretrainedConfig
 
 # Layer kinds that never call the attention interface: no softmax over keys, hence nothing to measure.
 # ("linear_attention" covers Gated DeltaNet, Mamba and other recurrent mixers; "conv" and "moe" are the
@@ -31,10 +31,19 @@ class ModelFacts:
     measured_layers: tuple[int, ...]  # softmax-attention layers: the ones the probe measures
     layer_types: tuple[str, ...] | None  # text_config.layer_types, when the family declares them
     sliding_window: int | None  # window of the sliding-attention layers, if any
+    vision_part: str | None = None  # the config attribute holding the vision tower's config, e.g. "vision_config"
+    image_token_source: str | None = None  # where image_token_ids were read, e.g. "config.image_token_id"
+    image_token_problem: str | None = None  # a vision part but no image token found: which attributes were missing
 
     @property
     def is_vlm(self) -> bool:
+        """Image tokens located: the probe can tell image keys from text keys."""
         return bool(self.image_token_ids)
+
+    @property
+    def has_vision(self) -> bool:
+        """A vision-language model, image token found or not (``image_token_problem`` says what is missing)."""
+        return self.is_vlm or self.vision_part is not None
 
     @property
     def unmeasured_layers(self) -> tuple[int, ...]:
@@ -56,12 +65,94 @@ def text_config_of(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def model_facts(config) -> ModelFacts:
-    """Read :class:`ModelFacts` from a transformers config (a VLM's top config or a causal LM's config)."""
-    try:
-        ids = tuple(image_token_ids(config))
-    except ValueError:
-        ids = ()
+IMAGE_TOKEN_ATTRIBUTES = ("image_token_id", "video_token_id", "image_token_index", "img_context_token_id",
+                          "media_placeholder_token_id")
+"""Config attributes that hold an image / video placeholder id, as transformers' families (image_token_id,
+video_token_id; LLaVA: image_token_index) and custom-code VLMs (InternVL: img_context_token_id; Kimi-VL:
+media_placeholder_token_id) name them."""
+
+_VISION_WORDS = frozenset({"vision", "visual", "vit", "img", "image"})
+
+
+def vision_part(config) -> str | None:
+    """The name of the config attribute that holds a vision tower's config, or None (a text-only config).
+
+    Any sub-config (a config object or a dict) whose name has a word "vision", "visual", "vit", "img" or "image":
+    ``vision_config`` (transformers' families, InternVL, MiniCPM-V, DeepSeek-VL2), ``visual`` (Qwen-VL),
+    ``vit_config``, ``vision_tower_config``, ``img_processor`` (Phi-3.5-vision), ``visual_tokenizer_config`` (Ovis).
+
+    >>> from transformers import PretrainedConfig
+    >>> vision_part(PretrainedConfig(vit_config={"hidden_size": 8}, image_token_index=5))
+    'vit_config'
+    >>> vision_part(PretrainedConfig(hidden_size=8)) is None
+    True
+    """
+    names = sorted(vars(config), key=lambda n: (n != "vision_config", n))
+    for name in names:
+        value = getattr(config, name, None)
+        if (isinstance(value, (dict, PretrainedConfig)) and not name.startswith("_")
+                and _VISION_WORDS & set(name.lower().split("_"))):
+            return name
+    return None
+
+
+def _ids_from_config(config) -> list[int]:
+    ids = []
+    for name in IMAGE_TOKEN_ATTRIBUTES:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0 and value not in ids:
+            ids.append(value)
+    return ids
+
+
+def _ids_from_processor(processor) -> tuple[list[int], str | None]:
+    """The placeholder ids a processor writes into the prompt: its image_token_id / video_token_id, else its
+    image_token / video_token strings looked up in its tokenizer (the way the processor expands them)."""
+    ids = [v for v in (getattr(processor, n, None) for n in ("image_token_id", "video_token_id"))
+           if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    if ids:
+        return list(dict.fromkeys(ids)), f"{type(processor).__name__}.image_token_id"
+    tokenizer = getattr(processor, "tokenizer", None)
+    vocab = tokenizer.get_vocab() if tokenizer is not None and hasattr(tokenizer, "get_vocab") else {}
+    tokens = [t for t in (getattr(processor, n, None) for n in ("image_token", "video_token")) if isinstance(t, str)]
+    ids = [vocab[t] for t in tokens if t in vocab]
+    return list(dict.fromkeys(ids)), (f"{type(processor).__name__}.image_token" if ids else None)
+
+
+def find_image_token_ids(config, processor=None) -> tuple[tuple[int, ...], str | None]:
+    """``(ids, source)``: the image / video placeholder ids of a model and where they were read, or ``((), None)``.
+
+    The config comes first (``IMAGE_TOKEN_ATTRIBUTES``: the ids the model itself matches against). Only when it
+    names none and it has a vision part (``vision_part``) is ``processor`` asked, as the processor itself finds
+    the token: its ``image_token_id``, else its ``image_token`` looked up in its tokenizer. (A text-only model's
+    tokenizer may well hold an ``<|image_pad|>`` token: that does not make it a VLM.)
+    """
+    ids = _ids_from_config(config)
+    if ids:
+        found = next(n for n in IMAGE_TOKEN_ATTRIBUTES if isinstance(getattr(config, n, None), int))
+        return tuple(ids), f"config.{getattr(config, 'attribute_map', {}).get(found, found)}"  # the stored name
+    if processor is None or vision_part(config) is None or getattr(processor, "tokenizer", None) is None:
+        return (), None
+    ids, source = _ids_from_processor(processor)
+    return tuple(ids), source
+
+
+def model_facts(config, processor=None) -> ModelFacts:
+    """Read :class:`ModelFacts` from a transformers config (a VLM's top config or a causal LM's config).
+
+    ``processor`` (optional) supplies the image token when the config names none (``find_image_token_ids``); a
+    config with a vision part and no image token anywhere gets ``image_token_problem`` instead of passing for a
+    text-only model.
+    """
+    ids, source = find_image_token_ids(config, processor)
+    part = vision_part(config)
+    problem = None
+    if part is not None and not ids:
+        model_type = getattr(config, "model_type", type(config).__name__)
+        where = (f"and its processor ({type(processor).__name__}) names no image_token either" if processor is not None
+                 else "and no processor was given to read the image token from")
+        problem = (f"the {model_type!r} config has a vision part ({part!r}) but none of the attributes "
+                   f"{', '.join(IMAGE_TOKEN_ATTRIBUTES)} names its image placeholder token, {where}")
     text = text_config_of(config)
     num_layers = int(getattr(text, "num_hidden_layers", 0) or 0)
     layer_types = getattr(text, "layer_types", None)
@@ -80,19 +171,50 @@ def model_facts(config) -> ModelFacts:
         measured_layers=measured,
         layer_types=layer_types,
         sliding_window=int(window) if isinstance(window, int) else None,
+        vision_part=part,
+        image_token_source=source,
+        image_token_problem=problem,
     )
 
 
-def load_model_config(model: Any, model_init_kwargs: dict | None = None):
+def image_token_problem(config, processor=None) -> str | None:
+    """None when a vision-language model's image token is where everything reads it, else what is missing.
+
+    Two readers: the probe's layout (``model_facts``: the config, else the processor) and TRL's ``GRPOTrainer``,
+    which reads ``model.config.image_token_id`` for every model with a processor (to keep generation from sampling
+    the image token), so a config without it fails inside TRL's construction even when the processor knows the
+    token. A text-only config has no problem.
+    """
+    facts = model_facts(config, processor)
+    if not facts.has_vision:
+        return None
+    if facts.image_token_problem:
+        return f"{facts.image_token_problem}: the image tokens cannot be located; add image_token_id to its config.json"
+    if not isinstance(getattr(config, "image_token_id", None), int):
+        token = facts.image_token_ids[0]
+        return (f"the {facts.model_type!r} config has no image_token_id (its image token {token} is known from "
+                f"{facts.image_token_source}), and TRL's GRPOTrainer reads model.config.image_token_id: add "
+                f'"image_token_id": {token} to the model\'s config.json')
+    return None
+
+
+_HUB_KWARGS = ("revision", "trust_remote_code", "cache_dir", "token", "subfolder", "local_files_only")
+
+
+def load_model_config(model: Any, model_init_kwargs: dict | None = None, *, trust_remote_code: bool = False):
     """The config of a model given as a PreTrainedModel (plain, PEFT, wrapped) or as a Hub id / local path.
 
-    For an id or path only ``config.json`` is read (offline: from the local cache or folder), with the revision
-    and ``trust_remote_code`` the trainer will load the weights with.
+    For an id or path only ``config.json`` is read (offline: from the local cache or folder) with what
+    ``GRPOTrainer`` will load the weights with: the hub arguments of ``model_init_kwargs`` (revision,
+    trust_remote_code, cache_dir, ...) and, where they do not set it, ``trust_remote_code`` (pass
+    ``GRPOConfig.trust_remote_code``: TRL copies it into its model_init_kwargs the same way, with ``setdefault``).
+    A model with custom code read without it raises transformers' own "custom code" error, as TRL's load would.
     """
     if isinstance(model, str):
         from transformers import AutoConfig
 
-        kwargs = {k: v for k, v in (model_init_kwargs or {}).items() if k in ("revision", "trust_remote_code")}
+        kwargs = {k: v for k, v in (model_init_kwargs or {}).items() if k in _HUB_KWARGS}
+        kwargs.setdefault("trust_remote_code", trust_remote_code)
         return AutoConfig.from_pretrained(model, **kwargs)
     return unwrap_model(model).config
 

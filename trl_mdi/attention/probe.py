@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
@@ -22,7 +22,7 @@ from .layout import (
     TokenLayout,
     token_query_mask,
 )
-from .model_facts import unwrap_model
+from .model_facts import UNMEASURED_LAYER_TYPES, text_config_of, unwrap_model
 from .result import COMPLETION, GROUPS, IMAGE, PROMPT_TEXT, SPECIAL, ModalityAttention
 
 PROBE_ATTN_IMPLEMENTATION = "trl_mdi_probe"
@@ -207,11 +207,6 @@ AttentionMaskInterface.register(PROBE_ATTN_IMPLEMENTATION, _probe_mask)
 # --------------------------------------------------------------------------------------------------
 # Model plumbing
 # --------------------------------------------------------------------------------------------------
-def _text_config(model: torch.nn.Module):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 @contextlib.contextmanager
 def probe_attention(
     model: torch.nn.Module,
@@ -227,7 +222,7 @@ def probe_attention(
     image mass averaged over these layers (``ModalityAttention.query_image_mass``).
     """
     base = unwrap_model(model)
-    text_config = _text_config(base)
+    text_config = text_config_of(base.config)
     num_layers = int(text_config.num_hidden_layers)
     state = _ProbeState(num_layers, layout_fn, image_map_rows, token_layers, native=text_config._attn_implementation)
     # The backbone (``base.model`` for *ForConditionalGeneration) receives input_ids and the 2-D mask on every path
@@ -250,3 +245,79 @@ def probe_attention(
         text_config._attn_implementation_internal = previous
         _ACTIVE.reset(token)
         handle.remove()
+
+
+# --------------------------------------------------------------------------------------------------
+# Can the probe reach a model's attention?
+# --------------------------------------------------------------------------------------------------
+_DISPATCH_NAMES = frozenset({"ALL_ATTENTION_FUNCTIONS", "get_interface"})
+_VISION_PATH_WORDS = frozenset({"vision", "visual", "vit", "audio"})
+
+
+def _code_names(code) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _code_names(const)
+    return names
+
+
+def _dispatches(cls: type) -> bool:
+    """Whether a module class's own methods (its MRO below torch's classes) look the attention function up in
+    transformers' attention interface (``ALL_ATTENTION_FUNCTIONS[...]`` / ``.get_interface(...)``)."""
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("torch") or klass is object:
+            continue
+        for value in vars(klass).values():
+            fn = getattr(value, "__func__", value)  # staticmethod / classmethod
+            code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
+            if code is not None and _code_names(code) & _DISPATCH_NAMES:
+                return True
+    return False
+
+
+def probe_support(model: torch.nn.Module) -> str | None:
+    """None when the probe can measure ``model`` (plain, PEFT-wrapped, DDP / DeepSpeed), else a one-line reason.
+
+    The probe measures by registering its own attention function and pointing the text config's attention
+    implementation at it, so it sees exactly the attention modules that (1) read their implementation from that
+    config and (2) call the function it names through transformers' attention interface. Every supported family's
+    text attention does; custom code that computes its own softmax, or the pre-interface ``*SdpaAttention`` classes
+    chosen once at construction, does not. The text attention modules are the ``*Attention`` / ``*Attn`` modules
+    outside the vision (and audio) towers that do not hold another config; each must dispatch through the
+    interface, itself or through a module it contains or is contained in, unless its layer is one the probe skips
+    anyway (``layer_types``: a hybrid model's linear-attention layers).
+    """
+    base = unwrap_model(model)
+    text_config = text_config_of(base.config)
+    name_of = type(base).__name__
+    candidates = {}
+    for path, module in base.named_modules():
+        kind = type(module).__name__.lower()
+        own_config = getattr(module, "config", text_config)
+        if ("attention" not in kind and "attn" not in kind) or any(
+            _VISION_PATH_WORDS & set(part.lower().split("_")) for part in path.split(".")
+        ):
+            continue
+        if isinstance(own_config, PretrainedConfig) and own_config is not text_config:
+            continue  # a vision / audio tower's attention, or a config the probe's switch does not reach
+        candidates[path] = module
+    if not candidates:
+        return (f"{name_of} has no attention module that reads its text config ({type(text_config).__name__}), so "
+                "the probe, which switches that config's attention implementation, cannot measure it")
+    dispatching = [p for p, m in candidates.items() if _dispatches(type(m))]
+
+    layer_types = list(getattr(text_config, "layer_types", None) or [])
+
+    def reached(path: str) -> bool:  # dispatches itself, or holds / sits inside a module that does
+        return any(d == path or d.startswith(f"{path}.") or path.startswith(f"{d}.") for d in dispatching)
+
+    def unmeasured(module) -> bool:  # a hybrid model's linear-attention mixer: nothing to measure there anyway
+        i = getattr(module, "layer_idx", None)
+        return isinstance(i, int) and i < len(layer_types) and layer_types[i] in UNMEASURED_LAYER_TYPES
+
+    own = sorted({type(m).__name__ for p, m in candidates.items() if not reached(p) and not unmeasured(m)})
+    if own:
+        return (f"{name_of} computes attention itself (its attention modules ({', '.join(own)}) do not dispatch "
+                "through transformers' attention interface), so the probe cannot measure it")
+    return None

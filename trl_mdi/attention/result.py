@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -24,6 +25,9 @@ class ModalityAttention:
     row, ``image + prompt_text + completion + special == 1``. ``special`` is zero unless special tokens
     and the system prompt were excluded from text (``text_keys="content"``).
 
+    MDI, AEI and the balance per row: :meth:`rows` (one plain dict per row, the names reward functions receive);
+    as (B,) tensors per layer segment: :meth:`segment_metrics`.
+
     Attributes:
         image, prompt_text, completion, special: float32 tensors of shape (B, num_layers).
         n_image, n_prompt_text, n_special, n_completion: key counts per row, shape (B,).
@@ -39,7 +43,7 @@ class ModalityAttention:
             and at the position just before each, that position's attention mass on image keys, averaged over heads
             and over ``token_layers``; 0 elsewhere. Position p's logits choose token p + 1, so
             ``query_image_mass[:, p - 1]`` is how much the model looked at the image when it chose token p
-            (``completion_image_attention`` aligns it to the completion).
+            (``attention_signal`` aligns it to the completion).
     """
 
     image: torch.Tensor
@@ -66,7 +70,7 @@ class ModalityAttention:
         return list(range(self.num_layers)) if self.measured_layers is None else list(self.measured_layers)
 
     def segments(self, spec: str | dict | None = None) -> dict[str, list[int]]:
-        """``{segment: measured layers}`` for this result (see :func:`trl_mdi.metrics.layer_segments`)."""
+        """``{segment: measured layers}`` for this result (see :func:`trl_mdi.attention.metrics.layer_segments`)."""
         return M.layer_segments(self.num_layers, spec, self.layers)
 
     def image_blind_layers(self) -> torch.Tensor:
@@ -89,11 +93,56 @@ class ModalityAttention:
         return self.n_image > 0
 
     def segment_metrics(self, segments: str | dict | None = None) -> dict[str, dict[str, torch.Tensor]]:
-        """MDI / AEI per layer segment (see :func:`trl_mdi.metrics.segment_metrics`); text = prompt text."""
+        """MDI / AEI per layer segment (see :func:`trl_mdi.attention.metrics.segment_metrics`); text = prompt text."""
         seg = self.segments(segments)
         return M.segment_metrics(self.prompt_text, self.image, self.n_prompt_text, self.n_image, seg)
 
-    def completion_image_attention(self, completion_length: int) -> torch.Tensor:
+    def rows(self, segments: str | dict | None = "thirds", balance_ratio: float = 2.0) -> list[dict[str, float | None]]:
+        """One plain dict per row: MDI and AEI per layer segment and the MDI balance, under the names a reward
+        function receives them (the trainer's per-rollout fields, ``mdi_group_score`` aside: it needs the group).
+
+        With T = prompt-text keys, O = image keys, A = attention mass averaged over the segment's measured layers
+        (then the ratio is taken), n = number of keys, R = ``balance_ratio``::
+
+            mdi_<seg>         MDI   = (A_T / n_T) / (A_O / n_O)          > 1: text dominates, < 1: the image does
+            aei_text_<seg>    AEI_T = P_T / Q_T,  P_T = A_T / (A_T + A_O),  Q_T = n_T / (n_T + n_O)
+            aei_image_<seg>   AEI_O = P_O / Q_O
+            mdi_balance       clip(1 - |log MDI| / log R, 0, 1) of the MDI over all measured layers
+
+        ``<seg>`` is each segment of ``segments`` (``"thirds"``: ``early``, ``middle``, ``late``; an explicit spec:
+        its names); over all measured layers the name has no suffix (``mdi``, ``aei_text``, ``aei_image``). The values
+        are those of :meth:`segment_metrics` and :func:`trl_mdi.attention.metrics.mdi_balance`, as Python floats;
+        ``None`` where undefined (a row without image tokens, or without a measured query); MDI is ``inf`` where the
+        image gets exactly zero attention in a segment (a sliding window hiding every image key), and an infinite
+        ``mdi`` has balance 0.
+
+        >>> res = ModalityAttention(
+        ...     image=torch.tensor([[0.25] * 3, [0.0] * 3]), prompt_text=torch.tensor([[0.5] * 3, [0.75] * 3]),
+        ...     completion=torch.full((2, 3), 0.25), special=torch.zeros(2, 3), n_image=torch.tensor([16, 0]),
+        ...     n_prompt_text=torch.tensor([16, 20]), n_special=torch.tensor([0, 0]), n_completion=torch.tensor([4, 4]),
+        ...     n_queries=torch.tensor([4, 4]))
+        >>> first, no_image = res.rows()
+        >>> first["mdi"], first["mdi_late"], round(first["aei_text_early"], 4), first["mdi_balance"]
+        (2.0, 2.0, 1.3333, 0.0)
+        >>> no_image["mdi"], no_image["aei_image_middle"], no_image["mdi_balance"]
+        (None, None, None)
+        >>> res.rows(balance_ratio=4.0)[0]["mdi_balance"]
+        0.5
+        """
+        per_segment = self.segment_metrics(segments)
+        every = per_segment.pop("all")
+        table = {  # the order of the trainer's reward fields (trl_mdi.signals)
+            "mdi": every["mdi"], **{f"mdi_{name}": m["mdi"] for name, m in per_segment.items()},
+            "aei_text": every["aei_text"], "aei_image": every["aei_image"],
+            **{f"aei_text_{name}": m["aei_text"] for name, m in per_segment.items()},
+            **{f"aei_image_{name}": m["aei_image"] for name, m in per_segment.items()},
+            "mdi_balance": M.mdi_balance(every["mdi"], balance_ratio),
+        }
+        names = list(table)
+        columns = [table[n].tolist() for n in names]
+        return [{n: None if math.isnan(v) else v for n, v in zip(names, row)} for row in zip(*columns)]
+
+    def attention_signal(self, completion_length: int) -> torch.Tensor:
         """(B, C): per completion token t of a forward whose last C positions are the completion, the image mass of
         the position that chose it, ``a_t = query_image_mass[:, L - C - 1 + t]`` (heads and ``token_layers``
         averaged). Values at padded completion positions mean nothing: mask with the completion mask. The attention

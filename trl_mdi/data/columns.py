@@ -45,6 +45,6 @@ def prompt_column_of(columns: Sequence[str], explicit: str | None = None, split:
                             "with 'solution')", split, "--prompt_column")
     except DatasetError as e:
         if {"question", "correct_choice_idx"} <= set(columns):
-            raise DatasetError(f"{e}. This looks like raw A-OKVQA: convert it first with "
-                               "data_prep/prepare_aokvqa_for_trl.py") from None
+            raise DatasetError(f"{e}. This looks like raw A-OKVQA: convert it first with trl_mdi.aokvqa.prepare_aokvqa "
+                               "(data_prep/prepare_aokvqa_for_trl.py in the repository)") from None
         raise

@@ -220,7 +220,7 @@ def _load_hub(name: str, config: str | None, data_files=None):
     except Exception as e:  # offline, unknown name, no access, ...: one message that says what was tried
         raise DatasetError(
             f"cannot load {name!r} from the Hugging Face Hub ({type(e).__name__}: {e}). For local data pass "
-            "--dataset_path DIR (a folder of parquet files, e.g. the output of data_prep/prepare_aokvqa_for_trl.py)."
+            "--dataset_path DIR (a folder of parquet files, e.g. the output of trl_mdi.aokvqa.prepare_aokvqa)."
         ) from e
     if isinstance(loaded, Dataset):
         loaded = DatasetDict({"train": loaded})

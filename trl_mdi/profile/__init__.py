@@ -8,11 +8,19 @@ For every model in turn: completions are generated greedily for the rows of one 
 whatever ``--attn_implementation`` the model uses), and the per-row masses become, per
 layer and per layer segment, means and spreads over rows with MDI as a ratio of means (``stats``). The command
 writes ``profile.md``, ``profile.json``, ``mdi_by_layer.png`` and ``mass_by_layer.png`` (``report``, drawn by
-``trl_mdi.plots``). Models, data and flags are checked before any weight is loaded (``arguments``, ``rows``).
+``trl_mdi.diagnostics.plots``). Models, data and flags are checked before any weight is loaded (``arguments``,
+``rows``).
+
+With ``--reliance`` it also asks whether the answers come from the image: every rollout (greedy, and sampled with
+``--samples_per_row``) is scored again with a counterfactual image in plain no-grad forwards, and the section reports
+accuracy with and without the image and how well each per-rollout signal separates prior-following rollouts
+(``reliance``, ``reliance_report``). ``reference_signals`` is that measurement on explicit tensors: the reference
+the trainer's counterfactual signals are tested against.
 
 Layout: ``arguments`` (flags, model checks), ``rows`` (the split, sampled and prepared with ``trl_mdi.data``),
 ``measure`` (generation and measurement of one model), ``stats`` (aggregation and comparison, pure), ``report``
-(the files), ``command`` (``main``). docs/profile.md has the ``--help`` output and a worked example.
+(the files), ``reliance`` (the counterfactual measurement), ``reliance_report`` (its summary, Markdown and
+pictures), ``command`` (``main``). docs/profile.md has the ``--help`` output and worked examples.
 """
 
 from __future__ import annotations
@@ -25,10 +33,11 @@ from .stats import compare, layer_profile, mass_curve, mdi_curve
 # The command's names load on first use (PEP 562): the numbers and curves above, which the trainer's live logs may
 # use, then import no entry-point code (argument parsing, model checks, TRL's config).
 _LAZY = {"ProfileArguments": "arguments", "build_parser": "arguments", "parse_args": "arguments", "main": "command",
-         "run": "command"}
+         "run": "command", "measure_reliance": "reliance", "reference_signals": "reliance",
+         "summarize_reliance": "reliance_report"}
 
-__all__ = ["ProfileArguments", "build_parser", "compare", "layer_profile", "main", "mass_curve", "mdi_curve",
-           "parse_args", "run"]
+__all__ = ["ProfileArguments", "build_parser", "compare", "layer_profile", "main", "mass_curve", "measure_reliance",
+           "mdi_curve", "parse_args", "reference_signals", "run", "summarize_reliance"]
 
 
 def __getattr__(name: str) -> Any:

@@ -48,6 +48,9 @@ class ProfileArguments:
     max_pixels: int | None = None
     trust_remote_code: bool = False
     progress: bool = True
+    reliance: bool = False
+    counterfactual_image: list[str] | None = None  # the kinds measured (["grey"] when --reliance names none)
+    samples_per_row: int = 0
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -73,12 +76,14 @@ def build_parser(width: int | None = None) -> argparse.ArgumentParser:
         description="Per-layer attention profile of one or more VLM checkpoints: generate completions greedily (or "
         "take them from a column), measure every row with the exact attention probe, and write profile.md, "
         "profile.json, mdi_by_layer.png and mass_by_layer.png to --out. The measurement is exact whatever "
-        "--attn_implementation is: under sdpa or eager the model's own kernel computes the layers, under others SDPA.")
+        "--attn_implementation is: under sdpa or eager the model's own kernel computes the layers, under others SDPA. "
+        "--reliance adds a section on whether the answers come from the image: every rollout scored again with a "
+        "counterfactual image (and reliance_*.png).")
     m = p.add_argument_group("models and output")
     m.add_argument("--model_name_or_path", nargs="+", required=True, metavar="M",
                    help="One or more models: local folders or Hub ids. Two or more of the same depth are compared "
                    "layer by layer, others by layer segment.")
-    m.add_argument("--out", required=True, metavar="DIR", help="Output folder (created; its four files replaced).")
+    m.add_argument("--out", required=True, metavar="DIR", help="Output folder (created; the files it writes replaced).")
     r = p.add_argument_group("what to measure")
     r.add_argument("--split", metavar="NAME", help="Split to profile (default: the first present of validation, "
                    "val, eval, dev, test, else train).")
@@ -93,6 +98,17 @@ def build_parser(width: int | None = None) -> argparse.ArgumentParser:
                    help="Take the completions from this text column instead of generating them.")
     r.add_argument("--layer_segments", default="thirds", metavar="SPEC",
                    help="Layer segments of the summary: 'thirds' or 'early:0-3,middle:4-7,late:8-11'.")
+    c = p.add_argument_group("reliance on the image (docs/profile.md, section Reliance)")
+    c.add_argument("--reliance", action="store_true",
+                   help="Add the reliance section: accuracy with the image and with a counterfactual, the counterfactual "
+                   "signals of every rollout and, with gold answers, how well each signal separates prior-following "
+                   "rollouts (AUROC).")
+    c.add_argument("--counterfactual_image", nargs="+", metavar="KIND",
+                   help="Counterfactual image(s) of the reliance section (implies --reliance; default grey): "
+                   f"{', '.join(_counterfactual_kinds())} (none: the image removed, a text-only prompt).")
+    c.add_argument("--samples_per_row", type=int, default=0, metavar="N",
+                   help="Reliance section: completions sampled per row at temperature 1, besides the greedy one "
+                   "(implies --reliance).")
     e = p.add_argument_group("model loading")
     e.add_argument("--attn_implementation", metavar="IMPL", help="The model's own attention (sdpa, eager, "
                    "flash_attention_2, ...), used for generation; the measurement is exact under any of them.")
@@ -127,7 +143,8 @@ def parse_args(argv: Sequence[str]) -> ProfileArguments:
         hints = [f"{u} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(u.split("=")[0], known, 1))
                  else u for u in unknown]
         raise UsageError(f"unknown flag(s): {', '.join(hints)}. See {PROG} --help")
-    for name, minimum in (("num_samples", 0), ("max_new_tokens", 1), ("batch_size", 1), ("threads", 0)):
+    for name, minimum in (("num_samples", 0), ("max_new_tokens", 1), ("batch_size", 1), ("threads", 0),
+                          ("samples_per_row", 0)):
         if getattr(ns, name) < minimum:
             raise UsageError(f"--{name} must be >= {minimum}, got {getattr(ns, name)}")
     repeated = sorted({m for m in ns.model_name_or_path if ns.model_name_or_path.count(m) > 1})
@@ -135,6 +152,9 @@ def parse_args(argv: Sequence[str]) -> ProfileArguments:
         raise UsageError(f"--model_name_or_path lists {repeated} more than once: give each model once")
     _check_device(ns.device)
     _check_out_dir(ns.out)
+    ns.reliance = ns.reliance or ns.counterfactual_image is not None or ns.samples_per_row > 0
+    if ns.reliance:
+        ns.counterfactual_image = _check_kinds(ns.counterfactual_image or ["grey"])
     if ns.attn_implementation is not None:
         from transformers import AttentionInterface
 
@@ -152,6 +172,27 @@ def parse_args(argv: Sequence[str]) -> ProfileArguments:
                             if f.name not in TRAINING_SPLIT_FIELDS})
     own = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ProfileArguments) if f.name not in ("data", "progress")}
     return ProfileArguments(**own, data=data, progress=not ns.no_progress)
+
+
+def _counterfactual_kinds() -> tuple[str, ...]:
+    from ..counterfactual import counterfactual_kinds
+
+    return counterfactual_kinds()
+
+
+def _check_kinds(kinds: list[str]) -> list[str]:
+    """--counterfactual_image: known kinds, each once."""
+    known = _counterfactual_kinds()
+    for kind in kinds:
+        if kind not in known:
+            close = difflib.get_close_matches(kind, known, 1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise UsageError(f"--counterfactual_image {kind!r} is not a counterfactual kind{hint}; choose from "
+                             f"{', '.join(known)}")
+    repeated = sorted({k for k in kinds if kinds.count(k) > 1})
+    if repeated:
+        raise UsageError(f"--counterfactual_image lists {repeated} more than once: give each kind once")
+    return list(kinds)
 
 
 def _check_device(device: str) -> None:

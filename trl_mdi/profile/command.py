@@ -35,6 +35,7 @@ def profile_model(name: str, label: str, config, processor, rows: ProfileRows, a
         measured = measure_rows(model, processor, rows.dataset, batch_size=args.batch_size,
                                 max_new_tokens=args.max_new_tokens, query_phase=args.query_phase,
                                 completion_column=rows.completion_column, progress=args.progress, desc=label)
+        reliance = _reliance(model, processor, rows, args, label) if args.reliance else None
     finally:
         del model
         gc.collect()
@@ -50,7 +51,39 @@ def profile_model(name: str, label: str, config, processor, rows: ProfileRows, a
                   "completion": c}
                  for r, ni, nt, nq, m, c in zip(measured.rows, att.n_image.tolist(), att.n_prompt_text.tolist(),
                                                att.n_queries.tolist(), per_row_mdi, measured.completions)],
+        "reliance": reliance,
     }
+
+
+def _reliance(model, processor, rows: ProfileRows, args: ProfileArguments, label: str) -> dict:
+    """The reliance section's measurement of one model (``reliance.measure_reliance``) and its summary."""
+    from .reliance import measure_reliance
+    from .reliance_report import summarize_reliance
+
+    m = measure_reliance(model, processor, rows.dataset, args.counterfactual_image, samples=args.samples_per_row,
+                         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                         completion_column=rows.completion_column, seed=args.seed, segments=args.layer_segments,
+                         progress=args.progress, desc=f"{label} reliance")
+    return {"kinds": m.kinds, "summary": summarize_reliance(m, seed=args.seed), "prompts": m.prompts,
+            "rollouts": m.rollouts, "skipped": {str(k): v for k, v in m.skipped.items()}}
+
+
+def _check_counterfactuals(processors: dict, rows: ProfileRows, args: ProfileArguments) -> None:
+    """Every processor encodes every counterfactual kind of the first row with an image (no weights needed)."""
+    from ..data.images import decode_row_images, row_images
+    from .reliance import check_counterfactuals
+
+    for i in range(min(rows.dataset.num_rows, 64)):
+        row = dict(rows.dataset[i])
+        if row_images(row) and not decode_row_images([row]):
+            break
+    else:
+        return  # no decodable image near the top: the measurement skips such rows and says so
+    for name, processor in processors.items():
+        try:
+            check_counterfactuals(processor, row["prompt"], row_images(row), args.counterfactual_image, args.seed)
+        except ValueError as e:
+            raise UsageError(f"--counterfactual_image on {name!r}: {e}") from None
 
 
 def run(args: ProfileArguments, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -69,6 +102,8 @@ def run(args: ProfileArguments, log: Callable[[str], None] = print) -> dict[str,
     processors = {name: load_processor(name, trust_remote_code=args.trust_remote_code, min_pixels=args.min_pixels,
                                        max_pixels=args.max_pixels) for name in args.model_name_or_path}
     rows = load_profile_rows(args, log)
+    if args.reliance:
+        _check_counterfactuals(processors, rows, args)
     log(f"profiling {len(configs)} model(s) on {rows.describe()}")
     labels = model_labels(args.model_name_or_path)
     models = [profile_model(name, label, configs[name], processors[name], rows, args)
@@ -80,7 +115,9 @@ def run(args: ProfileArguments, log: Callable[[str], None] = print) -> dict[str,
                      "completion_column": args.completion_column,
                      "attn_implementation": args.attn_implementation, "dtype": args.dtype,
                      "device": str(resolve_device(args.device)), "layer_segments": args.layer_segments,
-                     "measurement": "trl_mdi attention probe (exact)"},
+                     "measurement": "trl_mdi attention probe (exact)",
+                     "reliance": {"counterfactual_image": args.counterfactual_image,
+                                  "samples_per_row": args.samples_per_row} if args.reliance else None},
         "data": {"description": rows.describe(), "source": rows.source, "split": rows.split,
                  "rows_in_split": rows.rows_in_split, "rows_prepared": rows.dataset.num_rows,
                  "rows_profiled": rows.dataset.num_rows - models[0]["skipped"],
@@ -100,7 +137,14 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     for m in report["models"]:
         segs = " · ".join(f"{name} {fmt(v['mdi'], 'mdi')}" for name, v in m["profile"]["segments"].items())
         lines.append(f"  {m['label']:<{width}}  MDI {segs}  ({m['profile']['rows']['measured']} rows with an MDI)")
+    if report["settings"]["reliance"]:
+        from .reliance_report import summary_line
+
+        for m in report["models"]:
+            lines += summary_line(m["label"], m["reliance"]["summary"])
     f = report["files"]
+    if report["settings"]["reliance"]:
+        lines.append("reliance: " + ", ".join(str(p) for name, p in f.items() if name.startswith("reliance_")))
     return lines + [f"report:   {f['profile.md']}", f"pictures: {f['mdi_by_layer.png']}, {f['mass_by_layer.png']}",
                     f"numbers:  {f['profile.json']}"]
 

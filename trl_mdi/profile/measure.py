@@ -1,8 +1,8 @@
 """One model over the profile's rows: batches rendered as GRPOTrainer renders prompts, completions generated greedily
 (or taken from a column), and every row measured with the exact probe (``measure_modality_attention``).
 
-A batch is laid out as the trainer lays out a generation batch: prompts left-padded, completions right-padded,
-each completion ending at its first end-of-sequence token. The probe then runs one teacher-forced no-grad forward
+A batch is laid out by the trainer's batch builder (``trl_mdi.batch``), as a generation batch: prompts left-padded,
+completions right-padded, each completion ending at its first end-of-sequence token. The probe then runs one teacher-forced no-grad forward
 over prompt + completion with its own SDPA path, whatever ``attn_implementation`` the model generated with.
 """
 
@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-from ..attention import ModalityAttention, image_token_ids, measure_modality_attention
+from ..attention import ModalityAttention, measure_modality_attention
+from ..attention.model_facts import model_facts
+from ..batch import completion_mask_until_eos, encode_prompts, eos_token_ids, pad_rows, policy_batch
 from ..data import DatasetError
 from ..data.images import decode_row_images, row_images
 
@@ -58,82 +60,41 @@ def load_model(name: str, *, dtype: str = "auto", attn_implementation: str | Non
     return model.to(resolve_device(device)).eval()
 
 
-def completion_mask_of(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
-    """1 on each completion's tokens up to and including its first end-of-sequence token (as GRPOTrainer masks).
-
-    >>> completion_mask_of(torch.tensor([[5, 2, 0], [5, 6, 7]]), [2]).tolist()
-    [[1, 1, 0], [1, 1, 1]]
-    """
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
-    pos = torch.arange(completion_ids.shape[1], device=completion_ids.device)
-    first = torch.where(is_eos, pos, completion_ids.shape[1]).amin(dim=1, keepdim=True)
-    return (pos <= first).long()
-
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    eos = tokenizer.eos_token_id if eos is None else eos
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
-
-
-def render_prompts(processor, rows: list[dict], device) -> dict[str, torch.Tensor]:
-    """Prompts as GRPOTrainer renders them: the images inserted into the first user turn
-    (``prepare_multimodal_messages``), the chat template with the generation prompt, left padding."""
-    from trl.data_utils import prepare_multimodal_messages
-
-    conversations = [prepare_multimodal_messages(r["prompt"], images=row_images(r)) for r in rows]
-    inputs = processor.apply_chat_template(conversations, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                           return_tensors="pt", processor_kwargs={"padding": True,
-                                                                                 "padding_side": "left"})
-    return inputs.to(device)
-
-
-def _column_completions(tokenizer, texts: list[str], device) -> torch.Tensor:
-    ids = [tokenizer(t or "", add_special_tokens=False)["input_ids"] for t in texts]
-    width = max([len(i) for i in ids] + [1])
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    out = torch.full((len(ids), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(ids), width, dtype=torch.long)
-    for r, row in enumerate(ids):
-        out[r, : len(row)] = torch.tensor(row, dtype=torch.long)
-        mask[r, : len(row)] = 1
-    return out.to(device), mask.to(device)
-
-
 @torch.no_grad()
 def measure_batch(model, processor, rows: list[dict], *, max_new_tokens: int, query_phase: str = "completion",
                   completion_texts: list[str] | None = None) -> tuple[ModalityAttention, list[str], dict]:
     """Render, complete and measure one batch of rows (images decoded). Returns the probe's result, the decoded
     completions and the exact tensors measured (``input_ids``, ``attention_mask``, ``completion_mask`` and the
-    processor's multimodal tensors), so a caller can check them against another implementation."""
+    processor's multimodal tensors), so a caller can check them against another implementation.
+
+    Prompts are encoded and laid out by the trainer's own batch builder (``trl_mdi.batch``): chat template with the
+    generation prompt, images inserted as GRPOTrainer inserts them, left padding; completions right-padded, each
+    ending at its first end-of-sequence token (the generation config's list)."""
     tok = getattr(processor, "tokenizer", processor)
-    inputs = render_prompts(processor, rows, model.device)
-    prompt_ids, prompt_mask = inputs["input_ids"], inputs["attention_mask"]
+    eos = eos_token_ids(model, tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    prompt_ids, fields = encode_prompts(processor, [r["prompt"] for r in rows], [row_images(r) for r in rows])
+    prompt = policy_batch(prompt_ids, [[] for _ in rows], pad_token_id=pad, multimodal=fields, device=model.device)
     if query_phase == "prompt":  # the prompt's queries never see a completion (causal): none is generated
-        completion = prompt_ids[:, :0]
-        c_mask = prompt_mask[:, :0]
-    elif completion_texts is not None:
-        completion, c_mask = _column_completions(tok, completion_texts, model.device)
+        batch = prompt
     else:
-        pad = tok.pad_token_id if tok.pad_token_id is not None else _eos_ids(model, tok)[0]
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                             suppress_tokens=image_token_ids(model.config), pad_token_id=pad,
-                             eos_token_id=_eos_ids(model, tok), temperature=None, top_p=None, top_k=None)
-        completion = out[:, prompt_ids.shape[1]:]
-        c_mask = completion_mask_of(completion, _eos_ids(model, tok))
-    extra = {}
-    for key, value in inputs.items():
-        if key in ("input_ids", "attention_mask") or not isinstance(value, torch.Tensor):
-            continue
-        if key.endswith("token_type_ids"):  # per-token types cover the completion too (as TRL extends them)
-            value = torch.cat([value, torch.zeros_like(completion)], dim=1)
-        extra[key] = value
-    batch = {"input_ids": torch.cat([prompt_ids, completion], dim=1),
-             "attention_mask": torch.cat([prompt_mask, c_mask], dim=1),
-             "completion_mask": torch.cat([torch.zeros_like(prompt_mask), c_mask], dim=1), **extra}
-    result = measure_modality_attention(model, **batch, query_phase=query_phase)
-    texts = [tok.decode(c[m.bool()], skip_special_tokens=True) for c, m in zip(completion, c_mask)]
-    return result, texts, batch
+        if completion_texts is not None:
+            completion = [tok(t or "", add_special_tokens=False)["input_ids"] for t in completion_texts]
+            completion, c_mask = pad_rows(completion, pad, "right")
+        else:
+            out = model.generate(**prompt.model_inputs(), max_new_tokens=max_new_tokens, do_sample=False,
+                                 suppress_tokens=list(model_facts(model.config).image_token_ids), pad_token_id=pad,
+                                 eos_token_id=eos, temperature=None, top_p=None, top_k=None)
+            completion = out[:, prompt.input_ids.shape[1]:]
+            c_mask = completion_mask_until_eos(completion, eos)
+        batch = policy_batch(prompt.input_ids, completion, prompt_mask=prompt.attention_mask, completion_mask=c_mask,
+                             pad_token_id=pad, multimodal=fields, device=model.device)
+    result = measure_modality_attention(model, **batch.probe_inputs(), query_phase=query_phase)
+    texts = [""] * len(rows)
+    if batch.logits_to_keep:
+        c_mask = batch.completion_mask[:, -batch.logits_to_keep:].bool()
+        texts = [tok.decode(c[m], skip_special_tokens=True) for c, m in zip(batch.completion_ids, c_mask)]
+    return result, texts, batch.probe_inputs()
 
 
 def measure_rows(model, processor, dataset, *, batch_size: int = 8, max_new_tokens: int = 32,

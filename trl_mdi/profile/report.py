@@ -1,5 +1,5 @@
 """The profile's files: ``profile.md`` (tables a person reads), ``profile.json`` (the same numbers for code) and the two
-pictures (``trl_mdi.plots``)."""
+pictures (``trl_mdi.diagnostics.plots``); with ``--reliance`` its section and pictures (``reliance_report``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..plots import plot_mass_by_layer, plot_mdi_by_layer
+from ..diagnostics.plots import plot_mass_by_layer, plot_mdi_by_layer
+from . import reliance_report
 from .stats import mass_curve, mdi_curve
 
 FILES = ("profile.md", "profile.json", "mdi_by_layer.png", "mass_by_layer.png")
@@ -136,6 +137,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     for m in report["models"]:
         lines += _model_section(m)
     lines += _comparison(report["comparison"])
+    if s.get("reliance"):
+        lines += reliance_report.render_reliance(report["models"], {**s["reliance"], **s})
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -151,7 +154,7 @@ def _json_ready(value):
 
 
 def write_report(report: dict[str, Any], out: str | Path) -> dict[str, Path]:
-    """Write the four files to ``out``; returns ``{file name: path}``."""
+    """Write the four files (and, with a reliance section, its pictures) to ``out``; returns ``{file name: path}``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / name for name in FILES}
@@ -163,4 +166,7 @@ def write_report(report: dict[str, Any], out: str | Path) -> dict[str, Path]:
                       title=f"MDI by layer ({what}; band: 25th-75th percentile of rows)")
     plot_mass_by_layer({m["label"]: mass_curve(m["profile"]) for m in models}, paths["mass_by_layer.png"],
                        title=f"Attention mass of the {what}, by layer")
+    if report["settings"].get("reliance"):
+        paths.update(reliance_report.plot_reliance({m["label"]: m["reliance"] for m in models},
+                                                   report["settings"]["reliance"]["counterfactual_image"], out))
     return paths

@@ -78,13 +78,13 @@ def layer_profile(att: ModalityAttention, segments: str | dict | None = "thirds"
 
 
 def mdi_curve(profile: dict[str, Any]) -> dict[str, list[float]]:
-    """The plain arrays ``trl_mdi.plots.plot_mdi_by_layer`` draws, from a ``layer_profile``: layers, MDI, and the
-    per-row 25th / 75th percentiles as the band (None -> NaN)."""
+    """The plain arrays ``trl_mdi.diagnostics.plots.plot_mdi_by_layer`` draws, from a ``layer_profile``: layers, MDI,
+    and the per-row 25th / 75th percentiles as the band (None -> NaN)."""
     return _curves(profile, mdi="mdi", low="mdi_p25", high="mdi_p75")
 
 
 def mass_curve(profile: dict[str, Any]) -> dict[str, list[float]]:
-    """The plain arrays ``trl_mdi.plots.plot_mass_by_layer`` draws, from a ``layer_profile``."""
+    """The plain arrays ``trl_mdi.diagnostics.plots.plot_mass_by_layer`` draws, from a ``layer_profile``."""
     return _curves(profile, image="image", prompt_text="prompt_text", completion="completion")
 
 

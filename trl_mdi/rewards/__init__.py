@@ -12,6 +12,8 @@ leaves it out of that reward). Completions may be strings or message lists
     mdi_balance   mdi_balance_reward    trainer field mdi_balance    2 * balance - 1 in [-1, 1]
     mdi_group     mdi_group_reward      trainer field mdi_group_score  group-relative, in [-1, 1]
     accuracy      accuracy_reward       dataset column solution      TRL's math-verify reward
+    answer_visual_gain  answer_visual_gain_reward  trainer field answer_visual_gain  clip(g, 0, 4) / 4
+    answer_visual_gain_group  ..._group_reward  trainer field answer_visual_gain_group_score  in [-1, 1]
 
 A reward states what it needs as named parameters without defaults; ``required_reward_inputs`` reads
 them from the signature, so a custom reward given by import path is checked the same way
@@ -28,8 +30,11 @@ helpers), ``registry`` (names, defaults, resolution). Everything is re-exported 
 """
 
 from .functions import (
+    ANSWER_GAIN_CLIP,
     ThinkFormatReward,
     accuracy_reward,
+    answer_visual_gain_group_reward,
+    answer_visual_gain_reward,
     bind_think_format,
     mc_idx_reward,
     mdi_balance_reward,
@@ -60,7 +65,10 @@ __all__ = [
     "DEFAULT_REWARD_WEIGHTS",
     "REQUIRED_COLUMNS",
     "REWARD_REGISTRY",
+    "ANSWER_GAIN_CLIP",
     "accuracy_reward",
+    "answer_visual_gain_group_reward",
+    "answer_visual_gain_reward",
     "completion_text",
     "extract_choice_letter",
     "mc_idx_reward",

@@ -213,3 +213,45 @@ def mdi_group_reward(completions: list, mdi_group_score: list, **kwargs) -> list
             f"got {len(completions)} completions but {len(mdi_group_score)} mdi_group_score values"
         )
     return [_optional_float(value) for value in mdi_group_score]
+
+
+ANSWER_GAIN_CLIP = 4.0
+"""G of ``answer_visual_gain_reward``: gains are paid up to G nats (a 55-fold likelier answer with the image)."""
+
+
+def answer_visual_gain_reward(completions: list, answer_visual_gain: list, **kwargs) -> list[float | None]:
+    """Pays the answer's visual gain: ``clip(g, 0, G) / G`` with ``g = log p(answer | I) - log p(answer | I')``
+    (the trainer's ``answer_visual_gain``, summed over the answer letter's tokens, in nats) and ``G =
+    ANSWER_GAIN_CLIP``; None where the rollout has no answer line or no image.
+
+    Why clipped: maximising a counterfactual gap without bound invites "KL hacking" (PAPO): the policy can widen
+    the gap with junk that makes the counterfactual improbable. The clip caps what the gap can earn, a rollout
+    without an answer line earns nothing here (None), and the strict format reward keeps the answer line honest;
+    watch ``reliance/answer_rate``, the completion entropy and the clip ratio for the failure's early signs
+    (docs/reliance.md).
+
+    >>> answer_visual_gain_reward(["a", "b", "c", "d"], [2.0, -1.0, 9.0, None])
+    [0.5, 0.0, 1.0, None]
+    """
+    if len(answer_visual_gain) != len(completions):
+        raise ValueError(f"got {len(completions)} completions but {len(answer_visual_gain)} answer_visual_gain values")
+    out = []
+    for value in answer_visual_gain:
+        value = _optional_float(value)
+        out.append(None if value is None else min(max(value, 0.0), ANSWER_GAIN_CLIP) / ANSWER_GAIN_CLIP)
+    return out
+
+
+def answer_visual_gain_group_reward(completions: list, answer_visual_gain_group_score: list,
+                                    **kwargs) -> list[float | None]:
+    """Group-relative answer visual gain: the rank of ``answer_visual_gain`` inside the prompt's group, in [-1, 1]
+    (the trainer's ``answer_visual_gain_group_score``, ranked over the group gathered from every process; the
+    largest gain gets 1), None where undefined. Only the order counts, so weight it as ``mdi_group``.
+
+    >>> answer_visual_gain_group_reward(["a", "b"], [1.0, float("nan")])
+    [1.0, None]
+    """
+    if len(answer_visual_gain_group_score) != len(completions):
+        raise ValueError(f"got {len(completions)} completions but {len(answer_visual_gain_group_score)} "
+                         "answer_visual_gain_group_score values")
+    return [_optional_float(value) for value in answer_visual_gain_group_score]

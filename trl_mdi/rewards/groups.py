@@ -6,15 +6,9 @@ import math
 
 import torch
 
+from ..signals import split_groups
+
 __all__ = ["zero_spread_fraction"]
-
-
-def _groups(x: torch.Tensor, num_generations: int) -> torch.Tensor:
-    if num_generations < 1 or x.shape[0] % num_generations:
-        raise ValueError(
-            f"{x.shape[0]} rollouts do not split into groups of num_generations={num_generations}"
-        )
-    return x.reshape(x.shape[0] // num_generations, num_generations, *x.shape[1:])
 
 
 def zero_spread_fraction(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -32,7 +26,7 @@ def zero_spread_fraction(rewards: torch.Tensor, num_generations: int) -> torch.T
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be 2-D (N, num_funcs), got shape {tuple(rewards.shape)}")
-    r = _groups(rewards.double(), num_generations)  # (groups, G, F)
+    r = split_groups(rewards.double(), num_generations)  # (groups, G, F)
     valid = ~r.isnan()
     hi = torch.where(valid, r, torch.full_like(r, -math.inf)).amax(dim=1)
     lo = torch.where(valid, r, torch.full_like(r, math.inf)).amin(dim=1)

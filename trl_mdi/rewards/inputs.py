@@ -12,20 +12,22 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..signals import field_names, reward_field_pattern
+from ..signals import RELIANCE_FIELDS, field_names, reward_field_pattern
 from .registry import REQUIRED_COLUMNS, required_reward_inputs, reward_name
 
 # How a label column is produced, for the error that names a missing one.
-LABEL_SOURCES = {"label_idx": "mc_idx (A-OKVQA: data_prep/prepare_aokvqa_for_trl.py writes it)",
+LABEL_SOURCES = {"label_idx": "mc_idx (A-OKVQA: trl_mdi.aokvqa.prepare_aokvqa writes it)",
                  "solution": "accuracy (math VQA)"}
 
 
 def check_reward_inputs(reward_funcs: Sequence, splits: Mapping[str, Sequence[str] | None], *, attention: bool,
-                        segments: Sequence[str] = ()) -> None:
+                        segments: Sequence[str] = (), reliance: bool = False) -> None:
     """Raise ValueError naming the split, the reward and the fix when a reward's input cannot exist.
 
     ``splits`` maps a split name to its column names (None: unknown, e.g. an iterable dataset, not checked);
-    ``attention``: whether the trainer computes attention signals; ``segments``: the model's segment names.
+    ``attention``: whether the trainer computes attention signals; ``segments``: the model's segment names;
+    ``reliance``: whether it can compute the counterfactual reliance signals (a vision-language model: a reward
+    reading one turns them on; ``answer_image_attention`` needs attention too).
     Reward models (``nn.Module``) and Hub ids are skipped: TRL feeds them text, not columns.
 
     >>> from trl_mdi.rewards import mc_idx_reward, mdi_balance_reward
@@ -34,13 +36,15 @@ def check_reward_inputs(reward_funcs: Sequence, splits: Mapping[str, Sequence[st
     >>> check_reward_inputs([mc_idx_reward], {"train": ["prompt", "image"]}, attention=True)
     Traceback (most recent call last):
     ...
-    ValueError: split 'train': reward 'mc_idx_reward' needs column(s) ['label_idx'], which the dataset lacks (its columns: ['image', 'prompt']). Label columns: 'label_idx' for mc_idx (A-OKVQA: data_prep/prepare_aokvqa_for_trl.py writes it); 'solution' for accuracy (math VQA). Add the column or drop the reward.
+    ValueError: split 'train': reward 'mc_idx_reward' needs column(s) ['label_idx'], which the dataset lacks (its columns: ['image', 'prompt']). Label columns: 'label_idx' for mc_idx (A-OKVQA: trl_mdi.aokvqa.prepare_aokvqa writes it); 'solution' for accuracy (math VQA). Add the column or drop the reward.
     """
     funcs = [f for f in reward_funcs if callable(f) and not isinstance(f, torch.nn.Module)]
     provided = set(field_names(segments, reward=True)) if attention else set()
+    if reliance:
+        provided |= {n for n in RELIANCE_FIELDS if attention or n != "answer_image_attention"}
     if not attention:
         for f in funcs:
-            needed = [n for n in required_reward_inputs(f) if reward_field_pattern(n)]
+            needed = [n for n in required_reward_inputs(f) if reward_field_pattern(n) or n == "answer_image_attention"]
             if needed:
                 raise ValueError(f"reward {reward_name(f)!r} reads {needed}, which the trainer computes only with "
                                  "compute_attention_metrics=True (attention metrics are off)")

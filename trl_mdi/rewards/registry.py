@@ -7,9 +7,11 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..signals import reward_field_pattern
+from ..signals import trainer_field
 from .functions import (
     accuracy_reward,
+    answer_visual_gain_group_reward,
+    answer_visual_gain_reward,
     mc_idx_reward,
     mdi_balance_reward,
     mdi_group_reward,
@@ -51,6 +53,9 @@ REWARD_REGISTRY: dict[str, Callable[..., list[float | None]]] = {
     "mdi_balance": mdi_balance_reward,
     "mdi_group": mdi_group_reward,
     "accuracy": accuracy_reward,
+    # Reliance (docs/reliance.md): the answer's log-prob gain from the image over the counterfactual.
+    "answer_visual_gain": answer_visual_gain_reward,
+    "answer_visual_gain_group": answer_visual_gain_group_reward,
 }
 DEFAULT_REWARDS: tuple[str, ...] = ("mc_idx", "think_format", "mdi_balance")
 DEFAULT_REWARD_WEIGHTS: tuple[float, ...] = (4.0, 1.0, 1.0)
@@ -133,9 +138,15 @@ def resolve_rewards(
         seen[fn.__name__] = name
     if weights is None:
         return funcs, [1.0] * len(funcs)
-    if len(weights) != len(funcs):
-        raise ValueError(f"got {len(weights)} reward weights for {len(funcs)} reward functions {list(names)}")
+    check_weight_count(names, weights)
     return funcs, [float(w) for w in weights]
+
+
+def check_weight_count(names: Sequence, weights: Sequence[float] | None) -> None:
+    """One weight per reward, or none at all (equal weights)."""
+    if weights is not None and len(weights) != len(names):
+        raise ValueError(f"{len(weights)} reward weights for {len(names)} reward functions "
+                         f"({', '.join(map(reward_name, names))}): give one weight per reward")
 
 
 def default_reward_stack(names: Sequence | None, weights: Sequence[float] | None) -> tuple[list, list[float] | None]:
@@ -164,7 +175,7 @@ def reward_help() -> str:
     """CLI help for the reward options, generated from ``REWARD_REGISTRY`` so it cannot drift.
 
     >>> print(reward_help().splitlines()[1])
-      mc_idx                Multiple-choice accuracy: 1.0 when the parsed answer letter is the label's, else 0.0. [dataset column: label_idx]
+      mc_idx                    Multiple-choice accuracy: 1.0 when the parsed answer letter is the label's, else 0.0. [dataset column: label_idx]
     """
     width = max(len(name) for name in REWARD_REGISTRY) + 2
     lines = [
@@ -173,8 +184,8 @@ def reward_help() -> str:
     ]
     for name, fn in REWARD_REGISTRY.items():
         needs = required_reward_inputs(fn)
-        columns = [n for n in needs if not reward_field_pattern(n)]
-        fields = [n for n in needs if reward_field_pattern(n)]
+        columns = [n for n in needs if not trainer_field(n)]
+        fields = [n for n in needs if trainer_field(n)]
         notes = ([f"dataset column: {', '.join(columns)}"] if columns else []) + (
             [f"computed by the trainer: {', '.join(fields)}"] if fields else []
         )
@@ -193,11 +204,7 @@ def resolve_reward_funcs(names: list, weights: list[float] | None) -> list:
     Callables and strings that look like Hub model ids (``org/name``, which TRL loads as reward models itself)
     pass through unchanged.
     """
-    if weights is not None and len(weights) != len(names):
-        raise ValueError(
-            f"{len(names)} reward functions but {len(weights)} reward_weights: give one weight per reward "
-            f"({', '.join(map(reward_name, names))})"
-        )
+    check_weight_count(names, weights)
     out = []
     for r in names:
         if isinstance(r, str) and (r in REWARD_REGISTRY or ":" in r or "/" not in r):

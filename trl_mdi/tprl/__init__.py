@@ -14,9 +14,9 @@ from .formulas import (
     TrajectoryScaling,
     average_ranks,
     combine_masks,
+    perturbation_signal,
     rank_correlation,
     sequence_mean,
-    token_visual_dependency,
     top_p_token_mask,
     trajectory_scaling,
     validate_scaling_min,
@@ -28,5 +28,5 @@ __all__ = [
     "DEGENERATE_SPREAD", "LOG_RATIO_CLAMP", "PERCEPTION_SIGNALS", "PERTURBATIONS", "SCORE_CLAMP", "TrajectoryScaling",
     "apply_tprl", "average_ranks", "check_perturbation", "combine_masks", "image_generator", "perturb_image",
     "perturb_images", "rank_correlation", "sequence_mean", "signal_rank_corr",
-    "token_visual_dependency", "top_p_token_mask", "trajectory_scaling", "validate_scaling_min", "validate_top_p",
+    "perturbation_signal", "top_p_token_mask", "trajectory_scaling", "validate_scaling_min", "validate_top_p",
 ]

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..forward import fit_width
+from ..batch import fit_width
+from ..filtering import Gather
 from .formulas import combine_masks, rank_correlation, sequence_mean, top_p_token_mask, trajectory_scaling
-
-Gather = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _kept_fraction(mask: torch.Tensor, completion_mask: torch.Tensor, gather: Gather) -> float:
@@ -19,11 +17,12 @@ def _kept_fraction(mask: torch.Tensor, completion_mask: torch.Tensor, gather: Ga
     return kept / total if total else 0.0
 
 
-def apply_tprl(out: dict[str, Any], args, *, entropies: torch.Tensor | None, visual_dependency: torch.Tensor | None,
+def apply_tprl(out: dict[str, Any], args, *, entropies: torch.Tensor | None, perception: torch.Tensor | None,
                has_image: torch.Tensor, gather: Gather, process_index: int) -> dict[str, float]:
     """TGF masks into the loss mask (TRL's tool_mask) and TAS multipliers into the advantages; returns tprl/*.
 
-    ``entropies`` and ``visual_dependency`` are (B, C) per local completion token (None when their filter is off),
+    ``entropies`` and ``perception`` (the per-token perception signal, either kind) are (B, C) per local completion
+    token (None when their filter is off),
     ``has_image`` (B,); ``args`` holds the TPRL switches and fractions. The mask enters the loss mask only: with
     loss_type "dapo" the normaliser (num_items_in_batch, counted before filtering) is unchanged, as in VPPO, so kept
     tokens get exactly the gradient they had. Rows without an image have s_t = 0: the perception filter keeps all
@@ -37,7 +36,7 @@ def apply_tprl(out: dict[str, Any], args, *, entropies: torch.Tensor | None, vis
     if args.enable_entropy_filtering:
         entropy_mask = top_p_token_mask(fit_width(entropies, width), completion_mask, args.top_p_entropy_tokens)
         metrics["tprl/entropy_token_fraction"] = _kept_fraction(entropy_mask, completion_mask, gather)
-    s_t = fit_width(visual_dependency, width) if visual_dependency is not None else None
+    s_t = fit_width(perception, width) if perception is not None else None
     if args.enable_perception_filtering:
         perception_mask = top_p_token_mask(s_t, completion_mask, args.top_p_perception_tokens)
         perception_mask |= ~has_image[:, None]  # nothing to rank without an image: keep every token

@@ -35,7 +35,7 @@ LOG_RATIO_CLAMP = 20.0
 SCORE_CLAMP = 10.0
 # VPPO's threshold below which a batch's score spread counts as zero (scores live in [0, 10]).
 DEGENERATE_SPREAD = 1e-6
-# The per-token visual dependency TGF and TAS can rank by: VPPO's perturbed-image score, or the probe's image mass.
+# The per-token perception signal TGF and TAS can rank by, by kind: VPPO's perturbed-image score, or the probe's image mass.
 PERCEPTION_SIGNALS = ("perturbation", "attention")
 
 
@@ -81,8 +81,9 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32) if t.is_floating_point() else torch.float32
 
 
-def token_visual_dependency(logp: torch.Tensor, aug_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token visual dependency ``s_t = clamp(exp(d) - d - 1, 0, 10)``, ``d = clamp(aug_logp - logp, -20, 20)``.
+def perturbation_signal(logp: torch.Tensor, aug_logp: torch.Tensor) -> torch.Tensor:
+    """The perturbation perception signal (VPPO's token visual dependency), per token:
+    ``s_t = clamp(exp(d) - d - 1, 0, 10)``, ``d = clamp(aug_logp - logp, -20, 20)``.
 
     ``logp`` is the log-probability of each sampled completion token given the real image I (VPPO uses the
     rollout policy's ``old_log_probs``), ``aug_logp`` that of the SAME token given the perturbed image I'.
@@ -97,9 +98,9 @@ def token_visual_dependency(logp: torch.Tensor, aug_logp: torch.Tensor) -> torch
     padded positions). NaN inputs give NaN. The function does not detach: pass log-probs computed
     without grad, since the scores are used as ranks and weights, not differentiated.
 
-    >>> token_visual_dependency(torch.tensor([-1.0, -1.0, -2.0]), torch.tensor([-1.0, -2.0, -1.0]))
+    >>> perturbation_signal(torch.tensor([-1.0, -1.0, -2.0]), torch.tensor([-1.0, -2.0, -1.0]))
     tensor([0.0000, 0.3679, 0.7183])
-    >>> token_visual_dependency(torch.tensor([-30.0]), torch.tensor([0.0]))  # clamped at 10
+    >>> perturbation_signal(torch.tensor([-30.0]), torch.tensor([0.0]))  # clamped at 10
     tensor([10.])
     """
     dtype = torch.promote_types(_compute_dtype(logp), _compute_dtype(aug_logp))

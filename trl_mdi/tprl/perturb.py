@@ -4,7 +4,9 @@ VPPO (github.com/huaixuheqing/VPPO-RL, verl/workers/perc_utils.py) scores each c
 its log-probability moves when the image is perturbed; its default perturbation is random patch blackening
 (14 px cells, each blacked with probability 0.5). Gaussian noise, blur and a full mask exist there unused;
 we keep them for ablations, with VPPO's defaults (noise std 189 on a 0-255 scale, blur radius 6). Our
-"black" blacks the whole image (VPPO's full mask fills grey 128).
+"black" blacks the whole image; "grey" fills it with mid-grey (128, 128, 128), as VPPO's full mask does. "grey"
+is also the counterfactual image of ``trl_mdi.counterfactual``: same size, so the processor gives the same image
+tokens at the same positions, and no colour or edge of the real image leaks through.
 
 Cells are in the ORIGINAL image's pixels: the processor resizes afterwards (Qwen2.5-VL's dynamic
 resolution), so a 14 px cell need not line up with a 14 px vision patch. VPPO does the same.
@@ -23,12 +25,13 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageFilter
 
-PERTURBATIONS = ("patch_blackening", "gaussian_noise", "blur", "black")
+PERTURBATIONS = ("patch_blackening", "gaussian_noise", "blur", "black", "grey")
 DEFAULT_PERTURBATION = "patch_blackening"
 DEFAULT_PATCH_SIZE = 14  # VPPO
 DEFAULT_PROB = 0.5  # VPPO
 DEFAULT_NOISE_STD = 189.0  # VPPO's add_gaussian_noise default, in 0-255 units: destroys most detail
 DEFAULT_BLUR_RADIUS = 6.0  # VPPO's gaussian_blur default (PIL radius = Gaussian sigma in pixels)
+GREY = (128, 128, 128)  # the "grey" kind's fill: VPPO's full-mask value, the middle of the 0-255 range
 
 
 def check_perturbation(
@@ -47,7 +50,7 @@ def check_perturbation(
     >>> check_perturbation("noise")
     Traceback (most recent call last):
     ...
-    ValueError: unknown perturbation kind 'noise'; valid kinds: patch_blackening, gaussian_noise, blur, black
+    ValueError: unknown perturbation kind 'noise'; valid kinds: patch_blackening, gaussian_noise, blur, black, grey
     >>> check_perturbation(prob=1.5)
     Traceback (most recent call last):
     ...
@@ -116,7 +119,8 @@ def perturb_image(
         with probability ``prob`` (VPPO's default I': 14 px, 0.5);
       * ``gaussian_noise``: ``clip(round(x + N(0, noise_std)), 0, 255)`` per pixel and channel;
       * ``blur``: PIL Gaussian blur of radius ``blur_radius`` (no randomness);
-      * ``black``: an all-black image (no randomness).
+      * ``black``: an all-black image (no randomness);
+      * ``grey``: a uniform mid-grey image, every pixel ``GREY`` (no randomness).
 
     Non-RGB input (L, RGBA, P, ...) is converted to RGB first, as the VLM processors do; alpha is dropped.
     ``generator``: a numpy Generator (consumed), an int seed, or None for fresh OS entropy (not
@@ -128,6 +132,8 @@ def perturb_image(
     ((4, 2), 'RGB', [[200, 200, 0, 0], [200, 200, 0, 0]])
     >>> np.asarray(perturb_image(img, "black")).max()
     np.uint8(0)
+    >>> perturb_image(img, "grey").getextrema()
+    ((128, 128), (128, 128), (128, 128))
     """
     check_perturbation(kind, patch_size=patch_size, prob=prob, noise_std=noise_std, blur_radius=blur_radius)
     if not isinstance(img, Image.Image):
@@ -135,6 +141,8 @@ def perturb_image(
     rgb = img if img.mode == "RGB" else img.convert("RGB")
     if kind == "black":
         return Image.new("RGB", rgb.size, (0, 0, 0))
+    if kind == "grey":
+        return Image.new("RGB", rgb.size, GREY)
     if kind == "blur":
         return rgb.filter(ImageFilter.GaussianBlur(radius=blur_radius))
     rng = _rng(generator)

@@ -1,0 +1,249 @@
+"""One builder for every policy batch the project lays out itself: prompt + completion, as GRPOTrainer lays it out.
+
+The trainer's extra no-grad forwards (the probe's, the perturbed image's), the profile command, the held-out
+evaluation and the tests all feed the policy ``prompt + completion`` sequences. TRL 1.16 builds its own log-prob
+forward in ``_generate_and_score_completions``: prompts left-padded, completions right-padded, per-token
+multimodal fields (``token_type_ids``, ``mm_token_type_ids``) extended with zeros over the completion, every other
+multimodal field passed through. This module is that layout, once:
+
+- :func:`encode_prompts` renders and encodes conversational prompts the way TRL's ``_tokenize_prompts`` does
+  (same return shape), for callers that have no TRL encoding to reuse;
+- :func:`multimodal_tensors` turns the processor's multimodal fields into tensors by TRL's generation rule;
+- :func:`policy_batch` pads and concatenates: the one place the layout is decided.
+
+Keys come from one table, :data:`MULTIMODAL_KEYS`; end of sequence from the generation config's list
+(:func:`eos_token_ids`); image token ids from the model facts (``trl_mdi.attention.model_facts``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Multimodal keys of a processor's output that TRL's log-prob forward takes (its keyword arguments), by kind:
+# "token" fields hold one value per prompt token (padded like the prompt, extended with zeros over the
+# completion); "image" fields are per image or patch and pass through unchanged.
+MULTIMODAL_KEYS: dict[str, str] = {
+    "token_type_ids": "token",
+    "mm_token_type_ids": "token",
+    "pixel_values": "image",
+    "image_grid_thw": "image",
+    "pixel_attention_mask": "image",
+    "spatial_shapes": "image",
+    "image_sizes": "image",
+    "image_position_ids": "image",
+}
+
+
+@dataclass(frozen=True)
+class PolicyBatch:
+    """Prompt + completion laid out as TRL lays out its log-prob forward.
+
+    ``input_ids`` / ``attention_mask`` are (B, P + C), prompts left-padded and completions right-padded;
+    ``completion_mask`` is (B, P + C) with ones on the completion tokens only (what the probe measures);
+    ``logits_to_keep`` is C; ``multimodal`` holds the forward's multimodal tensors (per-token ones already (B, P + C)).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    logits_to_keep: int
+    multimodal: dict[str, torch.Tensor] = field(default_factory=dict)
+    num_images: list[int] | None = None
+
+    @property
+    def completion_ids(self) -> torch.Tensor:
+        """(B, C) completion tokens (padding included)."""
+        return self.input_ids[:, self.input_ids.shape[1] - self.logits_to_keep:]
+
+    def model_inputs(self) -> dict[str, Any]:
+        """Keyword arguments of a plain model forward (``model(**batch.model_inputs())``)."""
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **self.multimodal}
+
+    def probe_inputs(self) -> dict[str, Any]:
+        """Keyword arguments of ``trl_mdi.measure_modality_attention`` (model first)."""
+        return {**self.model_inputs(), "completion_mask": self.completion_mask}
+
+    def logp_inputs(self) -> dict[str, Any]:
+        """Keyword arguments of TRL's ``_get_per_token_logps_and_entropies`` after ``model``."""
+        return {**self.model_inputs(), "logits_to_keep": self.logits_to_keep, "num_images": self.num_images}
+
+
+def pad_rows(rows: Sequence[Sequence[int]] | Sequence[torch.Tensor], value: int, side: str,
+             pad_to_multiple_of: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows padded to one width: (ids, mask), ``side`` "left" (prompts) or "right" (completions).
+
+    >>> ids, mask = pad_rows([[5, 6], [7]], 0, "left")
+    >>> ids.tolist(), mask.tolist()
+    ([[5, 6], [0, 7]], [[1, 1], [0, 1]])
+    >>> pad_rows([[5], [7, 8, 9]], 0, "right", pad_to_multiple_of=4)[0].tolist()
+    [[5, 0, 0, 0], [7, 8, 9, 0]]
+    """
+    tensors = [torch.as_tensor(list(r) if not torch.is_tensor(r) else r, dtype=torch.long) for r in rows]
+    width = max([len(t) for t in tensors] + [0])
+    if pad_to_multiple_of:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+    ids = torch.full((len(tensors), width), value, dtype=torch.long)
+    mask = torch.zeros((len(tensors), width), dtype=torch.long)
+    for i, t in enumerate(tensors):
+        span = slice(width - len(t), width) if side == "left" else slice(0, len(t))
+        ids[i, span] = t
+        mask[i, span] = 1
+    return ids, mask
+
+
+def multimodal_tensors(fields: dict[str, Any], pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
+    """The processor's multimodal fields as tensors, by the rule TRL 1.16 applies before ``generate``: tensors pass,
+    per-token fields (lists of lists) are left-padded with 0 like the prompt, anything else goes through numpy.
+    Keys outside :data:`MULTIMODAL_KEYS` are dropped (TRL's log-prob forward would not take them)."""
+    import numpy as np
+
+    out = {}
+    for key, value in fields.items():
+        if key not in MULTIMODAL_KEYS or value is None:
+            continue
+        if torch.is_tensor(value):
+            out[key] = value
+        elif MULTIMODAL_KEYS[key] == "token":
+            out[key] = pad_rows(value, 0, "left", pad_to_multiple_of)[0]
+        else:
+            out[key] = torch.tensor(np.array(value))
+    return out
+
+
+def policy_batch(prompt_ids: Sequence[Sequence[int]] | torch.Tensor, completion_ids: Sequence[Sequence[int]] | torch.Tensor,
+                 *, pad_token_id: int, multimodal: dict[str, Any] | None = None,
+                 prompt_mask: torch.Tensor | None = None, completion_mask: torch.Tensor | None = None,
+                 num_images: list[int] | None = None, pad_to_multiple_of: int | None = None,
+                 device: torch.device | str | None = None) -> PolicyBatch:
+    """Lay out prompt + completion as TRL's log-prob forward does.
+
+    Prompts and completions come as token lists (padded here: prompts left, completions right, with
+    ``pad_to_multiple_of`` as TRL pads) or as padded tensors with their masks. Every completion token is kept,
+    truncated completions included (TRL masks those out of the loss only). Per-token multimodal fields are
+    left-padded to the prompt's width and extended with zeros over the completion.
+    """
+    if torch.is_tensor(prompt_ids):
+        p_ids = prompt_ids
+        p_mask = prompt_mask if prompt_mask is not None else torch.ones_like(prompt_ids)
+    else:
+        p_ids, p_mask = pad_rows(prompt_ids, pad_token_id, "left", pad_to_multiple_of)
+    if torch.is_tensor(completion_ids):
+        c_ids = completion_ids
+        c_mask = completion_mask if completion_mask is not None else torch.ones_like(completion_ids)
+    else:
+        c_ids, c_mask = pad_rows(completion_ids, pad_token_id, "right", pad_to_multiple_of)
+    device = device if device is not None else p_ids.device
+    p_ids, p_mask, c_ids, c_mask = (t.to(device) for t in (p_ids, p_mask, c_ids, c_mask))
+    mm = {}
+    for key, value in multimodal_tensors(multimodal or {}, pad_to_multiple_of).items():
+        value = value.to(device)
+        if MULTIMODAL_KEYS[key] == "token":
+            if value.shape[1] < p_ids.shape[1]:  # prompts padded to a multiple: pad the types alike, on the left
+                value = torch.nn.functional.pad(value, (p_ids.shape[1] - value.shape[1], 0))
+            value = torch.cat([value, value.new_zeros(c_ids.shape)], dim=1)
+        mm[key] = value
+    return PolicyBatch(
+        input_ids=torch.cat([p_ids, c_ids], dim=1),
+        attention_mask=torch.cat([p_mask, c_mask.to(p_mask.dtype)], dim=1),
+        completion_mask=torch.cat([torch.zeros_like(p_mask), c_mask.to(p_mask.dtype)], dim=1),
+        logits_to_keep=c_ids.shape[1],
+        multimodal=mm,
+        num_images=num_images,
+    )
+
+
+def encode_prompts(processing_class, prompts: list, images: list[list] | None = None,
+                   chat_template_kwargs: dict | None = None, chat_template: str | None = None):
+    """``(prompt_ids, multimodal_fields)`` of conversational prompts, as TRL 1.16's ``_tokenize_prompts`` returns them.
+
+    ``prompts`` are chat messages; ``images`` (one list per row) are inserted into each first user turn the way
+    GRPOTrainer inserts them (``prepare_multimodal_messages``). The chat template adds the generation prompt.
+    """
+    from trl.data_utils import prepare_multimodal_messages
+
+    if images is not None:
+        prompts = [prepare_multimodal_messages(p, images=list(imgs or [])) for p, imgs in zip(prompts, images)]
+    else:
+        prompts = [prepare_multimodal_messages(p) for p in prompts]
+    tokenized = processing_class.apply_chat_template(conversation=prompts, chat_template=chat_template,
+                                                     add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                     **(chat_template_kwargs or {}))
+    fields = {k: v for k, v in tokenized.items() if k not in ("input_ids", "attention_mask")}
+    return tokenized["input_ids"], fields
+
+
+def with_images(prompt: list[dict], images: Sequence[Any]) -> list[dict]:
+    """Chat messages with their image parts' images replaced, in order, by ``images`` (a perturbed or
+    counterfactual copy of the row's images): same parts, same positions, other pixels. The input is not changed.
+
+    >>> msgs = [{"role": "user", "content": [{"type": "image", "image": "real"}, {"type": "text", "text": "Q?"}]}]
+    >>> with_images(msgs, ["grey"])[0]["content"][0]["image"], msgs[0]["content"][0]["image"]
+    ('grey', 'real')
+    """
+    images = list(images)
+    out, k = [], 0
+    for message in prompt:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image":
+                    if k >= len(images):
+                        raise ValueError(f"the prompt has more image parts than the {len(images)} images given")
+                    part = {**part, "image": images[k]}
+                    k += 1
+                parts.append(part)
+            message = {**message, "content": parts}
+        out.append(message)
+    if k != len(images):
+        raise ValueError(f"the prompt has {k} image parts but {len(images)} images were given")
+    return out
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """End-of-sequence ids as generation uses them: the generation config's (a list for chat models), else the
+    tokenizer's."""
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None) if config is not None else None
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+
+
+def completion_mask_until_eos(completion_ids: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
+    """1 on each completion's tokens up to and including its first end-of-sequence token (as GRPOTrainer masks).
+
+    >>> completion_mask_until_eos(torch.tensor([[5, 2, 0], [5, 6, 7]]), [2]).tolist()
+    [[1, 1, 0], [1, 1, 1]]
+    """
+    is_eos = torch.isin(completion_ids, torch.tensor(list(eos_ids), device=completion_ids.device))
+    pos = torch.arange(completion_ids.shape[1], device=completion_ids.device)
+    first = torch.where(is_eos, pos, completion_ids.shape[1]).amin(dim=1, keepdim=True)
+    return (pos <= first).long()
+
+
+def fit_width(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad with zeros or cut (B, C) to (B, width): TRL may pad completions to a multiple of N.
+
+    >>> fit_width(torch.ones(1, 2), 3).tolist(), fit_width(torch.ones(1, 2), 1).tolist()
+    ([[1.0, 1.0, 0.0]], [[1.0]])
+    """
+    if t.shape[1] >= width:
+        return t[:, :width]
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+@contextlib.contextmanager
+def rng_untouched(device: torch.device):
+    """Fork the CPU RNG (and the device's, on an accelerator) so a forward inside consumes no random numbers."""
+    if device.type == "cpu":
+        with torch.random.fork_rng(devices=[]):
+            yield
+        return
+    index = device.index if device.index is not None else getattr(torch, device.type).current_device()
+    with torch.random.fork_rng(devices=[index], device_type=device.type):
+        yield
