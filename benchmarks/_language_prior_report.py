@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -15,6 +16,8 @@ import torch
 import transformers
 from _language_prior_eval import KIND_SIGNALS, SIGNALS
 from _results import result_args
+
+from trl_mdi.config import MDIGRPOConfig
 
 SECTION = "## Language prior"
 CHANCE = 0.25
@@ -259,7 +262,8 @@ def warm_reliance_lines(rel: dict | None, s) -> list[str]:
     for kind, k in kinds.items():
         t = k["table"]
         shares = " / ".join(_f((t.get(n) or {}).get("within_group_share"), ".2f") for n in KIND_SIGNALS)
-        means = [f"{_f((t.get(n) or {}).get('mean_prior'), '+.3f')} / {_f((t.get(n) or {}).get('mean_other'), '+.3f')}"
+        fmt = {n: ".3f" if n == "blind_agrees" else "+.3f" for n in KIND_SIGNALS}
+        means = [f"{_f((t.get(n) or {}).get('mean_prior'), fmt[n])} / {_f((t.get(n) or {}).get('mean_other'), fmt[n])}"
                  for n in KIND_SIGNALS]
         mark = " (the runs')" if kind == s.counterfactual else ""
         lines.append(f"| `{kind}`{mark} | {_f(k['accuracy_counterfactual'])} | {_f(k['same_answer_rate'])} | "
@@ -316,14 +320,16 @@ def goal_lines(groups: dict[str, list[dict]], variants: dict, rel: dict | None, 
     """Issue 25's goals, each with the measured number and whether it is met."""
     out = ["Goals (issue 25), as measured:", ""]
     kind = s.counterfactual
+    default = next(f.default for f in dataclasses.fields(MDIGRPOConfig) if f.name == "counterfactual_image")
+    which = "the trainer's default" if kind == default else f"--counterfactual; the trainer's default is `{default}`"
     k = (rel or {}).get("kinds", {}).get(kind)
     for sig, goal in GOAL_AUROC.items():
         row = (k or {}).get("table", {}).get(sig)
         ends = [((r.get("reliance_end") or {}).get("kinds", {}).get(kind) or {}).get("table", {}).get(sig, {})
                 .get("auroc") for rs in groups.values() for r in rs]
         verdict = "—" if not row or row.get("auroc") is None else ("met" if row["auroc"] >= goal else "NOT met")
-        out.append(f"- {sig} AUROC ≥ {goal:.2f} with the runs' counterfactual `{kind}` (the trainer's default "
-                   f"unless --counterfactual): warm-up {_auc(row)}: {verdict}; at the end of the runs "
+        out.append(f"- {sig} AUROC ≥ {goal:.2f} with the runs' counterfactual `{kind}` ({which}): warm-up "
+                   f"{_auc(row)}: {verdict}; at the end of the runs "
                    f"{_spread_sd(ends)} (mean ± sd over all runs).")
     if rel and rel.get("kinds"):
         both = [kd for kd, v in rel["kinds"].items()
@@ -352,20 +358,26 @@ def verdict(groups: dict[str, list[dict]], variants: dict, warm: dict) -> list[s
     if len(base) < 2:
         return []
     sd = statistics.stdev(base.values())
-    parts, beyond = [], []
+    parts, beyond, clear = [], [], []
     for name in groups:
         d = paired(groups, name, "conflict") if name != BASELINE else []
         if d:
             parts.append(f"{variants[name].label} {statistics.fmean(d):+.3f} (better on {sum(x > 0 for x in d)}/"
                          f"{len(d)} seeds)")
+            paired_sd = statistics.stdev(d) if len(d) > 1 else float("nan")
             if abs(statistics.fmean(d)) > sd:
-                beyond.append(variants[name].label)
+                beyond.append(f"{variants[name].label} ({statistics.fmean(d):+.3f}, paired sd {paired_sd:.3f})")
+                if abs(statistics.fmean(d)) > paired_sd:
+                    clear.append(variants[name].label)
     w = warm["eval"]
     mdis = [e["mdi_all"] for rs in groups.values() for r in rs for e in r["evals"] if math.isfinite(e["mdi_all"])]
     return [
         f"Paired by seed, final conflict-row accuracy minus answer + format only's: {'; '.join(parts)}. The "
         f"baseline's own seed-to-seed sd is {sd:.3f}: "
-        + (f"mean gains beyond it: {', '.join(beyond)}." if beyond else "no variant's mean difference exceeds it."),
+        + (f"mean differences (either sign) beyond it: {', '.join(beyond)}" if beyond
+           else "no variant's mean difference exceeds it")
+        + (f"; beyond their own paired sd too: {', '.join(clear)}." if clear
+           else "; none exceeds its own paired sd, so none is shown at this scale." if beyond else "."),
         "",
         f"Held-out MDI (all layers) of every evaluation of every run lies in {min(mdis):.3f}–{max(mdis):.3f}; the "
         f"warm-up's is {w['mdi_all_conflict']:.3f} on conflict rows and {w['mdi_all_plain']:.3f} on non-conflict "
@@ -375,20 +387,28 @@ def verdict(groups: dict[str, list[dict]], variants: dict, warm: dict) -> list[s
     ]
 
 
-def budget_line(s, span_minutes: float | None) -> str:
+def budget_line(s, span_minutes: float | None, runs: list[dict], workers: int) -> str:
     """What issue 25 asked that this invocation's settings cut, and the wall time against the 60-minute budget."""
     cuts = [f"the end-of-run reliance measurement uses the runs' counterfactual `{s.counterfactual}` only (the "
             "warm-up's covers every kind)"]
     if s.end_samples < 8 or s.reliance_prompts < 200:
-        cuts.append(f"{s.reliance_prompts} prompts x {s.end_samples} samples at the end of runs (issue: 200 x 8)")
+        measured = [r["reliance_end"] for r in runs if r.get("reliance_end")]
+        # Its cost is about proportional to the rollouts (greedy + samples per prompt): what 8 samples would add.
+        extra = sum(m["seconds"] * (8 - m["samples"]) / (m["samples"] + 1) for m in measured) / max(1, workers)
+        cuts.append(f"{s.reliance_prompts} prompts x {s.end_samples} samples at the end of each run, for time"
+                    + (f" (8 samples would have added about {extra / 60:.1f} min of wall time here)"
+                       if measured and s.end_samples < 8 else ""))
     if s.warmup_samples < 8 or s.reliance_prompts < 200:
         cuts.append(f"{s.reliance_prompts} prompts x {s.warmup_samples} samples on the warm-up model (issue: at "
                     "least 200 x 8)")
     if len(s.seeds) < 5 or s.seeds_other < 3:
-        cuts.append(f"{len(s.seeds)} seeds for the baseline and answer_visual_gain, {min(s.seeds_other, len(s.seeds))}"
-                    " for the others (issue: 5 and 3)")
+        cuts.append(f"{len(s.seeds)} seed(s) for the baseline and answer_visual_gain, "
+                    f"{min(s.seeds_other, len(s.seeds))} for the others (issue: 5 and 3)")
     if s.steps < 120:
         cuts.append(f"{s.steps} GRPO steps per run (before: 120)")
+    if s.counterfactual == "none" and "tprl_counterfactual" not in s.variants:
+        cuts.append("TPRL with the counterfactual as its perturbation is left out: the counterfactual `none` removes "
+                    "the image, and TPRL's perturbation must be an image")
     if not s.reliance_everywhere:
         cuts.append("the reliance signals are computed in training only where a reward reads them (one forward per "
                     "step saved elsewhere), so the live reliance/* columns are empty for the other variants")
@@ -424,7 +444,7 @@ def report(runs: list[dict], warm: dict, warm_rel: dict | None, s, recipe, varia
         f"warm-up, its reliance measurement and the runs' own times add up to {measured / 60:.1f} min. Plot: "
         "[language_prior.png](language_prior.png).",
         "",
-        budget_line(s, span_minutes),
+        budget_line(s, span_minutes, runs, workers),
         "",
         f"- Date (the last job's end): {datetime.datetime.fromtimestamp(last, datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
@@ -456,9 +476,10 @@ def report(runs: list[dict], warm: dict, warm_rel: dict | None, s, recipe, varia
                        f"perception_signal={v.tprl!r}" if v.tprl else "")
                     + (f", perception_perturbation=`{s.counterfactual}` (the counterfactual: one forward serves TPRL "
                        "and the reliance signals)" if v.perturbation else "")
-                    for k, v in variants.items() if k in groups) + ". The perturbation-signal variant (VPPO's "
-        "patch blackening) also computes the attention signal (perception_signal_compare) to log "
-        "`tprl/signal_rank_corr`; it filters and reweights by the perturbation signal only.",
+                    for k, v in variants.items() if k in groups) + "."
+        + (" The perturbation-signal variant (VPPO's patch blackening) also computes the attention signal "
+           "(perception_signal_compare) to log `tprl/signal_rank_corr`; it filters and reweights by the perturbation "
+           "signal only." if "tprl_perturbation" in groups else ""),
         f"- Evaluation: greedy, max_new_tokens {s.eval_max_new_tokens}, every {s.eval_every} steps; accuracy by "
         "the mc_idx reward's parser; clean format: the completion is exactly `<think>...</think>\\nAnswer: X` and "
         "ends at end of sequence. Held-out MDI: `measure_modality_attention` on prompt + greedy answer (text = "
@@ -630,7 +651,8 @@ def plot(runs: list[dict], warm_rel: dict | None, s, variants: dict, path: Path)
         for goal in sorted(set(GOAL_AUROC.values())):
             ax.axhline(goal, ls="--", color="0.4", lw=0.8)
         ax.axhline(0.5, ls=":", color="k", lw=1)
-        ax.set_xticks(range(len(kinds)), [f"{k}*" if k == s.counterfactual else k for k in kinds], fontsize=8)
+        ax.set_xticks(range(len(kinds)), [f"{k}*" if k == s.counterfactual else k for k in kinds], fontsize=8,
+                      rotation=20)
         ax.set_ylim(0, 1.05)
         ax.legend(fontsize=7, loc="lower right", ncol=2)
     ax.set_title("warm-up model: AUROC for prior-following, by counterfactual (* the runs')", fontsize=10)

@@ -305,3 +305,18 @@ def test_the_default_stack_loses_mdi_balance_where_the_probe_cannot_measure(soft
     assert trainer.reward_weights.tolist() == [4.0, 1.0] and len(trainer.reward_processing_classes) == 2
     assert trainer.run_plan.attention_metrics is False and "computes attention itself" in trainer.run_plan.attention_why
     assert args.compute_attention_metrics is None  # the user's config is left as the user made it
+
+
+def test_reliance_signals_need_no_probe_on_a_model_it_cannot_measure(softmax_vlm, tmp_path):
+    """The reliance signals are log-probabilities, not attention: on the VLM that computes its own softmax (metrics
+    off) they are computed and logged; answer_image_attention is absent."""
+    from trl_mdi import MDIGRPOConfig, MDIGRPOTrainer
+
+    args = MDIGRPOConfig.from_grpo_config(grpo_args(tmp_path))
+    args.reliance_signals = True
+    trainer = MDIGRPOTrainer(model=str(softmax_vlm), reward_funcs=spread_reward, args=args,
+                             train_dataset=zen_image_dataset(12))
+    assert trainer.run_plan.reliance and not trainer.run_plan.attention_metrics
+    logs = _train(trainer)
+    assert all("reliance/visual_gain" in h for h in logs) and not any("reliance/answer_image_attention" in h
+                                                                       for h in logs)

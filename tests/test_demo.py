@@ -47,9 +47,10 @@ def test_make_demo_learns_and_its_logs_show_it(tmp_path):
     history = [h for h in json.loads(state.read_text())["log_history"] if "completions/clean_format_frac" in h]
     first = [h["completions/clean_format_frac"] for h in history[:20]]
     last = [h["completions/clean_format_frac"] for h in history[-20:]]
-    # Sampled at temperature 1, a few rollouts per step are noise ('Answer:' then a stray byte); they earn 0 format
-    # and 0 answer. Recorded run: 0.784 (first 20 steps) -> 0.836 (last 20). The point is no drift to paid junk.
-    assert len(last) == 20 and sum(last) / 20 >= 0.75 and sum(last) / 20 >= sum(first) / 20 - 0.05, (first, last)
+    # Sampled at temperature 0.7 (examples/configs/demo.yaml), few rollouts are noise ('Answer:' then a stray byte,
+    # which earns 0 format and 0 answer); issue 24's goal is 0.9 of the last 20 steps' rollouts in the asked format
+    # (benchmarks/RESULTS.md records the run). The point is also no drift to paid junk.
+    assert len(last) == 20 and sum(last) / 20 >= 0.9 and sum(last) / 20 >= sum(first) / 20 - 0.05, (first, last)
 
     # The live log the README tells a user to `tail -f`: the trend line of its last step spans the whole run.
     rollout_logs = sorted(logs.glob("rollout_results_*.md"))

@@ -137,6 +137,15 @@ def test_dry_run_prints_the_effective_configuration(capsys, base_args):
     assert lines["reward_weights"].split()[1:4] == ["4", "1", "1"]
     assert "compute_attention_metrics" in lines and "max_image_side" in lines
     assert "train (64 rows)" in out and "dry run" in out
+    # The trainer's own run plan, phase 1 (trl_mdi.run_plan.plan_run): what the dry run says is what the run does.
+    from trl_mdi.run_plan import plan_run
+
+    assert "MDIGRPOTrainer run plan (before loading the model):" in out
+    run = cli.parse_args([str(a) for a in base_args] + ["--epsilon_high", "0.3"])
+    run.training.model_init_kwargs = cli.model_init_kwargs(run.model, run.training)
+    plan = plan_run(run.model.model_name_or_path, None, run.training, defaults_chosen=True, columns={})
+    assert plan.describe() in out
+    assert "mc_idx_reward x4, think_format_reward x1, mdi_balance_reward x1 [the default stack]" in out
 
 
 def test_model_init_kwargs_from_model_flags(base_args):

@@ -264,7 +264,7 @@ def test_reliance_signals_in_the_rollout_log(model_dir, grpo_train_dataset, tmp_
     metrics = [h for h in trainer.state.log_history if "loss" in h]
     blocks = re.split(r"^## Step \d+ ", body, flags=re.M)[1:]
     assert len(blocks) == len(metrics) == 2
-    line = re.compile(r"^\*\*Reliance on the image\*\* \(counterfactual: a grey image of the same size\): (.*)$", re.M)
+    line = re.compile(r"^\*\*Reliance on the image\*\* \(counterfactual: a black image of the same size\): (.*)$", re.M)
     for block, logged in zip(blocks, metrics):
         answered, unanswered = line.findall(block)  # rollouts 0 and 1, in full
         assert re.fullmatch(r"answer visual gain [+-][\d.e+-]+ nats · visual gain [+-][\d.e+-]+ nats per token · "

@@ -220,7 +220,7 @@ def test_a_processor_that_cannot_encode_a_counterfactual_is_a_clear_error(tiny):
 
     check_counterfactuals(NeedsAnImage(), prompt, imgs, ["grey"])
     with pytest.raises(ValueError, match=r"cannot encode the counterfactual 'none' prompt \(ValueError: this model "
-                                         r"needs one image per prompt\); choose another kind, e.g. 'grey'"):
+                                         r"needs one image per prompt\); choose another kind, e.g. 'black'"):
         check_counterfactuals(NeedsAnImage(), prompt, imgs, ["grey", "none"])
     with pytest.raises(ValueError, match="unknown counterfactual kind 'gray'"):
         check_counterfactuals(proc, prompt, imgs, ["gray"])
@@ -322,6 +322,6 @@ def test_reliance_flags_imply_the_section():
     base = ["--model_name_or_path", "m", "--out", "/tmp/x"]
     assert parse_args(base).reliance is False
     args = parse_args([*base, "--reliance"])
-    assert args.reliance and args.counterfactual_image == ["grey"] and args.samples_per_row == 0
-    assert parse_args([*base, "--samples_per_row", "2"]).counterfactual_image == ["grey"]
+    assert args.reliance and args.counterfactual_image == ["black"] and args.samples_per_row == 0
+    assert parse_args([*base, "--samples_per_row", "2"]).counterfactual_image == ["black"]
     assert parse_args([*base, "--counterfactual_image", "none", "blur"]).counterfactual_image == ["none", "blur"]

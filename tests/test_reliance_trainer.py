@@ -4,7 +4,7 @@ cannot change the output, their cost counted at each limit, and observing them c
 A random tiny model never writes an answer line by itself, so the exactness tests script the generation: every
 rollout is ``<think>look</think>\\nAnswer: X`` + end of sequence, with X the model's own most likely choice letter
 at that position under the real image (a greedy choice among the letters). The counterfactual is the grey image of
-the same size (``counterfactual_image="grey"``, the default).
+the same size (``counterfactual_image="black"``, the default).
 """
 
 from __future__ import annotations
@@ -106,9 +106,9 @@ def expected_signals(model_dir, batch) -> dict[str, list[float]]:
     out = {"visual_gain": [], "answer_visual_gain": [], "blind_agrees": []}
     for prompt, row, completion in zip(batch["prompts"], batch["inputs"], batch["completions"]):
         images = row["images"] if row.get("images") is not None else [row["image"]]
-        grey = [Image.new("RGB", img.size, (128, 128, 128)) for img in images]
+        black = [Image.new("RGB", img.size, (0, 0, 0)) for img in images]
         real, _ = plain_reference(model, processor, prompt, images, completion)
-        cf, cf_logits = plain_reference(model, processor, prompt, grey, completion)
+        cf, cf_logits = plain_reference(model, processor, prompt, black, completion)
         gain = real - cf
         out["visual_gain"].append(float(gain.mean()))
         out["answer_visual_gain"].append(float(gain[n_prefix]))  # the letter token
@@ -178,9 +178,9 @@ def test_signals_from_the_training_forward(model_dir, grpo_train_dataset, tmp_pa
      ["answer_visual_gain", spread_reward], [2]),  # TRL's forward + ours: the counterfactual alone is added
     ("with an MDI reward", {}, ["answer_visual_gain", "mdi_balance", spread_reward], [2, 2]),
     ("TPRL perturbing as the counterfactual", {"enable_perception_filtering": True,
-                                               "perception_perturbation": "grey"},
+                                               "perception_perturbation": "black"},
      ["answer_visual_gain", spread_reward], [2, 2]),
-    ("TPRL perturbing otherwise", {"enable_perception_filtering": True, "perception_perturbation": "black"},
+    ("TPRL perturbing otherwise", {"enable_perception_filtering": True, "perception_perturbation": "grey"},
      ["answer_visual_gain", spread_reward], [3, 3]),
 ])
 def test_cost_at_each_limit(model_dir, grpo_train_dataset, tmp_path, monkeypatch, case, overrides, rewards, expected):
@@ -245,7 +245,7 @@ def test_a_processor_that_cannot_encode_the_counterfactual_fails_at_construction
         return template(conversation, *args, **kwargs)
 
     processor.apply_chat_template = needs_an_image
-    with pytest.raises(ValueError, match="counterfactual_image='none'.*cannot encode.*needs an image.*e.g. 'grey'"):
+    with pytest.raises(ValueError, match="counterfactual_image='none'.*cannot encode.*needs an image.*e.g. 'black'"):
         MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], processing_class=processor,
                        args=make_args(tmp_path, reliance_signals=True, counterfactual_image="none"),
                        train_dataset=grpo_train_dataset)
@@ -261,7 +261,7 @@ def test_the_plan_says_which_forwards_run_and_why(model_dir, grpo_train_dataset,
     with pytest.raises(ValueError, match="text-only.*reliance_signals=True compare"):
         reliance_plan(SimpleNamespace(reliance_signals=True, counterfactual_image="grey"), text_only, [])
     trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=["answer_visual_gain", spread_reward],
-                             args=make_args(tmp_path, enable_perception_filtering=True, perception_perturbation="grey"),
+                             args=make_args(tmp_path, enable_perception_filtering=True, perception_perturbation="black"),
                              train_dataset=grpo_train_dataset)
     plan = trainer.run_plan.describe()
     assert "reward answer_visual_gain_reward reads answer_visual_gain" in plan

@@ -35,7 +35,7 @@ def test_metrics_only_adds_no_forward_and_logs_every_batch(model_dir, grpo_train
     with caplog.at_level(logging.INFO, logger="trl_mdi"):
         trainer = _train(model_dir, grpo_train_dataset, tmp_path, max_steps=2, **overrides)
     assert trainer.run_plan.placement == "training_forward"
-    assert "nothing reads attention before the loss" in trainer.run_plan.placement_why
+    assert "nothing reads it before the loss" in trainer.run_plan.placement_why
     assert "probe placement" in caplog.text and re.search(r"extra forwards per batch +none", caplog.text)
     assert counter.per_generation and set(counter.per_generation) == {0}, counter.per_generation
     logs = [h for h in trainer.state.log_history if "loss" in h]

@@ -102,10 +102,12 @@ class MDIGRPOConfig(GRPOConfig):
             choice letter, at the position that chose the answer, is the rollout's) and, with attention metrics
             on, `answer_image_attention`. Costs one no-grad forward with the counterfactual image per generation
             batch. On by itself when a reward reads one of these fields.
-        counterfactual_image (`str`, *optional*, defaults to `"grey"`):
+        counterfactual_image (`str`, *optional*, defaults to `"black"`):
             I' of the reliance signals: `"none"` (the image removed: a text-only prompt) or a same-size image that
-            keeps every token position: `grey` (uniform mid-grey), `black`, `blur`, `gaussian_noise`,
-            `patch_blackening` (their parameters are the `perturbation_*` fields). When TPRL's perturbation signal
+            keeps every token position: `black`, `grey` (uniform mid-grey), `blur`, `gaussian_noise`,
+            `patch_blackening` (their parameters are the `perturbation_*` fields). The default is the measured best
+            (benchmarks/RESULTS.md, language prior: `black` and `none` separate prior-following rollouts best; `grey`,
+            `blur` and noise keep or mimic a colour). When TPRL's perturbation signal
             uses the same kind (`perception_perturbation`), one forward serves both.
 
         > Online group filtering (TPRL brief's online_filtering / filter_key / filter_low / filter_high)
@@ -234,9 +236,9 @@ class MDIGRPOConfig(GRPOConfig):
                   "counterfactual image per generation batch. On by itself when a reward reads one of them."},
     )
     counterfactual_image: str = field(
-        default="grey",
-        metadata={"help": "The counterfactual image of the reliance signals: none (image removed), grey, black, blur, "
-                  "gaussian_noise or patch_blackening (same size: token positions kept)."},
+        default="black",
+        metadata={"help": "The counterfactual image of the reliance signals: black (the measured best), none (image "
+                  "removed), grey, blur, gaussian_noise or patch_blackening (same size: token positions kept)."},
     )
     on_bad_image: str = field(
         default="skip",

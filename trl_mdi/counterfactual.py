@@ -1,8 +1,8 @@
 """Counterfactual reliance signals: did a rollout's answer come from the image or from the wording?
 
 Attention mass (MDI) cannot tell. A counterfactual comparison can: score the SAME rollout (prompt + sampled
-completion, teacher-forced) once with the real image I and once with a counterfactual I' (a uniform grey image of
-the same size, ``trl_mdi.tprl.perturb``'s ``grey`` kind, which keeps every token position; or no image at all,
+completion, teacher-forced) once with the real image I and once with a counterfactual I' (an image of the same size,
+one of ``trl_mdi.tprl.perturb``'s kinds, by default ``black``, which keeps every token position; or no image at all,
 ``strip_images``), and compare per completion token t (shapes: B rollouts, C completion tokens, K choice letters):
 
     g_t = log p(y_t | I, q, y_<t) - log p(y_t | I', q, y_<t)
@@ -192,7 +192,7 @@ def strip_images(prompt_messages: list[dict[str, Any]] | str) -> list[dict[str, 
     TRL's ``prepare_multimodal_messages`` inserts an image placeholder into a string-content user turn when
     images are passed, so the forward that uses this prompt must also pass no images. The prompt then has fewer
     tokens than the real one: align the two passes on completion tokens, not on absolute positions. Models whose
-    processor or template require an image cannot take it; use the ``grey`` image instead.
+    processor or template require an image cannot take it; use the ``black`` image instead.
 
     >>> msgs = [{"role": "system", "content": "Be brief."},
     ...         {"role": "user", "content": [{"type": "text", "text": "Left:"}, {"type": "image"},
@@ -318,7 +318,7 @@ def check_counterfactual_encodes(processing_class, kind: str, chat_template_kwar
         (cf,) = counterfactual_prompts([inserted], [list(images)], kind, seed=seed, step=0)
         encode_prompts(processing_class, [cf], chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
     except Exception as e:  # any processor or template error: the message is what the user needs
-        alternative = "grey" if kind == NO_IMAGE else NO_IMAGE
+        alternative = "black" if kind == NO_IMAGE else NO_IMAGE
         raise ValueError(f"counterfactual_image={kind!r}: the processor ({type(processing_class).__name__}) cannot "
                          f"encode the counterfactual {kind!r} prompt ({type(e).__name__}: {e}); choose another kind, "
                          f"e.g. {alternative!r}") from e

@@ -49,7 +49,7 @@ class ProfileArguments:
     trust_remote_code: bool = False
     progress: bool = True
     reliance: bool = False
-    counterfactual_image: list[str] | None = None  # the kinds measured (["grey"] when --reliance names none)
+    counterfactual_image: list[str] | None = None  # the kinds measured (["black"] when --reliance names none)
     samples_per_row: int = 0
 
 
@@ -104,7 +104,7 @@ def build_parser(width: int | None = None) -> argparse.ArgumentParser:
                    "signals of every rollout and, with gold answers, how well each signal separates prior-following "
                    "rollouts (AUROC).")
     c.add_argument("--counterfactual_image", nargs="+", metavar="KIND",
-                   help="Counterfactual image(s) of the reliance section (implies --reliance; default grey): "
+                   help="Counterfactual image(s) of the reliance section (implies --reliance; default black): "
                    f"{', '.join(_counterfactual_kinds())} (none: the image removed, a text-only prompt).")
     c.add_argument("--samples_per_row", type=int, default=0, metavar="N",
                    help="Reliance section: completions sampled per row at temperature 1, besides the greedy one "
@@ -154,7 +154,7 @@ def parse_args(argv: Sequence[str]) -> ProfileArguments:
     _check_out_dir(ns.out)
     ns.reliance = ns.reliance or ns.counterfactual_image is not None or ns.samples_per_row > 0
     if ns.reliance:
-        ns.counterfactual_image = _check_kinds(ns.counterfactual_image or ["grey"])
+        ns.counterfactual_image = _check_kinds(ns.counterfactual_image or ["black"])
     if ns.attn_implementation is not None:
         from transformers import AttentionInterface
 

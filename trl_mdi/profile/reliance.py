@@ -185,7 +185,7 @@ def _mdi_columns(rows: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def reference_signals(model, processor, prompts: Sequence[list[dict]], images: Sequence[Sequence[Any]],
-                      completion_ids: torch.Tensor | Sequence[Sequence[int]], kind: str = "grey", *,
+                      completion_ids: torch.Tensor | Sequence[Sequence[int]], kind: str = "black", *,
                       completion_mask: torch.Tensor | None = None,
                       choices: Sequence[Sequence[str] | None] | None = None,
                       answer_pattern=DEFAULT_ANSWER_PATTERN, seed: int = 0, step: int = 0, row_offset: int = 0,
@@ -308,7 +308,7 @@ def _value(t: torch.Tensor, i: int) -> float:
     return float(t[i])
 
 
-def measure_reliance(model, processor, dataset, kinds: Sequence[str] = ("grey",), *, samples: int = 0,
+def measure_reliance(model, processor, dataset, kinds: Sequence[str] = ("black",), *, samples: int = 0,
                      max_new_tokens: int = 32, batch_size: int = 8, completion_column: str | None = None,
                      answer_pattern=DEFAULT_ANSWER_PATTERN, seed: int = 0, step: int = 0,
                      segments: str | dict | None = "thirds", token_segment: str = "late", attention: bool = True,

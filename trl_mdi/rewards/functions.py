@@ -185,7 +185,7 @@ def _optional_float(value: Any) -> float | None:
 def mdi_balance_reward(completions: list, mdi_balance: list, **kwargs) -> list[float | None]:
     """MDI balance (product brief): 2 * balance - 1, with balance = clip(1 - |log MDI| / log R, 0, 1).
 
-    ``mdi_balance`` is computed per rollout by the trainer (``trl_mdi.metrics.mdi_balance``) and
+    ``mdi_balance`` is computed per rollout by the trainer (``trl_mdi.attention.metrics.mdi_balance``) and
     passed as a list of float or None; None or NaN (no image tokens, hence no MDI) stays None.
     Balance is 0 for every MDI outside (1/R, R), so with typical MDI of 5-17 this reward is -1 for the
     whole group and carries no GRPO signal; see ``mdi_group_reward``.
