@@ -33,7 +33,7 @@ from .attention.model_facts import ModelFacts, image_token_problem, load_model_c
 from .attention.probe import NATIVE_IMPLEMENTATIONS
 from .data.columns import DatasetError
 from .filtering import filter_column
-from .rewards import default_reward_stack, required_reward_inputs, resolve_reward_funcs, reward_name
+from .rewards import default_reward_stack, resolve_reward_funcs, reward_name
 from .rewards.inputs import check_reward_inputs
 from .signals import RELIANCE_FIELDS, reward_field_pattern
 
