@@ -361,8 +361,9 @@ def test_readme_training_commands_use_real_flags():
         assert run.data.dataset_path == "./aokvqa_trl_data_simple"
 
 
-def test_eval_only_measures_without_training(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path):
-    """--eval_only: rewards and attention metrics on the eval split, logs and a summary, no weights written."""
+def test_eval_only_measures_without_training(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path, capsys):
+    """--eval_only: rewards and attention metrics on the eval split, logs and a summary, no weights written; the run
+    plan is printed with its second phase (where the probe measures, the forwards added)."""
     import json
 
     from trl_mdi.cli import main
@@ -381,6 +382,8 @@ def test_eval_only_measures_without_training(tiny_vlm_dir, prepared_aokvqa_dir, 
     assert {"attention/mdi_early", "attention/mdi_middle", "attention/mdi_late", "attention/mdi"} <= set(summary)
     assert (logs / "r.md").read_text().count("## Step 1") >= 1 and (logs / "a.md").exists()
     assert not (out / "model.safetensors").exists()  # nothing trained, nothing saved
+    printed = capsys.readouterr().out
+    assert "MDIGRPOTrainer run plan:" in printed and "probe placement" in printed and "extra forwards per batch" in printed
 
 
 def test_custom_system_prompt_with_the_default_answer_pattern_warns(capsys, base_args):

@@ -153,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         peft_config=get_peft_config(m),
         quantization_config=get_quantization_config(m),
     )
+    log(trainer.run_plan.describe())  # phase 2 too: where the probe measures, the forwards the run adds, and why
     if s.eval_only:
         return _evaluate_only(trainer, t, start, log)
     trainer.train(resume_from_checkpoint=t.resume_from_checkpoint)

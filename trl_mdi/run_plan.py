@@ -161,7 +161,7 @@ class RunPlan:
         if self.read_before_loss:
             lines.append(("read before the loss by", "; ".join(self.read_before_loss)))
         if self.token_layers:
-            lines.append(("attention signal layers", ", ".join(map(str, self.token_layers))))
+            lines.append(("per-token image mass layers", ", ".join(map(str, self.token_layers))))
         if self.loaded:
             lines += [
                 ("attention implementation", str(self.attn_implementation)),
