@@ -482,7 +482,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl_mdi.attention import measure_modality_attention
 
-model = AutoModelForImageTextToText.from_pretrained("Qwen/Qwen2.5-VL-3B-Instruct", dtype=torch.bfloat16)
+model = AutoModelForImageTextToText.from_pretrained("/path/to/a/local/vlm", dtype=torch.bfloat16)
 res = measure_modality_attention(model, input_ids, attention_mask, completion_mask,
                                  pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                                  mm_token_type_ids=mm_token_type_ids)
