@@ -274,11 +274,12 @@ def reliance_signals(logps: torch.Tensor, cf_logps: torch.Tensor, completion_mas
     ``attention_signal`` a_t (B, C), ``answer_image_attention``: a_t at the answer letter (the image mass of the
     position that chose it). ``answers`` is the batch's ``trl_mdi.answer_tokens.AnswerTokens``.
     """
+    from .batch import fit_width
+
     width = completion_mask.shape[1]
 
     def fit(t: torch.Tensor) -> torch.Tensor:
-        t = t[:, :width]
-        return torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.shape[1] < width else t
+        return fit_width(t, width)
 
     logps, cf_logps = fit(logps.float()), fit(cf_logps.float())
     has_image = has_image.bool().to(logps.device)

@@ -67,7 +67,8 @@ class RunPlan:
     attention_why: str
     segment_layers: dict[str, tuple[int, ...]]  # segment -> measured layers ("all" last); {} with metrics off
     token_layers: tuple[int, ...]  # layers of the probe's per-token image mass (attention signal); () when unused
-    read_before_loss: tuple[str, ...]  # what reads the policy forward before the loss (rewards, TPRL, ...)
+    attention_readers: tuple[str, ...]  # what reads attention before the loss (rewards of mdi*/aei* fields, ...)
+    other_readers: tuple[str, ...]  # what else reads the policy forward before the loss (reliance rewards, TPRL)
     attention_requests: tuple[str, ...]  # what explicitly asks for attention (an error where it cannot be measured)
     reliance: bool  # the counterfactual forward runs: the reliance signals (docs/reliance.md)
     reliance_why: str
@@ -119,12 +120,16 @@ class RunPlan:
             i = names.index("mdi_balance_reward")
             del names[i], funcs[i]
             weights = tuple(w for j, w in enumerate(weights) if j != i) if weights is not None else None
-        # The one attention reader that can be left here is the default stack's mdi_balance (a reward the user named
-        # that reads attention is an explicit request, an error above); it leaves with its reward.
-        readers = tuple(r for r in self.read_before_loss if not r.startswith("reward mdi_balance_reward "))
+        # The one attention reader that can be left is the default stack's mdi_balance (a reward the user named that
+        # reads attention is an explicit request, an error above): it left with its reward.
         return dataclasses.replace(self, attention_metrics=False, attention_why=reason, segment_layers={},
-                                   token_layers=(), read_before_loss=readers, reward_funcs=tuple(funcs),
+                                   token_layers=(), attention_readers=(), reward_funcs=tuple(funcs),
                                    reward_names=tuple(names), reward_weights=weights)
+
+    @property
+    def read_before_loss(self) -> tuple[str, ...]:
+        """What reads the policy forward of a batch before the loss (its extra forward runs before the rewards)."""
+        return self.attention_readers + self.other_readers
 
     @property
     def measures_policy(self) -> bool:
@@ -235,7 +240,8 @@ def plan_run(model: Any, reward_funcs: Any, args, *, defaults_chosen: bool, colu
         attention_why=why,
         segment_layers=segments,
         token_layers=token_layers(args, facts, attention, reliance),
-        read_before_loss=tuple(readers_before_loss(args, funcs, attention)),
+        attention_readers=tuple(attention_readers(args, funcs)) if attention else (),
+        other_readers=tuple(other_readers(args, funcs)),
         attention_requests=tuple(attention_requests(args, funcs, user_named_rewards=named is not None)),
         reliance=reliance,
         reliance_why=reliance_why,
@@ -374,14 +380,12 @@ def reliance_fields(f) -> list[str]:
     return [n for n in inspect.signature(f).parameters if n in RELIANCE_FIELDS] if callable(f) else []
 
 
-def readers_before_loss(args, funcs: Sequence, attention: bool) -> list[str]:
-    """What needs the policy forward of a batch before the loss: rewards reading attention fields (with attention
-    metrics on) or reliance fields (they need the real image's log-probs), TPRL, the perception-signal comparison."""
-    needs = attention_readers(args, funcs) if attention else []
-    needs += [f"reward {reward_name(f)} reads {', '.join(fields)}" for f in funcs if (fields := reliance_fields(f))]
-    if args.uses_tprl and "TPRL" not in needs:
-        needs.append("TPRL")
-    return needs
+def other_readers(args, funcs: Sequence) -> list[str]:
+    """What needs the policy forward of a batch before the loss besides attention: rewards reading reliance fields
+    (they need the real image's log-probs) and TPRL (its filters and multipliers enter the loss)."""
+    needs = [f"reward {reward_name(f)} reads {', '.join(fields)}" for f in funcs
+             if (fields := [n for n in reliance_fields(f) if not reads_attention(n)])]
+    return needs + (["TPRL"] if args.uses_tprl else [])
 
 
 def reads_attention(field_name: str) -> bool:
@@ -392,15 +396,13 @@ def reads_attention(field_name: str) -> bool:
 
 def attention_readers(args, funcs: Sequence) -> list[str]:
     """What needs this batch's attention before the loss: rewards reading an ``mdi*`` / ``aei*`` field (online filtering
-    included: it filters on rewards), and TPRL (its filters and multipliers enter the loss). [] = metrics only."""
+    included: it filters on rewards), and the perception-signal comparison. [] = metrics and logs only."""
     needs = []
     for f in funcs:
         # Every named parameter, optional ones included (``mdi=None``): a reward reads the signals it names.
         fields = [n for n in inspect.signature(f).parameters if reads_attention(n)] if callable(f) else []
         if fields:
             needs.append(f"reward {reward_name(f)} reads {', '.join(fields)}")
-    if args.uses_tprl:
-        needs.append("TPRL")
     if args.perception_signal_compare:
         needs.append("perception_signal_compare")  # compares both perception signals before the loss
     return needs

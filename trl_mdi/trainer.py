@@ -666,7 +666,7 @@ def hidden_states_at(backbone: torch.nn.Module, positions: torch.Tensor, complet
     """Collect, over the (chunked) forwards of ``backbone`` inside the block, each row's last hidden state at the
     position that chose completion token ``positions[row]`` (``L - C - 1 + t``; -1: none, a zero vector). Rows arrive
     in order, chunk after chunk, as TRL's log-prob path runs them. ``.result()`` gives (B, H)."""
-    collected: list[torch.Tensor] = []
+    collected = _HiddenStates()
 
     def hook(_module, _args, output):
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
@@ -677,11 +677,17 @@ def hidden_states_at(backbone: torch.nn.Module, positions: torch.Tensor, complet
         collected.append(torch.where((t >= 0)[:, None], picked, torch.zeros_like(picked)))
 
     handle = backbone.register_forward_hook(hook)
-    state = type("HiddenStates", (), {"result": lambda self: torch.cat(collected)})()
     try:
-        yield state
+        yield collected
     finally:
         handle.remove()
+
+
+class _HiddenStates(list):
+    """The hidden states ``hidden_states_at`` collected, chunk by chunk; ``result()``: (B, H)."""
+
+    def result(self) -> torch.Tensor:
+        return torch.cat(self)
 
 
 @contextlib.contextmanager
