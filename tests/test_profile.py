@@ -189,7 +189,7 @@ def profile_data(tmp_path_factory):
     return root
 
 
-def _run(argv, capsys):
+def run_profile(argv, capsys):
     code = main([*map(str, argv), "--no_progress"])
     out = capsys.readouterr()
     return code, out.out, out.err
@@ -198,7 +198,7 @@ def _run(argv, capsys):
 def test_the_command_profiles_two_models_and_writes_every_file(tiny_vlm_dir, profile_data, tmp_path, capsys):
     a, b = tiny_vlm_dir("qwen2_5_vl"), tiny_vlm_dir("qwen2_5_vl", seed=1)
     out = tmp_path / "profile"
-    code, stdout, stderr = _run(["--model_name_or_path", a, b, "--dataset_path", profile_data, "--out", out,
+    code, stdout, stderr = run_profile(["--model_name_or_path", a, b, "--dataset_path", profile_data, "--out", out,
                                  "--max_new_tokens", 4, "--batch_size", 3], capsys)
     assert code == 0, stderr
     report = json.loads((out / "profile.json").read_text())
@@ -233,7 +233,7 @@ def test_the_command_profiles_two_models_and_writes_every_file(tiny_vlm_dir, pro
 def test_models_of_different_depth_are_compared_by_segment(tiny_vlm_dir, profile_data, tmp_path, capsys):
     a, c = tiny_vlm_dir("qwen2_5_vl"), tiny_vlm_dir("qwen2_5_vl", num_layers=2)
     out = tmp_path / "p"
-    code, _, stderr = _run(["--model_name_or_path", a, c, "--dataset_path", profile_data, "--split", "validation",
+    code, _, stderr = run_profile(["--model_name_or_path", a, c, "--dataset_path", profile_data, "--split", "validation",
                             "--out", out, "--query_phase", "prompt", "--num_samples", 4], capsys)
     assert code == 0, stderr
     report = json.loads((out / "profile.json").read_text())
@@ -286,7 +286,7 @@ def test_bad_inputs_fail_before_any_weight_is_loaded(tiny_vlm_dir, profile_data,
     if not torch.cuda.is_available():
         cases.append((["--model_name_or_path", vlm, *data, "--device", "cuda"], "has no CUDA device"))
     for argv, message in cases:
-        code, _, stderr = _run(argv, capsys)
+        code, _, stderr = run_profile(argv, capsys)
         assert code == 2 and message in stderr, (argv, stderr)
         # One message, no traceback (datasets may print its progress bars first)
         assert stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in stderr

@@ -11,9 +11,10 @@ import math
 import pytest
 import torch
 from PIL import Image
+from test_profile import run_profile
 
 from fixtures.testing import shape_image
-from trl_mdi.profile import main, parse_args
+from trl_mdi.profile import parse_args
 from trl_mdi.profile.reliance import reference_signals
 from trl_mdi.profile.reliance_report import data_prior_label
 from trl_mdi.tprl.perturb import perturb_images
@@ -251,16 +252,10 @@ def prior_data(tmp_path_factory):
     return root
 
 
-def _run(argv, capsys):
-    code = main([*map(str, argv), "--no_progress"])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def test_the_command_writes_the_reliance_section(tiny_vlm_dir, prior_data, tmp_path, capsys):
     a, b = tiny_vlm_dir("qwen2_5_vl"), tiny_vlm_dir("qwen2_5_vl", seed=1)
     out = tmp_path / "profile"
-    code, stdout, stderr = _run(["--model_name_or_path", a, b, "--dataset_path", prior_data, "--out", out,
+    code, stdout, stderr = run_profile(["--model_name_or_path", a, b, "--dataset_path", prior_data, "--out", out,
                                  "--completion_column", "completion", "--counterfactual_image", "grey", "none",
                                  "--samples_per_row", 1, "--max_new_tokens", 3, "--batch_size", 8, "--threads", 1],
                                 capsys)
@@ -312,7 +307,7 @@ def test_bad_reliance_flags_fail_before_any_weight_is_loaded(tiny_vlm_dir, prior
         (["--samples_per_row", "-1"], "--samples_per_row must be >= 0"),
     ]
     for argv, message in cases:
-        code, _, stderr = _run([*base, *argv], capsys)
+        code, _, stderr = run_profile([*base, *argv], capsys)
         assert code == 2 and message in stderr, (argv, stderr)
         assert stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in stderr
     assert not (tmp_path / "o").exists()

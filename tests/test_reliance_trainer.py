@@ -16,11 +16,11 @@ from test_trainer import ForwardCounter, make_args, spread_reward
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl import GRPOTrainer
 
+from fixtures.tiny import TINY_ARCHS
 from trl_mdi.batch import policy_batch
 from trl_mdi.trainer import MDIGRPOTrainer
 
 PREFIX = "<think>look</think>\nAnswer:"
-LETTER_TOKENS = ["ĠA", "ĠB", "ĠC", "ĠD"]
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +43,23 @@ def blind_model_dir(tiny_vlm_dir, tmp_path_factory):
     return out
 
 
+def answer_tokens_of(tok) -> tuple[list[int], list[int]]:
+    """The prefix's token ids and the ids of " A" .. " D" after it, as this family's tokenizer writes them."""
+    prefix = tok(PREFIX, add_special_tokens=False)["input_ids"]
+    letters = []
+    for letter in "ABCD":
+        ids = tok(f"{PREFIX} {letter}", add_special_tokens=False)["input_ids"]
+        assert ids[: len(prefix)] == prefix and len(ids) == len(prefix) + 1, (letter, ids)
+        letters.append(ids[-1])
+    return prefix, letters
+
+
 def scripted_generation(monkeypatch):
     """Replace TRL's generation with answer-line completions whose letter is the model's greedy choice among A-D."""
 
     def generate(trainer, prompt_ids, images, multimodal_fields, num_generations):
         tok = trainer._tokenizer
-        prefix = tok(PREFIX, add_special_tokens=False)["input_ids"]
-        letters = tok.convert_tokens_to_ids(LETTER_TOKENS)
+        prefix, letters = answer_tokens_of(tok)
         batch = policy_batch(prompt_ids, [prefix] * len(prompt_ids), pad_token_id=tok.pad_token_id,
                              multimodal=multimodal_fields, device=trainer.accelerator.device)
         with torch.no_grad():
@@ -100,9 +110,8 @@ def plain_reference(model, processor, prompt, images, completion: list[int]) -> 
 def expected_signals(model_dir, batch) -> dict[str, list[float]]:
     model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
     processor = AutoProcessor.from_pretrained(model_dir)
-    tok = processor.tokenizer
-    letters = tok.convert_tokens_to_ids(LETTER_TOKENS)
-    n_prefix = len(tok(PREFIX, add_special_tokens=False)["input_ids"])
+    prefix, letters = answer_tokens_of(processor.tokenizer)
+    n_prefix = len(prefix)
     out = {"visual_gain": [], "answer_visual_gain": [], "blind_agrees": []}
     for prompt, row, completion in zip(batch["prompts"], batch["inputs"], batch["completions"]):
         images = row["images"] if row.get("images") is not None else [row["image"]]
@@ -267,3 +276,25 @@ def test_the_plan_says_which_forwards_run_and_why(model_dir, grpo_train_dataset,
     assert "reward answer_visual_gain_reward reads answer_visual_gain" in plan
     assert "counterfactual image (reliance signals and the perturbation perception signal" in plan
     assert "perturbed images" not in plan  # one forward serves both
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_every_family_gets_the_signals_at_its_answer_letter(tiny_vlm_dir, grpo_train_dataset, tmp_path, monkeypatch,
+                                                            arch):
+    """Hybrid (Qwen3.5), sliding-window (Gemma 3), any-resolution tiles (LLaVA-NeXT), image splitting (SmolVLM),
+    MoE, Gemma 4: the counterfactual forward finds every rollout's answer letter and reads the choice letters'
+    logits there, with the image removed and with a black one. (The tiny Gemma 3's output does not depend on its
+    image at all: its gains are exactly 0 and the blind answer always agrees.)"""
+    scripted_generation(monkeypatch)
+    seen = capture(monkeypatch)
+    for kind in ("black", "none"):
+        trainer = MDIGRPOTrainer(str(tiny_vlm_dir(arch)), reward_funcs=[spread_reward],
+                                 args=make_args(tmp_path / kind, max_steps=1, reliance_signals=True,
+                                                counterfactual_image=kind),
+                                 train_dataset=grpo_train_dataset)
+        trainer.train()
+        got = seen[-1]["signals"]
+        for name in ("visual_gain", "answer_visual_gain", "blind_agrees"):
+            assert torch.isfinite(got[name]).all(), (arch, kind, name, got[name])
+        logged = [h for h in trainer.state.log_history if "loss" in h][0]
+        assert logged["reliance/answer_rate"] == 1.0, (arch, kind)

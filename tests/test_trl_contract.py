@@ -120,7 +120,10 @@ def test_forward_inputs_match_what_trl_passes(tiny_vlm_dir, grpo_train_dataset, 
         assert trl_in["num_images"] == ours["num_images"]
 
 
-@pytest.mark.parametrize("attr", ["_metrics", "reward_func_names", "num_generations", "num_generations_eval",
+# reward_funcs / reward_weights / reward_processing_classes with reward_func_names: TRL's four parallel reward lists,
+# which MDIGRPOTrainer._keep_rewards trims when the default stack loses mdi_balance after the model loaded.
+@pytest.mark.parametrize("attr", ["_metrics", "reward_func_names", "reward_funcs", "reward_weights",
+                                  "reward_processing_classes", "num_generations", "num_generations_eval",
                                   "use_vllm", "vllm_importance_sampling_correction", "num_iterations", "_tokenizer",
                                   "chat_template_kwargs"])
 def test_trainer_attributes_we_read(tiny_vlm_dir, grpo_train_dataset, tmp_path, attr):
