@@ -21,6 +21,31 @@ import re
 import unicodedata
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+"""The choice letters, A to Z: choice k of a row is ``LETTERS[k]``, so a row has at most ``len(LETTERS)`` = 26
+choices. The one definition: the answer parser (``trl_mdi.rewards``), the format and hedge rules here, the A-OKVQA
+prompts (``trl_mdi.aokvqa``), the answer tokens (``trl_mdi.answer_tokens``) and the evaluation read this object, and
+the data loaders refuse a row with more choices (``too_many_choices``). It lives here because this module imports
+nothing of the package, so every reader can import it without a cycle."""
+
+
+def too_many_choices(n_choices: int, where: str) -> str | None:
+    """The error message for a row with more choices than there are choice letters, or None when ``n_choices`` fits.
+
+    ``where`` names the row (e.g. "row 7 of split 'train'"). One message for every reader that checks the limit
+    (data load, the answer tokens), so the fix is stated the same way everywhere.
+
+    >>> too_many_choices(26, "row 0") is None
+    True
+    >>> print(too_many_choices(27, "row 3 of split 'train'").split(" (")[0])
+    row 3 of split 'train' has 27 choices, more than the 26 choice letters A to Z
+    """
+    if n_choices <= len(LETTERS):
+        return None
+    return (f"{where} has {n_choices} choices, more than the {len(LETTERS)} choice letters {LETTERS[0]} to "
+            f"{LETTERS[-1]} (trl_mdi.answer_format.LETTERS): no answer letter could name choice {len(LETTERS) + 1} "
+            f"and beyond. Drop those rows or cut their choices to {len(LETTERS)}, e.g. "
+            f"dataset.filter(lambda row: len(row['choices']) <= {len(LETTERS)})")
+
 
 DEFAULT_ANSWER_EXAMPLE = "Answer: X"
 """The final line the default system prompt shows the model (X stands for the letter)."""

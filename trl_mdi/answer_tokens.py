@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .answer_format import DEFAULT_ANSWER_PATTERN, compile_answer_pattern
+from .answer_format import DEFAULT_ANSWER_PATTERN, LETTERS, compile_answer_pattern, too_many_choices
 
 _THINK_CLOSE = "</think>"
 _STANDALONE_CAPITAL = re.compile(r"(?<![A-Za-z])[A-Z](?![A-Za-z])")
@@ -195,9 +195,6 @@ def choice_letter_token_ids(tokenizer: Any, sampled_letter_token_id: int, letter
     return ids
 
 
-LETTERS = "ABCDEFGHIJ"
-
-
 @dataclass(frozen=True)
 class AnswerTokens:
     """Where each rollout of a batch wrote its answer (B rollouts, C completion tokens, K = the most choices).
@@ -224,6 +221,10 @@ def answer_tokens(tokenizer: Any, completion_ids: torch.Tensor, completion_mask:
 
     A row with ``choices`` (multiple choice) reads its answer with ``answer_pattern``'s ``letter`` group; a row
     without (free-form rewards) takes its last non-empty line as the span and has no letter, so no blind answer.
+    The choice letters are ``trl_mdi.answer_format.LETTERS`` (A to Z): a row with n choices gets the n candidates
+    ``LETTERS[:n]``, whichever letter it answered, so ``candidates`` and ``n_choices`` always agree. ValueError for a
+    row with more choices than letters (the data load refuses such rows, ``trl_mdi.data.check_choice_counts``; one
+    that reaches here came in another way, and a blind answer among the first 26 choices would be wrong).
     """
     b, c = completion_ids.shape
     spans, positions, indices, candidates, counts = [], [], [], [], []
@@ -232,6 +233,8 @@ def answer_tokens(tokenizer: Any, completion_ids: torch.Tensor, completion_mask:
         texts = completion_token_texts(tokenizer, ids)
         row_choices = choices[row] if choices is not None else None
         n = len(row_choices) if row_choices is not None else 0
+        if (error := too_many_choices(n, f"rollout {row} of the batch")) is not None:
+            raise ValueError(error)
         span = answer_span(texts, answer_pattern if n else None) if ids else None
         position, index, cands = -1, -1, None
         if span is not None and n:

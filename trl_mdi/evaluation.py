@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from .rewards import LETTERS, completion_text
+from .answer_format import LETTERS, too_many_choices
+from .rewards import completion_text
 
 
 @dataclasses.dataclass
@@ -51,8 +52,9 @@ def score_completions(completions: Sequence[Any], labels: Sequence[int], num_cho
                       ended: Sequence[bool] | None = None) -> EvalResult:
     """Score completions against label indices with the reward's parser (``extract_choice_letter``).
 
-    ``ended`` (optional, one bool per completion) says whether generation stopped at the end-of-sequence token;
-    a completion counts as clean only if it did and its text is exactly ``<think>...</think>\\nAnswer: X``.
+    ``num_choices``: one count for every row or one per row, at most 26 (the choice letters A to Z; ValueError
+    beyond). ``ended`` (optional, one bool per completion) says whether generation stopped at the end-of-sequence
+    token; a completion counts as clean only if it did and its text is exactly ``<think>...</think>\\nAnswer: X``.
 
     >>> r = score_completions(["<think> red</think>\\nAnswer: A", "Answer: C", "no idea"], [0, 1, 2])
     >>> round(r.accuracy, 3), round(r.format_rate, 3), round(r.clean_rate, 3), r.letters
@@ -66,6 +68,9 @@ def score_completions(completions: Sequence[Any], labels: Sequence[int], num_cho
     if not completions:
         raise ValueError("nothing to score: no completions")
     counts = [num_choices] * len(labels) if isinstance(num_choices, int) else list(num_choices)
+    for i, n in enumerate(counts):
+        if (error := too_many_choices(n, f"row {i}")) is not None:
+            raise ValueError(error)
     texts = [completion_text(c) for c in completions]
     parsed = [parse_mc_answer(t, n)[0] for t, n in zip(texts, counts)]
     correct = sum(p is not None and p == LETTERS[int(y)] for p, y in zip(parsed, labels))

@@ -75,6 +75,7 @@ from .schema import (
     SKIP_MISSING_IMAGE,
     SKIP_MISSING_LABEL,
     SKIP_NOT_IN_ID_FILE,
+    SKIP_TOO_MANY_CHOICES,
     SPLITS,
     DataPrepError,
     EmptyResultError,
@@ -95,7 +96,8 @@ __all__ = [
     "HUB_DATASET", "SPLITS", "DEFAULT_SPLITS", "LETTERS", "AOKVQA_SCHEMA", "REQUIRED_COLUMNS", "OUTPUT_COLUMNS",
     "IMAGE_COLUMN", "IMAGES_COLUMN", "image_column_of", "read_columns", "output_columns",
     "SKIP_NOT_IN_ID_FILE", "SKIP_DUPLICATE_ID", "SKIP_MISSING_ID", "SKIP_MISSING_LABEL", "SKIP_BAD_LABEL",
-    "SKIP_LABEL_RANGE", "SKIP_BAD_CHOICES", "SKIP_BAD_QUESTION", "SKIP_MISSING_IMAGE", "SKIP_BAD_IMAGE",
+    "SKIP_LABEL_RANGE", "SKIP_BAD_CHOICES", "SKIP_TOO_MANY_CHOICES", "SKIP_BAD_QUESTION", "SKIP_MISSING_IMAGE",
+    "SKIP_BAD_IMAGE",
     "DataPrepError", "MissingColumnsError", "EmptyResultError", "OutDirNotEmptyError",
     "aokvqa_features", "output_features", "format_schema", "format_prompt",
     # convert

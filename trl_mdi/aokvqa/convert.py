@@ -21,6 +21,7 @@ from .schema import (
     SKIP_LABEL_RANGE,
     SKIP_MISSING_IMAGE,
     SKIP_MISSING_LABEL,
+    SKIP_TOO_MANY_CHOICES,
     format_prompt,
 )
 
@@ -124,10 +125,12 @@ def convert_row(row: dict[str, Any], base_dir: str | None = None,
     choices = row.get("choices")
     if (
         not isinstance(choices, (list, tuple))
-        or not 2 <= len(choices) <= len(LETTERS)
+        or len(choices) < 2
         or not all(isinstance(c, str) and c.strip() for c in choices)
     ):
         return None, SKIP_BAD_CHOICES
+    if len(choices) > len(LETTERS):  # the prompt could not letter choice 27; the trainer's data load refuses it too
+        return None, SKIP_TOO_MANY_CHOICES
     if not 0 <= label < len(choices):
         return None, SKIP_LABEL_RANGE
     question = row.get("question")

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..answer_format import LETTERS  # the one definition of the choice letters, A to Z; re-exported
+
 HUB_DATASET = "HuggingFaceM4/A-OKVQA"
 SPLITS = ("train", "validation", "test")
 DEFAULT_SPLITS = ("train", "validation")
-LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 # The Hub schema, as documented in shared/notes/algorithms.md section 5; quoted in error messages.
 AOKVQA_SCHEMA: dict[str, str] = {
@@ -51,7 +52,10 @@ SKIP_MISSING_ID = "missing question_id"
 SKIP_MISSING_LABEL = "missing label (correct_choice_idx is null)"
 SKIP_BAD_LABEL = "label is not an integer"
 SKIP_LABEL_RANGE = "label out of range"
-SKIP_BAD_CHOICES = "bad choices (need 2-26 non-empty strings)"
+SKIP_BAD_CHOICES = "bad choices (need 2 or more non-empty strings)"
+# Its own reason, not "bad choices": the row is well formed, only longer than the letters that name its choices.
+SKIP_TOO_MANY_CHOICES = (f"more than {len(LETTERS)} choices (the choice letters {LETTERS[0]} to {LETTERS[-1]} "
+                         f"name {len(LETTERS)}; cut the choices to fit)")
 SKIP_BAD_QUESTION = "empty question"
 SKIP_MISSING_IMAGE = "missing image"
 SKIP_BAD_IMAGE = "undecodable image"

@@ -7,9 +7,10 @@
    name. A source that does not exist or has no usable split fails with what was found there.
 2. The image column (``image`` or ``images``) and the prompt column (``prompt``, else ``problem``) are found, or the
    error names the expected columns.
-3. ``prepare_split`` makes one pass over each used split: relative image paths are resolved against the dataset
-   root, images whose longer side exceeds ``max_image_side`` or that cannot be read are dropped and counted, non-RGB
-   images are converted to RGB, and the prompt text becomes TRL's conversational form with the system prompt.
+3. ``prepare_split`` makes one pass over each used split: a row with more choices than the choice letters A to Z
+   is an error (``check_choice_counts``, before any image is read), relative image paths are resolved against the
+   dataset root, images whose longer side exceeds ``max_image_side`` or that cannot be read are dropped and counted,
+   non-RGB images are converted to RGB, and the prompt text becomes TRL's conversational form with the system prompt.
 4. The eval set is the data's eval split or is carved out of train (``--eval_split_size``).
 
 Layout: `sources` does step 1, `columns` step 2, `prepare` step 3 (and ``to_conversational``); ``DataArguments``
@@ -24,9 +25,11 @@ from typing import Any
 
 from .arguments import EVAL_SPLIT_CANDIDATES, DataArguments
 from .columns import (
+    CHOICES_COLUMN,
     IMAGE_COLUMNS,
     PROMPT_COLUMNS,
     DatasetError,
+    check_choice_counts,
     image_column_of,
     prompt_column_of,
 )
@@ -45,7 +48,8 @@ from .sources import DATA_FILE_BUILDERS, Splits, open_dataset, parse_data_files,
 
 __all__ = [
     # columns
-    "IMAGE_COLUMNS", "PROMPT_COLUMNS", "DatasetError", "image_column_of", "prompt_column_of",
+    "IMAGE_COLUMNS", "PROMPT_COLUMNS", "CHOICES_COLUMN", "DatasetError", "image_column_of", "prompt_column_of",
+    "check_choice_counts",
     # sources
     "DATA_FILE_BUILDERS", "split_of_file", "parse_data_files", "Splits", "open_dataset",
     # prepare
@@ -97,9 +101,9 @@ def load_training_data(args: DataArguments, *, need_eval: bool = False, seed: in
     """Load, check and convert the training data (and the eval data when ``need_eval``).
 
     Raises DatasetError (a ValueError) naming what was found when the source does not exist, holds no usable split,
-    lacks an image or prompt column, or loses every row to the image checks. ``need_eval`` is whether the trainer
-    evaluates (eval_strategy != "no"): then the eval set comes from ``--eval_split_size`` (carved out of train) or
-    the data's eval split, and its absence is an error.
+    lacks an image or prompt column, has a row with more than 26 choices (the letters A to Z), or loses every row to
+    the image checks. ``need_eval`` is whether the trainer evaluates (eval_strategy != "no"): then the eval set comes
+    from ``--eval_split_size`` (carved out of train) or the data's eval split, and its absence is an error.
     """
     if args.eval_split_size < 0:
         raise DatasetError(f"--eval_split_size must be >= 0, got {args.eval_split_size}")

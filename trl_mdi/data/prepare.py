@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..answer_format import DEFAULT_SYSTEM_PROMPT  # built from the answer format it asks for
-from .columns import DatasetError
+from .columns import DatasetError, check_choice_counts
 
 DEFAULT_MAX_IMAGE_SIDE = 1024
 
@@ -137,9 +137,13 @@ def _prompt_messages(example: dict[str, Any], system_prompt: str | None, column:
 
 def prepare_split(ds, name: str, *, image_column: str, prompt_column: str, roots: Sequence[str] = (),
                   max_image_side: int = DEFAULT_MAX_IMAGE_SIDE, system_prompt: str | None = DEFAULT_SYSTEM_PROMPT):
-    """Images resolved, checked and RGB, prompts conversational: ``(dataset, SplitReport)``."""
+    """Images resolved, checked and RGB, prompts conversational: ``(dataset, SplitReport)``.
+
+    DatasetError first, before any image is read, when a row has more choices than the choice letters A to Z name
+    (``check_choice_counts``): the training data and the profile's rows both come through here."""
     from datasets import Image, List, Value
 
+    check_choice_counts(ds, name)
     feature = ds.features[image_column]
     is_list = isinstance(feature, (List, list))
     # decode=False hands us the stored {bytes, path}: no decoding by datasets, relative paths stay relative.

@@ -6,9 +6,9 @@ import re
 import unicodedata
 from typing import Any
 
-__all__ = ["LETTERS", "completion_text", "extract_choice_letter"]
+from ..answer_format import LETTERS  # the one definition of the choice letters, A to Z; re-exported
 
-LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+__all__ = ["LETTERS", "completion_text", "extract_choice_letter"]
 
 
 # ---------------------------------------------------------------------------------------------------
