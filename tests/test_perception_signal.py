@@ -95,22 +95,25 @@ def test_the_signal_tprl_ranks_by_is_the_probes_exact_per_token_mass(model_dir, 
     if rides_trl:
         from trl import GRPOTrainer
 
-        original, original_measured, last = GRPOTrainer._get_per_token_logps_and_entropies, MDIGRPOTrainer._measured, {}
+        from trl_mdi.trainer import PolicyForward
+
+        original, original_measured, last = GRPOTrainer._get_per_token_logps_and_entropies, PolicyForward.measured, {}
 
         def forward_spy(trainer, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
             if not torch.is_grad_enabled():  # TRL's old-log-prob forward, which the probe rides on
-                last.update(input_ids=input_ids, attention_mask=attention_mask, c_len=logits_to_keep, mm=kwargs)
+                last.update(model=trainer.model, input_ids=input_ids, attention_mask=attention_mask,
+                            c_len=logits_to_keep, mm=kwargs)
             return original(trainer, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
 
-        def measured_spy(trainer, probe, completion_length, *args, **kwargs):
-            forward = original_measured(trainer, probe, completion_length, *args, **kwargs)
+        def measured_spy(cls, attention, completion_length, *args, **kwargs):
+            forward = original_measured(attention, completion_length, *args, **kwargs)
             got = forward.perception["attention"] * last["attention_mask"][:, -last["c_len"]:]
-            checked.append((got, _reference(trainer.model, last["input_ids"], last["attention_mask"], last["c_len"],
+            checked.append((got, _reference(last["model"], last["input_ids"], last["attention_mask"], last["c_len"],
                                             last["mm"])))
             return forward
 
         monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", forward_spy)
-        monkeypatch.setattr(MDIGRPOTrainer, "_measured", measured_spy)
+        monkeypatch.setattr(PolicyForward, "measured", classmethod(measured_spy))
     else:
         original = MDIGRPOTrainer._extra_forward
 

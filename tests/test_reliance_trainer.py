@@ -74,19 +74,19 @@ def capture(monkeypatch):
     """Record each batch's rows, prompts and completions as the counterfactual forward sees them, and the signals the
     trainer computed from them."""
     seen = []
-    original_cf, original_reliance = MDIGRPOTrainer._counterfactual_forward, MDIGRPOTrainer._reliance
+    original_cf, original_signals = MDIGRPOTrainer._counterfactual_forward, MDIGRPOTrainer._batch_signals
 
-    def counterfactual_forward(trainer, inputs, prompts, completion_ids_list):
+    def counterfactual_forward(trainer, inputs, prompts, completion_ids_list, *rest):
         seen.append({"inputs": inputs, "prompts": prompts, "completions": [list(c) for c in completion_ids_list]})
-        return original_cf(trainer, inputs, prompts, completion_ids_list)
+        return original_cf(trainer, inputs, prompts, completion_ids_list, *rest)
 
-    def reliance(trainer, forward, counterfactual, completion_mask, rows, mode):
-        out = original_reliance(trainer, forward, counterfactual, completion_mask, rows, mode)
-        seen[-1]["signals"] = {k: v.clone() for k, v in out.items()}
+    def batch_signals(trainer, record, mode):
+        out = original_signals(trainer, record, mode)
+        seen[-1]["signals"] = {k: v.clone() for k, v in out.local.items()}
         return out
 
     monkeypatch.setattr(MDIGRPOTrainer, "_counterfactual_forward", counterfactual_forward)
-    monkeypatch.setattr(MDIGRPOTrainer, "_reliance", reliance)
+    monkeypatch.setattr(MDIGRPOTrainer, "_batch_signals", batch_signals)
     return seen
 
 

@@ -448,7 +448,7 @@ def test_check_reward_inputs():
     def late_reward(completions, mdi_late, **kwargs):
         return [0.0] * len(completions)
 
-    with pytest.raises(ValueError, match=r"needs column\(s\) \['mdi_late'\].*attention fields of this model: \[.*'mdi_middle'"):
+    with pytest.raises(ValueError, match=r"needs column\(s\) \['mdi_late'\].*fields the trainer provides for this model: \[.*'mdi_middle'"):
         check_reward_inputs([late_reward], {"train": ["prompt"]}, attention=True, segments=["middle"])
     with pytest.raises(ValueError, match="compute_attention_metrics=True"):
         check_reward_inputs([late_reward], {"train": ["prompt"]}, attention=False)

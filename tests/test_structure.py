@@ -27,12 +27,27 @@ def resolve(current: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join([*base, *([node.module] if node.module else [])])
 
 
+def deprecated_alias_nodes(tree: ast.Module) -> set[int]:
+    """The nodes inside a module-level ``__getattr__`` that warns: a deprecated alias resolved at first use, which
+    points at a name's new home and is no dependency of the module's own code."""
+    out = set()
+    for fn in tree.body:
+        if isinstance(fn, ast.FunctionDef) and fn.name == "__getattr__" and "warn" in ast.unparse(fn):
+            out |= {id(n) for n in ast.walk(fn)}
+    return out
+
+
 def imports(name: str, path: Path) -> list[tuple[str, list[str]]]:
-    """(imported trl_mdi module, names taken from it) for every import statement of the module."""
+    """(imported trl_mdi module, names taken from it) for every import statement of the module (deprecated aliases
+    excepted: :func:`deprecated_alias_nodes`)."""
     out = []
     is_package = path.name == "__init__.py"
     known = modules()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    aliases = deprecated_alias_nodes(tree)
+    for node in ast.walk(tree):
+        if id(node) in aliases:
+            continue
         if isinstance(node, ast.Import):
             out += [(a.name, []) for a in node.names if a.name.startswith("trl_mdi")]
         elif isinstance(node, ast.ImportFrom):
@@ -165,3 +180,53 @@ def test_the_checks_catch_what_they_look_for():
     source = "import fixtures.tiny\nfrom fixtures import testing\ndef f():\n    from fixtures.synthetic import x\n"
     assert fixture_imports(source) == ["fixtures.tiny", "fixtures", "fixtures.synthetic"]
     assert fixture_imports("import fixturesque\nfrom .fixtures import y\nfrom trl_mdi.fixtures import z\n") == []
+
+
+def placement_copies(source: str) -> list[str]:
+    """Where ``source`` stores a copy of the probe's placement: a class field whose annotation or name speaks of the
+    placement, or an attribute assigned the plan's placement (``placement`` / ``batch_placement(...)``) or a
+    comparison with a ``ProbePlacement`` member. Reading the plan where the decision is needed (a local name inside
+    one function included) is fine."""
+    found = []
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name != "RunPlan":
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    text = ast.unparse(item)
+                    if any(w in text for w in ("ProbePlacement", "placement", "rides_trl", "in_training_forward")):
+                        found.append(f"{node.name}.{item.target.id}")
+        targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
+                   if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+        if any(isinstance(t, ast.Attribute) for t in targets) and node.value is not None:
+            value = ast.unparse(node.value)
+            if "placement" in value or "ProbePlacement." in value:
+                found.append(ast.unparse(node).splitlines()[0])
+    return found
+
+
+def test_the_per_batch_code_holds_no_copy_of_the_placement():
+    """Where the probe measures is the run plan's decision (RunPlan.placement, RunPlan.batch_placement): the trainer's
+    per-batch records and code ask the plan each time, never keep a copy that could disagree with it."""
+    assert placement_copies((PACKAGE / "trainer.py").read_text(encoding="utf-8")) == []
+    # The check sees the copies this project once had (StepTiming.rides_trl_forward, BatchRecord.in_training_forward).
+    old = ("from dataclasses import dataclass\n@dataclass\nclass StepTiming:\n    rides_trl_forward: bool = False\n"
+           "def f(self, record):\n    record.in_training_forward = self.run_plan.placement is ProbePlacement.X\n"
+           "    record.where = self.run_plan.batch_placement('train')\n"
+           "    where = self.run_plan.batch_placement('train')\n")
+    assert placement_copies(old) == ["StepTiming.rides_trl_forward",
+                                     "record.in_training_forward = self.run_plan.placement is ProbePlacement.X",
+                                     "record.where = self.run_plan.batch_placement('train')"]
+
+
+def test_the_model_card_names_this_trainer_and_cites_what_it_adds():
+    from trl import GRPOTrainer
+
+    from trl_mdi import MDIGRPOTrainer
+
+    assert MDIGRPOTrainer._name == "MDI-GRPO" and "trl_mdi" in MDIGRPOTrainer._tag_names
+    paper = MDIGRPOTrainer._paper
+    assert paper["id"] == GRPOTrainer._paper["id"] and paper["title"] == GRPOTrainer._paper["title"]
+    assert paper["citation"].startswith(GRPOTrainer._paper["citation"])
+    for eprint in ("2402.03300", "2508.10552", "2510.09285"):  # GRPO, MDI/AEI, VPPO
+        assert f"arXiv:{eprint}" in paper["citation"]

@@ -69,10 +69,10 @@ def test_masses_from_the_training_forward_equal_the_probe_on_the_same_rollouts(m
         original_finish(trainer, out, inputs, record)
         outputs.append({k: v.clone() if torch.is_tensor(v) else v for k, v in out.items()})  # before TRL shuffles
 
-    original_attach = MDIGRPOTrainer._attach_signals
+    original_signals = MDIGRPOTrainer._batch_signals
 
-    def attach(trainer, got, inputs, mode):  # called once the batch's last slice has been measured
-        out = outputs[-1]
+    def batch_signals(trainer, record, mode):  # called once the batch's last slice has been measured
+        got, out = record.forward.attention, outputs[-1]
         ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
         mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
         completion = torch.cat([torch.zeros_like(out["prompt_mask"]), out["completion_mask"]], dim=1)
@@ -84,10 +84,10 @@ def test_masses_from_the_training_forward_equal_the_probe_on_the_same_rollouts(m
         for group in ("image", "prompt_text", "completion"):
             torch.testing.assert_close(getattr(got, group), getattr(ref, group), atol=1e-5, rtol=0, equal_nan=True)
         checked.append(len(ids))
-        return original_attach(trainer, got, inputs, mode)
+        return original_signals(trainer, record, mode)
 
     monkeypatch.setattr(MDIGRPOTrainer, "_finish_batch", finish_batch)
-    monkeypatch.setattr(MDIGRPOTrainer, "_attach_signals", attach)
+    monkeypatch.setattr(MDIGRPOTrainer, "_batch_signals", batch_signals)
     _train(model_dir, grpo_train_dataset, tmp_path, max_steps=2, steps_per_generation=2,
            gradient_accumulation_steps=2, per_device_train_batch_size=2)
     assert checked == [4, 4]  # both slices measured before the optimizer step: under the generating weights

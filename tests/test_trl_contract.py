@@ -121,7 +121,7 @@ def test_forward_inputs_match_what_trl_passes(tiny_vlm_dir, grpo_train_dataset, 
 
 
 # reward_funcs / reward_weights / reward_processing_classes with reward_func_names: TRL's four parallel reward lists,
-# which MDIGRPOTrainer._keep_rewards trims when the default stack loses mdi_balance after the model loaded.
+# which MDIGRPOTrainer._plan_with_loaded_model trims when the default stack loses mdi_balance after the model loaded.
 @pytest.mark.parametrize("attr", ["_metrics", "reward_func_names", "reward_funcs", "reward_weights",
                                   "reward_processing_classes", "num_generations", "num_generations_eval",
                                   "use_vllm", "vllm_importance_sampling_correction", "num_iterations", "_tokenizer",
@@ -151,3 +151,30 @@ def test_transformers_generation_encoding_step_we_wrap():
     src = inspect.getsource(step)
     assert 'model_kwargs.setdefault("mm_encoder_outputs", {})' in src
     assert 'model_kwargs["mm_encoder_outputs"][modality] = encoder_fn(**encoder_kwargs)' in src
+
+
+def test_trl_loads_the_processor_as_the_trainer_does_before_it():
+    """MDIGRPOTrainer loads the processor before building TRL (the plan reads its chat template), the way
+    GRPOTrainer.__init__ would load it when none is given: if TRL changes how, this fails first."""
+    src = inspect.getsource(GRPOTrainer.__init__)
+    call = src[src.index("if processing_class is None:"):]
+    call = call[: call.index("\n\n")]  # the if-block, up to the blank line after it
+    for part in ("AutoProcessor.from_pretrained(", "get_config_model_id(model.config)", "revision=model_revision",
+                 'truncation_side="left"', 'padding_side="left"', "trust_remote_code=args.trust_remote_code"):
+        assert part in call, part
+    assert 'model_revision = model_init_kwargs.get("revision")' in src
+
+
+def test_the_processor_loaded_first_is_the_one_trl_would_load(tiny_vlm_dir, tmp_path):
+    from transformers import AutoProcessor
+
+    from trl_mdi.run_plan import load_processing_class
+
+    path = str(tiny_vlm_dir("qwen2_5_vl"))
+    args = MDIGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    ours = load_processing_class(path, args)
+    trls = AutoProcessor.from_pretrained(path, truncation_side="left", padding_side="left")
+    assert type(ours) is type(trls)
+    assert ours.tokenizer.padding_side == trls.tokenizer.padding_side == "left"
+    assert ours.tokenizer.truncation_side == trls.tokenizer.truncation_side == "left"
+    assert ours.tokenizer.get_vocab() == trls.tokenizer.get_vocab() and ours.chat_template == trls.chat_template

@@ -29,12 +29,11 @@ from typing import Any
 import torch
 
 from .answer_tokens import answer_span, answer_span_mask, choice_letter_token_ids, completion_token_texts
-from .signals import RELIANCE_FIELDS, RELIANCE_SIGNALS
 
 __all__ = [
-    "IMAGE_PART_TYPES", "NO_IMAGE", "RELIANCE_FIELDS", "RELIANCE_SIGNALS", "answer_span", "answer_span_mask", "answer_visual_gain",
+    "IMAGE_PART_TYPES", "NO_IMAGE", "answer_span", "answer_span_mask", "answer_visual_gain",
     "blind_agrees", "candidate_logits", "check_counterfactual_encodes", "choice_letter_token_ids", "completion_token_texts", "counterfactual_kinds",
-    "counterfactual_prompts", "gather_choice_logits", "reliance_signals", "strip_images", "visual_gain",
+    "counterfactual_prompts", "gather_choice_logits", "strip_images", "visual_gain",
 ]
 
 IMAGE_PART_TYPES = ("image", "image_url")
@@ -264,40 +263,6 @@ def candidate_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return torch.where(candidates >= 0, out, torch.full_like(out, math.nan))
 
 
-def reliance_signals(logps: torch.Tensor, cf_logps: torch.Tensor, completion_mask: torch.Tensor, answers,
-                     cf_choice_logits: torch.Tensor | None, has_image: torch.Tensor,
-                     attention_signal: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """The per-rollout reliance signals of a batch, (B,) float each, NaN where undefined:
-
-    ``visual_gain`` (mean g_t over the completion), ``answer_visual_gain`` (sum of g_t over the answer span),
-    ``blind_agrees`` (the counterfactual's argmax letter is the rollout's), and, given the probe's per-token
-    ``attention_signal`` a_t (B, C), ``answer_image_attention``: a_t at the answer letter (the image mass of the
-    position that chose it). ``answers`` is the batch's ``trl_mdi.answer_tokens.AnswerTokens``.
-    """
-    from .batch import fit_width
-
-    width = completion_mask.shape[1]
-
-    def fit(t: torch.Tensor) -> torch.Tensor:
-        return fit_width(t, width)
-
-    logps, cf_logps = fit(logps.float()), fit(cf_logps.float())
-    has_image = has_image.bool().to(logps.device)
-    span = fit(answers.span_mask.to(logps.device)) & completion_mask.bool().to(logps.device)
-    out = {
-        "visual_gain": visual_gain(logps, cf_logps, completion_mask.to(logps.device), has_image=has_image),
-        "answer_visual_gain": answer_visual_gain(logps, cf_logps, span, has_image=has_image),
-    }
-    if cf_choice_logits is not None:
-        out["blind_agrees"] = blind_agrees(cf_choice_logits.to(logps.device), answers.answer_index.to(logps.device),
-                                           answers.n_choices.to(logps.device), has_image)
-    if attention_signal is not None:
-        position = answers.letter_position.to(logps.device)
-        a = fit(attention_signal.float().to(logps.device)).gather(1, position.clamp(min=0)[:, None])[:, 0]
-        out["answer_image_attention"] = torch.where((position >= 0) & has_image, a, torch.full_like(a, math.nan))
-    return out
-
-
 def check_counterfactual_encodes(processing_class, kind: str, chat_template_kwargs: dict | None = None,
                                  chat_template: str | None = None, *, prompt: list[dict] | None = None,
                                  images: list | None = None, seed: int = 0) -> None:
@@ -323,3 +288,17 @@ def check_counterfactual_encodes(processing_class, kind: str, chat_template_kwar
         raise ValueError(f"counterfactual_image={kind!r}: the processor ({type(processing_class).__name__}) cannot "
                          f"encode the counterfactual {kind!r} prompt ({type(e).__name__}: {e}); choose another kind, "
                          f"e.g. {alternative!r}") from e
+
+
+
+def __getattr__(name: str):
+    # Deprecated aliases: the per-rollout signals of the counterfactual forward are the signal table's
+    # (trl_mdi.signals), which imports this module's math; resolved lazily, at first use, with a warning.
+    if name in ("RELIANCE_FIELDS", "RELIANCE_SIGNALS", "reliance_signals"):
+        import warnings
+
+        from . import signals
+
+        warnings.warn(f"trl_mdi.counterfactual.{name} moved to trl_mdi.signals.{name}", FutureWarning, stacklevel=2)
+        return getattr(signals, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,6 +28,7 @@ from typing import Any
 
 from transformers.utils import logging
 
+from .answer_format import template_prefills_think
 from .attention import metrics as M
 from .attention.model_facts import ModelFacts, image_token_problem, load_model_config, model_facts
 from .attention.probe import NATIVE_IMPLEMENTATIONS
@@ -35,7 +36,7 @@ from .data.columns import DatasetError
 from .filtering import filter_column
 from .rewards import default_reward_stack, resolve_reward_funcs, reward_name
 from .rewards.inputs import check_reward_inputs
-from .signals import RELIANCE_FIELDS, reward_field_pattern
+from .signals import reads_attention, reads_counterfactual
 
 logger = logging.get_logger(__name__)
 
@@ -74,12 +75,12 @@ class RunPlan:
     reliance_why: str
     perturbed_forward: bool  # VPPO's perturbed-image forward runs (perturbation signal used or compared)
     shared_counterfactual: bool  # the perturbed forward is the counterfactual forward (same kind): one serves both
+    think_prefilled: bool | None = None  # the chat template opens <think> (None: no processor given to plan_run)
     # Phase 2: once the model is loaded.
     placement: ProbePlacement | None = None
     placement_why: str = ""
     attn_implementation: str | None = None
     trl_runs_policy_forward: bool | None = None
-    think_prefilled: bool | None = None
     vision_pass: bool | None = None
 
     @property
@@ -91,8 +92,8 @@ class RunPlan:
     def loaded(self) -> bool:
         return self.placement is not None
 
-    def with_model(self, *, attn_implementation: str | None, trl_runs_policy_forward: bool,
-                   think_prefilled: bool, vision_pass: bool, probe_unsupported: str | None = None) -> RunPlan:
+    def with_model(self, *, attn_implementation: str | None, trl_runs_policy_forward: bool, vision_pass: bool,
+                   probe_unsupported: str | None = None) -> RunPlan:
         """Phase 2: the decisions that need the loaded model and processor. ``probe_unsupported``: why the probe
         cannot measure this model (``trl_mdi.attention.probe.probe_support``), None when it can."""
         plan = self
@@ -102,8 +103,7 @@ class RunPlan:
                                          attn_implementation, trl_runs_policy_forward)
         return dataclasses.replace(plan, placement=placement, placement_why=why,
                                    attn_implementation=attn_implementation,
-                                   trl_runs_policy_forward=trl_runs_policy_forward, think_prefilled=think_prefilled,
-                                   vision_pass=vision_pass)
+                                   trl_runs_policy_forward=trl_runs_policy_forward, vision_pass=vision_pass)
 
     def without_attention(self, reason: str) -> RunPlan:
         """The plan with attention metrics off because the loaded model's attention cannot be measured: one warning
@@ -125,6 +125,13 @@ class RunPlan:
         return dataclasses.replace(self, attention_metrics=False, attention_why=reason, segment_layers={},
                                    token_layers=(), attention_readers=(), reward_funcs=tuple(funcs),
                                    reward_names=tuple(names), reward_weights=weights)
+
+    def batch_placement(self, mode: str) -> ProbePlacement:
+        """Where the probe measures a generation batch of this mode (``"train"`` / ``"eval"``): the plan's placement,
+        except that an evaluation batch has no training forward to ride, so it is measured in one extra forward."""
+        if mode != "train" and self.placement is ProbePlacement.TRAINING_FORWARD:
+            return ProbePlacement.EXTRA_FORWARD
+        return self.placement
 
     @property
     def read_before_loss(self) -> tuple[str, ...]:
@@ -167,12 +174,13 @@ class RunPlan:
             lines.append(("read before the loss by", "; ".join(self.read_before_loss)))
         if self.token_layers:
             lines.append(("per-token image mass layers", ", ".join(map(str, self.token_layers))))
+        if self.think_prefilled is not None:
+            lines.append(("chat template prefills <think>", "yes" if self.think_prefilled else "no"))
         if self.loaded:
             lines += [
                 ("attention implementation", str(self.attn_implementation)),
                 ("probe placement", f"{self.placement} ({self.placement_why})"),
                 ("extra forwards per batch", "; ".join(self.extra_forwards) or "none"),
-                ("chat template prefills <think>", "yes" if self.think_prefilled else "no"),
                 ("dummy vision pass", "on (image-less processes run the tower times zero)" if self.vision_pass
                  else "off"),
             ]
@@ -204,6 +212,8 @@ def plan_run(model: Any, reward_funcs: Any, args, *, defaults_chosen: bool, colu
     if problem:
         raise ValueError(problem)
     facts = model_facts(config, processing_class)
+    prefilled = (template_prefills_think(processing_class, args.chat_template_kwargs)
+                 if processing_class is not None else None)
     if reward_funcs is not None and not isinstance(reward_funcs, (list, tuple)):
         reward_funcs = [reward_funcs]
     named = list(reward_funcs) if reward_funcs else (list(args.reward_funcs) if args.reward_funcs else None)
@@ -217,8 +227,10 @@ def plan_run(model: Any, reward_funcs: Any, args, *, defaults_chosen: bool, colu
         funcs = resolve_reward_funcs(list(names), weights)
         from .rewards import bind_think_format
 
-        # think_format pays for the format the prompt asks: bind this run's pattern (a fresh instance per trainer).
-        funcs = bind_think_format(funcs, answer_pattern=args.answer_pattern)
+        # think_format pays for the format the prompt asks: bind this run's pattern and, when the processor is known,
+        # whether its template opens <think> itself (a fresh instance per trainer, bound once).
+        funcs = bind_think_format(funcs, answer_pattern=args.answer_pattern,
+                                  **({"think_prefilled": prefilled} if prefilled is not None else {}))
     attention, why = attention_metrics(args, facts, funcs, user_named_rewards=named is not None)
     segments = model_segments(args, facts, attention)
     try:
@@ -247,7 +259,22 @@ def plan_run(model: Any, reward_funcs: Any, args, *, defaults_chosen: bool, colu
         reliance_why=reliance_why,
         perturbed_forward=bool(args.uses_perturbed_forward),
         shared_counterfactual=reliance and args.shares_counterfactual_forward,
+        think_prefilled=prefilled,
     )
+
+
+def load_processing_class(model: Any, args):
+    """The processor ``GRPOTrainer.__init__`` would load when none is given, loaded the same way (TRL 1.16; the
+    contract test pins the call), so that the plan can read its chat template before TRL is built."""
+    from transformers import AutoProcessor
+    from trl.trainer.utils import get_config_model_id
+
+    if isinstance(model, str):
+        model_id, revision = model, (args.model_init_kwargs or {}).get("revision")
+    else:
+        model_id, revision = get_config_model_id(model.config), None
+    return AutoProcessor.from_pretrained(model_id, revision=revision, truncation_side="left", padding_side="left",
+                                         trust_remote_code=args.trust_remote_code)
 
 
 def effective_config(args, plan: RunPlan):
@@ -376,8 +403,9 @@ def reliance_plan(args, facts: ModelFacts, funcs: Sequence) -> tuple[bool, str]:
 
 
 def reliance_fields(f) -> list[str]:
-    """The reliance fields a reward names as parameters (``trl_mdi.signals.RELIANCE_FIELDS``)."""
-    return [n for n in inspect.signature(f).parameters if n in RELIANCE_FIELDS] if callable(f) else []
+    """The fields a reward names as parameters that need the counterfactual forward (the signal table's
+    counterfactual signals and the group signals ranking them)."""
+    return [n for n in inspect.signature(f).parameters if reads_counterfactual(n)] if callable(f) else []
 
 
 def other_readers(args, funcs: Sequence) -> list[str]:
@@ -386,12 +414,6 @@ def other_readers(args, funcs: Sequence) -> list[str]:
     needs = [f"reward {reward_name(f)} reads {', '.join(fields)}" for f in funcs
              if (fields := [n for n in reliance_fields(f) if not reads_attention(n)])]
     return needs + (["TPRL"] if args.uses_tprl else [])
-
-
-def reads_attention(field_name: str) -> bool:
-    """Whether a reward input of this name comes from the attention probe: the ``mdi*`` / ``aei*`` signals and the
-    reliance signal ``answer_image_attention`` (the probe's image mass at the answer letter)."""
-    return reward_field_pattern(field_name) or field_name == "answer_image_attention"
 
 
 def attention_readers(args, funcs: Sequence) -> list[str]:

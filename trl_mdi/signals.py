@@ -1,38 +1,61 @@
 """Per-rollout signals: the one module that names and computes every value the trainer derives per rollout.
 
-``SIGNALS`` is the table. Each entry says what a value is (its glossary line), how it is computed from the probe's
-result, and where it goes: handed to reward functions as a named argument (``reward``), logged as
-``attention/<name>`` (``metric``, the mean over the rollouts of the generation batch where it is finite), and shown
-as a column of the attention log (``log``). A name holding ``{segment}`` stands for one value per layer segment
-(``mdi_{segment}`` -> ``mdi_early``, ``mdi_middle``, ``mdi_late``). Everything else reads this table: the trainer
-(reward fields, metrics), the live logs (columns), the reward registry (which inputs the trainer provides), the
-reward-input check at construction, and the metric glossary in docs/ (tests/test_readme.py checks it).
+``SIGNALS`` is the table. Each entry names its *source*, the record it is computed from:
 
-Adding a signal is one entry here plus its test: see docs/signals.md for a worked example.
+* ``"probe"``: the attention probe's result over the policy forward (:class:`ProbeInputs`: the
+  ``ModalityAttention``, the metrics of one layer segment, the balance ratio R): MDI, AEI, masses, counts;
+* ``"counterfactual"``: the same rollouts scored once more with a counterfactual image (:class:`CounterfactualInputs`:
+  both passes' completion log-probs, where each rollout wrote its answer, the counterfactual's choice-letter logits,
+  the probe's per-token image mass when it ran): ``visual_gain``, ``answer_visual_gain``, ``blind_agrees``...;
+* ``"group"``: the batch gathered from every process (:class:`GroupInputs`; a group of rollouts can span processes):
+  ranks within each prompt's group, such as ``mdi_group_score``.
 
-Values are computed over the *measured* layers (softmax attention; a hybrid model's linear layers are left out).
-A rollout without image tokens has NaN MDI / AEI / balance, which reward functions receive as None. A segment whose
-layers give the image exactly zero attention (a sliding window hiding every image key) has MDI = +inf: it leaves
-the metric means and is counted in ``attention/rows_mdi_inf``.
+and says where the value goes: handed to reward functions as a named argument (``reward``), logged as
+``attention/<name>`` (probe) or ``reliance/<name>`` (counterfactual) (``metric``: the mean over the generation
+batch where finite; a 0/1 ``flag`` makes it a rate), shown as a column of its log (``log``: the attention log for
+probe signals, the rollout log for counterfactual ones), where a rollout that follows the language prior lies
+(``direction``, for ``trl_mdi.reliance``'s AUROC), and its glossary line (``help``). A name holding ``{segment}``
+stands for one value per layer segment (``mdi_{segment}`` -> ``mdi_early``, ``mdi_middle``, ``mdi_late``).
+Everything else reads this table: the trainer (which forwards feed it, reward fields, metrics), the reward-input
+check at construction, the run plan (a reward reading a counterfactual field turns the counterfactual forward on),
+the live logs (columns, summaries), the profile's reliance report, ``trl_mdi.reliance`` (directions) and the docs'
+glossary (tests/test_readme.py checks it).
+
+Adding a signal is one entry here plus its test: docs/signals.md shows one of each source.
+
+Probe values are computed over the *measured* layers (softmax attention; a hybrid model's linear layers are left
+out). A rollout without image tokens has NaN MDI / AEI / balance and NaN counterfactual signals, which reward
+functions receive as None. A segment whose layers give the image exactly zero attention (a sliding window hiding
+every image key) has MDI = +inf: it leaves the metric means and is counted in ``attention/rows_mdi_inf``.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from . import counterfactual as C
 from .attention import ModalityAttention
 from .attention import metrics as M
 
+PROBE, COUNTERFACTUAL, GROUP = "probe", "counterfactual", "group"
+"""The sources a signal is computed from (``Signal.source``)."""
+
+METRIC_PREFIX = {PROBE: "attention", COUNTERFACTUAL: "reliance", GROUP: "attention"}
+LOW, HIGH = "low", "high"
+"""``Signal.direction``: the signal's value at which a rollout follows the language prior rather than the image."""
+
 
 @dataclass(frozen=True)
-class SignalInputs:
-    """What a signal is computed from: the probe's result, the metrics of one layer segment (all measured layers
-    for a signal without ``{segment}``), and the balance ratio R."""
+class ProbeInputs:
+    """What a probe signal is computed from: the probe's result, the metrics of one layer segment (all measured
+    layers for a signal without ``{segment}``), and the balance ratio R."""
 
     attention: ModalityAttention
     segment: dict[str, torch.Tensor]  # M.segment_metrics of one segment: mdi, aei_text, aei_image, *_mass
@@ -40,43 +63,135 @@ class SignalInputs:
 
 
 @dataclass(frozen=True)
+class CounterfactualInputs:
+    """What a counterfactual signal is computed from (local rows, TRL's order; B rollouts, C completion tokens, K
+    choice letters). Build it with :meth:`of`, which brings every (B, C) tensor to the completion mask's width.
+
+    ``logps`` / ``cf_logps``: the sampled tokens' log-probs with the real image I and with the counterfactual I';
+    ``answers``: where each rollout wrote its answer (``trl_mdi.answer_tokens.AnswerTokens``); ``choice_logits``:
+    the counterfactual's logits of the row's choice letters at the position that chose the answer letter (None: not
+    read); ``attention``: the probe's per-token image mass a_t (None: attention metrics off)."""
+
+    logps: torch.Tensor  # (B, C) float32
+    cf_logps: torch.Tensor  # (B, C) float32
+    completion_mask: torch.Tensor  # (B, C)
+    answers: Any  # trl_mdi.answer_tokens.AnswerTokens
+    choice_logits: torch.Tensor | None  # (B, K)
+    has_image: torch.Tensor  # (B,) bool
+    attention: torch.Tensor | None = None  # (B, C)
+
+    @classmethod
+    def of(cls, logps: torch.Tensor, cf_logps: torch.Tensor, completion_mask: torch.Tensor, answers,
+           choice_logits: torch.Tensor | None, has_image: torch.Tensor,
+           attention: torch.Tensor | None = None) -> CounterfactualInputs:
+        """The record on the log-probs' device, every (B, C) tensor cut or padded to the mask's width (TRL pads a
+        batch's completions to its longest; a forward may have kept fewer positions)."""
+        from .batch import fit_width
+
+        width = completion_mask.shape[1]
+        logps = fit_width(logps.float(), width)
+        device = logps.device
+        return cls(logps=logps, cf_logps=fit_width(cf_logps.float().to(device), width),
+                   completion_mask=completion_mask.to(device), answers=answers,
+                   choice_logits=None if choice_logits is None else choice_logits.to(device),
+                   has_image=has_image.bool().to(device),
+                   attention=None if attention is None else fit_width(attention.float().to(device), width))
+
+    @property
+    def token_gain(self) -> torch.Tensor:
+        """(B, C) per-token visual gain ``g_t = log p(y_t | I) - log p(y_t | I')``, NaN outside the completion and on
+        rows without an image."""
+        valid = (self.completion_mask != 0) & self.has_image[:, None]
+        return torch.where(valid, self.logps - self.cf_logps, torch.full_like(self.logps, math.nan))
+
+    @property
+    def answer_span(self) -> torch.Tensor:
+        """(B, C) bool: the answer's tokens inside the completion."""
+        span = self.answers.span_mask.to(self.logps.device)
+        from .batch import fit_width
+
+        return fit_width(span, self.completion_mask.shape[1]).bool() & (self.completion_mask != 0)
+
+    def at_answer_letter(self, values: torch.Tensor) -> torch.Tensor:
+        """(B,) ``values[b, t]`` at the position t that wrote rollout b's answer letter; NaN without one (or image)."""
+        position = self.answers.letter_position.to(values.device)
+        picked = values.gather(1, position.clamp(min=0)[:, None])[:, 0]
+        return torch.where((position >= 0) & self.has_image, picked, torch.full_like(picked, math.nan))
+
+
+@dataclass(frozen=True)
+class GroupInputs:
+    """What a group signal is computed from: every process's values, gathered (N_global,), with the rollouts of a
+    prompt consecutive (TRL's sampler order), and the group size."""
+
+    gathered: dict[str, torch.Tensor]
+    group_size: int
+
+
+@dataclass(frozen=True)
 class Signal:
-    name: str  # field name; "{segment}" expands to one value per layer segment
+    name: str  # field name; "{segment}" expands to one value per layer segment (probe signals)
     help: str  # one line: the glossary, the registry help
-    compute: Callable[[SignalInputs], torch.Tensor] | None  # (B,) values; None: computed over gathered groups
+    compute: Callable[[Any], torch.Tensor | None]  # source's inputs -> (B,) (group: (N_global,)); None: not defined
+    source: str = PROBE  # PROBE, COUNTERFACTUAL or GROUP: the record ``compute`` reads
     reward: bool = False  # handed to reward functions as a named argument
-    metric: bool = False  # logged as attention/<name>: mean over rollouts where finite
-    log: str | None = None  # attention log column header ("{segment}" expands too)
+    metric: bool = False  # logged as <attention|reliance>/<name>: mean over rollouts where finite
+    log: str | None = None  # column header of its log (attention log: probe; rollout log: counterfactual)
     label: str | None = None  # its name in the attention log's step summary when it is no column (default: log)
+    direction: str | None = None  # LOW / HIGH: where prior-following rollouts lie (trl_mdi.reliance); None: unknown
+    reads: tuple[str, ...] = ()  # group: the signals it ranks; counterfactual: PROBE when it needs the probe too
+    flag: bool = False  # a 0/1 verdict: its metric is a rate, its log cell yes / no
+    metric_name: str | None = None  # the metric's name when not <prefix>/<name>
+    words: Callable[[float | None], str] | None = None  # the full rollout's reliance line (counterfactual)
 
     @property
     def per_segment(self) -> bool:
         return "{segment}" in self.name
 
+    @property
+    def metric_key(self) -> str:
+        """The logged metric's name (``<name>`` with ``{segment}`` as ``<segment>`` for the glossary)."""
+        return self.metric_name or f"{METRIC_PREFIX[self.source]}/{self.name.replace('{segment}', '<segment>')}"
 
-def _layer_mean(x: SignalInputs, group: str) -> torch.Tensor:
+
+def _layer_mean(x: ProbeInputs, group: str) -> torch.Tensor:
     return getattr(x.attention, group)[:, x.attention.layers].mean(dim=1)
 
 
+def _signed(value: float | None) -> str:
+    return f"{float(value):+.4g}" if value is not None and math.isfinite(float(value)) else "—"
+
+
+def _words(label: str, unit: str, missing: str) -> Callable[[float | None], str]:
+    """A number's phrase in the full rollout's reliance line: ``"visual gain +0.31 nats per token"``."""
+    return lambda v: f"{label} {_signed(v)} {unit}".rstrip() if v is not None else f"{label} — ({missing})"
+
+
+def _blind_words(v: float | None) -> str:
+    if v is None or not math.isfinite(float(v)):
+        return "blind answer agrees: — (no answer letter to compare)"
+    return ("blind answer agrees: yes (the answer would have been the same without the image)" if v
+            else "blind answer agrees: no (without the image the answer would have been different)")
+
+
 SIGNALS: tuple[Signal, ...] = (
+    # ------------------------------------------------------------------ the probe (attention over the policy forward)
     Signal("mdi", "MDI over all measured layers, (A_T / n_T) / (A_O / n_O): > 1 text dominates, < 1 the image does",
-           lambda x: x.segment["mdi"], reward=True, metric=True, log="MDI all"),
+           lambda x: x.segment["mdi"], reward=True, metric=True, log="MDI all", direction=HIGH),
     Signal("mdi_{segment}", "MDI of one layer segment (thirds of the measured layers by default: early, middle, late)",
-           lambda x: x.segment["mdi"], reward=True, metric=True, log="MDI {segment}"),
-    Signal("mdi_group_score", "rank of |log MDI| within the rollout's group, 1 (most balanced) to -1, zero-mean",
-           None, reward=True),
+           lambda x: x.segment["mdi"], reward=True, metric=True, log="MDI {segment}", direction=HIGH),
     Signal("aei_text", "attention efficiency of text keys, P_T / Q_T (1 = attention proportional to token count)",
-           lambda x: x.segment["aei_text"], reward=True, metric=True, log="AEI text"),
+           lambda x: x.segment["aei_text"], reward=True, metric=True, log="AEI text", direction=HIGH),
     Signal("aei_image", "attention efficiency of image keys, P_O / Q_O", lambda x: x.segment["aei_image"],
-           reward=True, metric=True, log="AEI vision"),
+           reward=True, metric=True, log="AEI vision", direction=LOW),
     Signal("aei_text_{segment}", "AEI of text keys in one layer segment", lambda x: x.segment["aei_text"],
-           reward=True, metric=True, label="AEI text {segment}"),
+           reward=True, metric=True, label="AEI text {segment}", direction=HIGH),
     Signal("aei_image_{segment}", "AEI of image keys in one layer segment", lambda x: x.segment["aei_image"],
-           reward=True, metric=True, label="AEI vision {segment}"),
+           reward=True, metric=True, label="AEI vision {segment}", direction=LOW),
     Signal("mdi_balance", "the brief's balance, clip(1 - |log MDI| / log R, 0, 1): 1 at MDI = 1, 0 outside (1/R, R)",
            lambda x: M.mdi_balance(x.segment["mdi"], x.balance_ratio), reward=True, metric=True, log="balance"),
     Signal("image_mass", "attention mass of the generated tokens on image keys (mean over heads, tokens, layers)",
-           lambda x: _layer_mean(x, "image"), metric=True),
+           lambda x: _layer_mean(x, "image"), metric=True, direction=LOW),
     Signal("prompt_text_mass", "attention mass on prompt text keys", lambda x: _layer_mean(x, "prompt_text"),
            metric=True),
     Signal("completion_mass", "attention mass on the completion's own earlier tokens",
@@ -90,15 +205,48 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("n_queries", "measured (generated) tokens", lambda x: x.attention.n_queries.float(), log="n queries"),
     Signal("image_blind_layers", "measured layers in which the image gets exactly zero attention (sliding windows)",
            lambda x: x.attention.image_blind_layers().float(), metric=True, log="blind layers"),
+    # ------------------------------------------------------------------ the counterfactual forward (docs/reliance.md)
+    Signal("visual_gain", "mean over the completion of g_t = log p(y_t | I) - log p(y_t | I'), I' the counterfactual "
+           "image (nats per token): > 0 the image made the sampled text likelier",
+           lambda x: C.visual_gain(x.logps, x.cf_logps, x.completion_mask, has_image=x.has_image),
+           source=COUNTERFACTUAL, reward=True, metric=True, log="vis gain", direction=LOW,
+           words=_words("visual gain", "nats per token", "no completion token")),
+    Signal("answer_visual_gain", "sum of g_t over the answer letter's tokens: log p(answer | I) - log p(answer | I') "
+           "in nats (pointwise visual information of the answer)",
+           lambda x: C.answer_visual_gain(x.logps, x.cf_logps, x.answer_span, has_image=x.has_image),
+           source=COUNTERFACTUAL, reward=True, metric=True, log="ans gain", direction=LOW,
+           words=_words("answer visual gain", "nats", "no answer line")),
+    Signal("blind_agrees", "share of answered rollouts whose letter the counterfactual's own argmax over the choice "
+           "letters would have given (the answer would have been the same without the image)",
+           lambda x: None if x.choice_logits is None else C.blind_agrees(
+               x.choice_logits, x.answers.answer_index.to(x.logps.device), x.answers.n_choices.to(x.logps.device),
+               x.has_image),
+           source=COUNTERFACTUAL, reward=True, metric=True, log="blind", direction=HIGH, flag=True,
+           metric_name="reliance/blind_agree_rate", words=_blind_words),
+    Signal("answer_image_attention", "the probe's image mass a_t at the position that wrote the answer letter "
+           "(token-layer segment)",
+           lambda x: None if x.attention is None else x.at_answer_letter(x.attention),
+           source=COUNTERFACTUAL, reward=True, metric=True, direction=LOW, reads=(PROBE,),
+           words=lambda v: f"image attention at the answer letter {v:.4g}" if v is not None else ""),
+    # ------------------------------------------------------------------ groups, over the batch gathered
+    Signal("mdi_group_score", "rank of |log MDI| within the rollout's group, 1 (most balanced) to -1, zero-mean",
+           lambda g: group_relative_mdi_score(g.gathered["mdi"], g.group_size), source=GROUP, reward=True,
+           reads=("mdi",)),
+    Signal("answer_visual_gain_group_score", "rank of answer_visual_gain within the rollout's group, 1 (largest) to "
+           "-1, zero-mean",
+           lambda g: group_rank_score(g.gathered["answer_visual_gain"], g.group_size, higher_is_better=True).float(),
+           source=GROUP, reward=True, reads=("answer_visual_gain",)),
 )
 
-# Batch-level counts logged beside the means, computed from the gathered table.
+# Batch-level counts logged beside the means, computed from the gathered values of their source.
 BATCH_METRICS: dict[str, str] = {
     "attention/rows_without_image": "fraction of rollouts without image tokens (no MDI)",
     "attention/rows_unmeasured": "fraction of rollouts with no generated token to measure (empty completion)",
     "attention/rows_mdi_inf": "fraction of rollouts in which some segment (or all layers) gives the image exactly zero "
                               "attention: that MDI is +inf and leaves its segment's mean (e.g. a sliding window that "
                               "hides every image key)",
+    "reliance/answer_rate": "fraction of rollouts with an image and an answer line (an answer_visual_gain): it falls "
+                            "when a policy games the gain with junk",
 }
 
 
@@ -110,13 +258,18 @@ def expand(signal: Signal, segments: Sequence[str]) -> list[str]:
     return [signal.name.format(segment=s) for s in segments if s != "all"]
 
 
-def field_names(segments: Sequence[str], *, reward: bool | None = None) -> list[str]:
-    """Every per-rollout field for these segments (``reward=True``: those handed to reward functions).
+def field_names(segments: Sequence[str], *, reward: bool | None = None, forwards: Sequence[str] = (PROBE,),
+                ) -> list[str]:
+    """Every per-rollout field for these segments that the given forwards provide (``reward=True``: those handed to
+    reward functions). The default is the attention probe's fields (and the group signals ranking them).
 
     >>> field_names(["late"], reward=True)
-    ['mdi', 'mdi_late', 'mdi_group_score', 'aei_text', 'aei_image', 'aei_text_late', 'aei_image_late', 'mdi_balance']
+    ['mdi', 'mdi_late', 'aei_text', 'aei_image', 'aei_text_late', 'aei_image_late', 'mdi_balance', 'mdi_group_score']
+    >>> [n for n in field_names([], reward=True, forwards=[PROBE, COUNTERFACTUAL]) if not reward_field_pattern(n)]
+    ['visual_gain', 'answer_visual_gain', 'blind_agrees', 'answer_image_attention', 'answer_visual_gain_group_score']
     """
-    return [n for s in SIGNALS if reward is None or s.reward == reward for n in expand(s, segments)]
+    return [n for s in SIGNALS if (reward is None or s.reward == reward) and needed_forwards(s) <= set(forwards)
+            for n in expand(s, segments)]
 
 
 def signal_of(name: str) -> Signal | None:
@@ -135,11 +288,39 @@ def signal_of(name: str) -> Signal | None:
     return None
 
 
-RELIANCE_SIGNALS = ("visual_gain", "answer_visual_gain", "blind_agrees", "answer_image_attention")
-"""The per-rollout counterfactual reliance signals (``trl_mdi.counterfactual``), in the order the logs show them."""
+def needed_forwards(signal: Signal) -> frozenset[str]:
+    """The forwards a signal needs (``PROBE``, ``COUNTERFACTUAL``): its source and what it reads; for a group
+    signal, what the signals it ranks need."""
+    if signal.source == GROUP:
+        return frozenset().union(*(sources_of(n) for n in signal.reads))
+    return frozenset({signal.source, *(r for r in signal.reads if r in (PROBE, COUNTERFACTUAL))})
 
-RELIANCE_FIELDS = (*RELIANCE_SIGNALS, "answer_visual_gain_group_score")
-"""The reliance fields the trainer adds to the rows TRL hands to reward functions (None where undefined)."""
+
+def sources_of(name: str) -> frozenset[str]:
+    """The forwards the field ``name`` needs (:func:`needed_forwards`); empty for a name that is no signal.
+
+    >>> sorted(sources_of("answer_image_attention")), sorted(sources_of("mdi_group_score")), sources_of("x")
+    (['counterfactual', 'probe'], ['probe'], frozenset())
+    """
+    signal = signal_of(name)
+    return needed_forwards(signal) if signal is not None else frozenset()
+
+
+def reliance_names() -> list[str]:
+    """The counterfactual signals (``source="counterfactual"``), in table order: the rollout log's reliance fields."""
+    return [s.name for s in SIGNALS if s.source == COUNTERFACTUAL]
+
+
+def reliance_fields() -> list[str]:
+    """Every field that needs the counterfactual forward: its signals and the group signals ranking them."""
+    return [s.name for s in SIGNALS if COUNTERFACTUAL in needed_forwards(s)]
+
+
+RELIANCE_SIGNALS = tuple(reliance_names())
+"""The counterfactual reliance signals of the built-in table (code reads :func:`reliance_names`)."""
+
+RELIANCE_FIELDS = tuple(reliance_fields())
+"""The fields of the built-in table that need the counterfactual forward (code reads :func:`reliance_fields`)."""
 
 
 def trainer_field(name: str) -> bool:
@@ -149,17 +330,51 @@ def trainer_field(name: str) -> bool:
     >>> trainer_field("mdi_late"), trainer_field("blind_agrees"), trainer_field("label_idx")
     (True, True, False)
     """
-    return reward_field_pattern(name) or name in RELIANCE_FIELDS
+    signal = signal_of(name)
+    return signal is not None and signal.reward
 
 
 def reward_field_pattern(name: str) -> bool:
-    """Whether a reward input named ``name`` is (for some segment names) a signal the trainer provides.
+    """Whether a reward input named ``name`` is (for some segment names) a reward field of the attention probe
+    alone (its own signals, and the groups ranking them).
 
     >>> reward_field_pattern("mdi_late"), reward_field_pattern("aei_text"), reward_field_pattern("label_idx")
     (True, True, False)
     """
+    return trainer_field(name) and sources_of(name) == {PROBE}
+
+
+def reads_attention(name: str) -> bool:
+    """Whether a reward input of this name needs the attention probe (``mdi*``, ``aei*``, ``answer_image_attention``).
+
+    >>> reads_attention("answer_image_attention"), reads_attention("visual_gain")
+    (True, False)
+    """
+    return trainer_field(name) and PROBE in sources_of(name)
+
+
+def reads_counterfactual(name: str) -> bool:
+    """Whether a reward input of this name needs the counterfactual forward (the reliance fields)."""
+    return trainer_field(name) and COUNTERFACTUAL in sources_of(name)
+
+
+def provided_fields(segments: Sequence[str], *, attention: bool, reliance: bool) -> set[str]:
+    """The reward fields a run provides: the probe's (for these segments) with attention metrics on, the
+    counterfactual ones when the counterfactual forward can run (those also reading the probe need attention too),
+    and the group signals whose inputs are provided."""
+    forwards = ({PROBE} if attention else set()) | ({COUNTERFACTUAL} if reliance else set())
+    return set(field_names(segments, reward=True, forwards=forwards))
+
+
+def direction(name: str) -> str | None:
+    """Where a signal points to prior-following rollouts: ``LOW``, ``HIGH`` or None (not in the table, or peaked,
+    such as ``mdi_balance``).
+
+    >>> direction("visual_gain"), direction("mdi_late"), direction("mdi_balance"), direction("confidence")
+    ('low', 'high', None, None)
+    """
     signal = signal_of(name)
-    return signal is not None and signal.reward
+    return signal.direction if signal is not None else None
 
 
 def reserved_segment_names() -> set[str]:
@@ -195,11 +410,13 @@ def check_segment_spec(spec) -> None:
             )
 
 
+# ------------------------------------------------------------------------------------------------ the logs' views
 def log_columns(segments: Sequence[str]) -> list[tuple[str, str]]:
-    """(field, header) of the attention log's per-rollout table, in table order; per-segment MDI before MDI all."""
+    """(field, header) of the attention log's per-rollout table (probe signals), in table order; per-segment MDI
+    before MDI all."""
     cols: list[tuple[str, str]] = []
     for s in SIGNALS:
-        if s.log is None:
+        if s.log is None or s.source != PROBE:
             continue
         if s.per_segment:
             cols += [(n, s.log.format(segment=seg)) for n, seg in zip(expand(s, segments), [g for g in segments
@@ -214,10 +431,10 @@ def log_columns(segments: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def log_means(segments: Sequence[str]) -> list[tuple[str, str]]:
-    """(field, label) of the attention log's step summary: every metric signal, with its column label if it has one."""
+    """(field, label) of the attention log's step summary: every probe metric, with its column label if it has one."""
     out = []
     for s in SIGNALS:
-        if s.metric:
+        if s.metric and s.source == PROBE:
             segs = [g for g in segments if g != "all"]
             label = s.log or s.label or s.name.replace("_", " ")
             labels = [label.format(segment=g) for g in segs] if s.per_segment else [label]
@@ -225,109 +442,186 @@ def log_means(segments: Sequence[str]) -> list[tuple[str, str]]:
     return out
 
 
+def rollout_log_columns() -> list[tuple[str, str]]:
+    """(field, header) of the rollout log's reliance columns: the counterfactual signals with a ``log`` header."""
+    return [(s.name, s.log) for s in SIGNALS if s.source == COUNTERFACTUAL and s.log is not None]
+
+
+def rollout_log_cell(name: str, value: Any) -> Any:
+    """A reliance cell of the rollout log: a flag as yes / no, a number as it is, None where undefined."""
+    signal = signal_of(name)
+    if value is None or not math.isfinite(float(value)):
+        return None
+    return bool(value) if signal is not None and signal.flag else value
+
+
+def reliance_words(rollout: dict) -> list[str]:
+    """The full rollout's reliance line, one phrase per counterfactual signal the rollout carries (table order)."""
+    out = []
+    for s in SIGNALS:
+        if s.source == COUNTERFACTUAL and s.words is not None and s.name in rollout:
+            phrase = s.words(rollout[s.name])
+            if phrase:
+                out.append(phrase)
+    return out
+
+
 def glossary() -> list[tuple[str, str]]:
-    """(metric name, meaning) of every attention/* metric, for the docs' metric glossary."""
-    rows = [(f"attention/{s.name.replace('{segment}', '<segment>')}", s.help) for s in SIGNALS if s.metric]
-    return rows + list(BATCH_METRICS.items())
+    """(metric name, meaning) of every attention/* and reliance/* metric, for the docs' metric glossary."""
+    return [(s.metric_key, s.help) for s in SIGNALS if s.metric] + list(BATCH_METRICS.items())
 
 
 # ------------------------------------------------------------------------------------------------ values
 def rollout_signals(attention: ModalityAttention, segments_spec, balance_ratio: float) -> dict[str, torch.Tensor]:
-    """Every per-rollout signal of these rollouts as ``{name: (B,) float tensor}`` (group signals excepted)."""
+    """Every probe signal of these rollouts as ``{name: (B,) float tensor}``."""
     seg = attention.segment_metrics(segments_spec)
     out: dict[str, torch.Tensor] = {}
     for s in SIGNALS:
-        if s.compute is None:
+        if s.source != PROBE:
             continue
         names = [n for n in seg if n != "all"] if s.per_segment else ["all"]
         for name in names:
             key = s.name.format(segment=name) if s.per_segment else s.name
-            out[key] = s.compute(SignalInputs(attention, seg[name], balance_ratio)).float()
+            out[key] = s.compute(ProbeInputs(attention, seg[name], balance_ratio)).float()
     return out
 
 
-def attach_signals(attention: ModalityAttention, rows: list[dict], *, segments_spec, balance_ratio: float,
-                   expected_layers: list[int], gather: Callable[[torch.Tensor], torch.Tensor],
-                   local: Callable[[torch.Tensor], torch.Tensor], group_size: int,
-                   ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Compute this process's signals, add the reward fields to every row (TRL hands row keys to reward functions),
-    and return ``(local signals, attention/* metrics of the gathered batch)``. All processes must call it.
+def counterfactual_signals(inputs: CounterfactualInputs) -> dict[str, torch.Tensor]:
+    """Every counterfactual signal of these rollouts as ``{name: (B,) float tensor}``, NaN where undefined; a signal
+    whose inputs were not read (no choice logits, no probe) is left out."""
+    out = {}
+    for s in SIGNALS:
+        if s.source == COUNTERFACTUAL:
+            value = s.compute(inputs)
+            if value is not None:
+                out[s.name] = value.float()
+    return out
 
-    ``gather`` concatenates a (B, K) tensor over processes, ``local`` takes this process's rows back out of an
-    (N_global,) one; group signals are computed over the gathered batch because groups can span processes.
-    ``expected_layers`` are the softmax layers the model's config predicts: measuring others is an error (a
-    config whose ``layer_types`` this project does not understand), not a silent mislabelling.
-    """
+
+def reliance_signals(logps: torch.Tensor, cf_logps: torch.Tensor, completion_mask: torch.Tensor, answers,
+                     cf_choice_logits: torch.Tensor | None, has_image: torch.Tensor,
+                     attention_signal: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Every counterfactual signal of a batch from explicit tensors, (B,) float each, NaN where undefined:
+    ``visual_gain`` (mean g_t over the completion), ``answer_visual_gain`` (sum of g_t over the answer span),
+    ``blind_agrees`` (needs ``cf_choice_logits``), ``answer_image_attention`` (needs the probe's per-token
+    ``attention_signal`` a_t, (B, C)), and any counterfactual entry added to the table. ``answers``: the batch's
+    ``trl_mdi.answer_tokens.AnswerTokens``. The profile's reference computes them here, as the trainer does."""
+    return counterfactual_signals(CounterfactualInputs.of(logps, cf_logps, completion_mask, answers, cf_choice_logits,
+                                                          has_image, attention_signal))
+
+
+def check_measured_layers(attention: ModalityAttention, expected_layers: Sequence[int]) -> None:
+    """RuntimeError when the probe measured other layers than the model's config predicts: a config whose
+    ``layer_types`` this project does not understand, never a silent mislabelling."""
     if attention.layers != list(expected_layers):
         raise RuntimeError(
             f"the attention probe measured layers {attention.layers} but the model's config predicts softmax attention "
             f"in layers {list(expected_layers)}: its layer_types are not understood (please report it with the model "
             "id); set compute_attention_metrics=False to train without metrics"
         )
-    values = rollout_signals(attention, segments_spec, balance_ratio)
+
+
+def rollout_values(*, attention: ModalityAttention | None = None, counterfactual: CounterfactualInputs | None = None,
+                   segments_spec=None, balance_ratio: float = 2.0) -> dict[str, torch.Tensor]:
+    """This process's per-rollout values from the records that ran (the probe's result, the counterfactual
+    forward's inputs): ``{name: (B,) float32 CPU tensor}``, group signals excepted (:func:`batch_signals`)."""
+    values = rollout_signals(attention, segments_spec, balance_ratio) if attention is not None else {}
+    if counterfactual is not None:
+        values.update(counterfactual_signals(counterfactual))
+    return {n: v.detach().float().cpu() for n, v in values.items()}
+
+
+@dataclass(frozen=True)
+class BatchSignals:
+    """A generation batch's per-rollout values and metrics: ``local`` (this process's rows, (B,) each, group signals
+    included) and ``metrics`` (``attention/*``, ``reliance/*`` of the batch gathered from every process)."""
+
+    local: dict[str, torch.Tensor]
+    metrics: dict[str, float]
+
+    def reward_rows(self) -> list[dict[str, float | None]]:
+        """One dict per local rollout of the reward fields (None where undefined): what rewards read by name."""
+        return rollout_rows({n: v for n, v in self.local.items() if trainer_field(n)})
+
+
+def batch_signals(values: dict[str, torch.Tensor], *, gather: Callable[[torch.Tensor], torch.Tensor],
+                  local: Callable[[torch.Tensor], torch.Tensor], group_size: int) -> BatchSignals:
+    """The batch's signals from this process's ``values`` (:func:`rollout_values`): gathers them in one collective,
+    adds the group signals (a group can span processes), and computes the metrics. All processes must call it.
+
+    ``gather`` concatenates a (B, K) tensor over processes; ``local`` takes this process's rows back out of an
+    (N_global,) one.
+    """
     names = list(values)
+    if not names:
+        return BatchSignals({}, {})
     table = gather(torch.stack([values[n] for n in names], dim=1))
     gathered = {n: table[:, i] for i, n in enumerate(names)}
+    out = dict(values)
     for name, column in group_signals(gathered, group_size).items():
-        values[name] = local(column)
-    fields = field_names(list(attention.segments(segments_spec)), reward=True)
-    for row, field_values in zip(rows, rollout_rows({n: values[n] for n in fields})):
-        row.update(field_values)
-    return values, batch_metrics(gathered)
+        gathered[name] = column
+        out[name] = local(column).float()
+    return BatchSignals(out, batch_metrics(gathered))
+
+
+def attach_signals(attention: ModalityAttention, rows: list[dict], *, segments_spec, balance_ratio: float,
+                   expected_layers: list[int], gather: Callable[[torch.Tensor], torch.Tensor],
+                   local: Callable[[torch.Tensor], torch.Tensor], group_size: int,
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Deprecated: :func:`rollout_values`, :func:`batch_signals` and ``BatchSignals.reward_rows`` (the trainer hands
+    the rows to the rewards in a step of its own)."""
+    warnings.warn("trl_mdi.signals.attach_signals is deprecated: use rollout_values, batch_signals and "
+                  "BatchSignals.reward_rows", FutureWarning, stacklevel=2)
+    check_measured_layers(attention, expected_layers)
+    batch = batch_signals(rollout_values(attention=attention, segments_spec=segments_spec,
+                                         balance_ratio=balance_ratio), gather=gather, local=local, group_size=group_size)
+    for row, fields in zip(rows, batch.reward_rows()):
+        row.update(fields)
+    return batch.local, batch.metrics
 
 
 def attach_reliance(values: dict[str, torch.Tensor], rows: list[dict] | None, *,
                     gather: Callable[[torch.Tensor], torch.Tensor], local: Callable[[torch.Tensor], torch.Tensor],
                     group_size: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """The reliance counterpart of :func:`attach_signals`: ``values`` are this process's counterfactual signals
-    (``trl_mdi.counterfactual.reliance_signals``, (B,) each); adds the group score ``answer_visual_gain_group_score``
-    (ranked over the gathered batch: groups can span processes), writes every reliance field into ``rows`` (None
-    where undefined; ``rows`` None: logs only) and returns ``(local values, reliance/* metrics)``:
-
-    ``reliance/blind_agree_rate`` (the share of answered rollouts whose answer the counterfactual would have given:
-    the number to watch), ``reliance/visual_gain``, ``reliance/answer_visual_gain``,
-    ``reliance/answer_image_attention`` (means where defined) and ``reliance/answer_rate`` (the share of rollouts
-    with an image and an answer line: it falls when a policy games the gain with junk). All processes must call it.
-    """
-    names = [n for n in RELIANCE_SIGNALS if n in values]
-    device = values[names[0]].device
-    table = gather(torch.stack([values[n].float().to(device) for n in names], dim=1))
-    gathered = {n: table[:, i] for i, n in enumerate(names)}
-    score = group_rank_score(gathered["answer_visual_gain"], group_size, higher_is_better=True)
-    out = dict(values)
-    out["answer_visual_gain_group_score"] = local(score).float()
+    """Deprecated: :func:`batch_signals` over the counterfactual values, and ``BatchSignals.reward_rows``."""
+    warnings.warn("trl_mdi.signals.attach_reliance is deprecated: use batch_signals and BatchSignals.reward_rows",
+                  FutureWarning, stacklevel=2)
+    batch = batch_signals({k: v.float().cpu() for k, v in values.items()}, gather=gather, local=local,
+                          group_size=group_size)
     if rows is not None:
-        for row, fields in zip(rows, rollout_rows({n: out[n] for n in RELIANCE_FIELDS if n in out})):
+        for row, fields in zip(rows, batch.reward_rows()):
             row.update(fields)
-    metrics = {"reliance/answer_rate": float((~gathered["answer_visual_gain"].isnan()).float().mean())}
-    labels = {"blind_agrees": "reliance/blind_agree_rate"}
-    for name, column in gathered.items():
-        finite = column[torch.isfinite(column)]
-        if finite.numel():
-            metrics[labels.get(name, f"reliance/{name}")] = float(finite.mean())
-    return out, metrics
+    return batch.local, batch.metrics
 
 
 def group_signals(gathered: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:
-    """Signals over whole groups of the gathered batch (groups can span processes): ``mdi_group_score``."""
-    return {"mdi_group_score": group_relative_mdi_score(gathered["mdi"], group_size)}
+    """The group signals whose inputs were gathered (``mdi_group_score``, ``answer_visual_gain_group_score``...)."""
+    out = {}
+    for s in SIGNALS:
+        if s.source == GROUP and all(n in gathered for n in s.reads):
+            out[s.name] = s.compute(GroupInputs(gathered, group_size))
+    return out
 
 
 def batch_metrics(gathered: dict[str, torch.Tensor]) -> dict[str, float]:
-    """attention/* from the gathered table: each metric signal's mean where finite, plus ``BATCH_METRICS``."""
+    """attention/* and reliance/* from the gathered values: each metric signal's mean where finite (a flag's mean is
+    its rate), plus the ``BATCH_METRICS`` of the sources present."""
     signals = {name: signal_of(name) for name in gathered}
-    mdi_names = [n for n, s in signals.items() if s is not None and s.name in ("mdi", "mdi_{segment}")]
-    values = {
-        "attention/rows_without_image": float((gathered["n_image"] == 0).float().mean()),
-        "attention/rows_unmeasured": float((gathered["n_queries"] == 0).float().mean()),
-        "attention/rows_mdi_inf": float(torch.stack([torch.isinf(gathered[n]) for n in mdi_names]).any(0)
-                                        .float().mean()),
-    }
+    values: dict[str, float] = {}
+    if "n_image" in gathered:
+        mdi_names = [n for n, s in signals.items() if s is not None and s.name in ("mdi", "mdi_{segment}")]
+        values["attention/rows_without_image"] = float((gathered["n_image"] == 0).float().mean())
+        values["attention/rows_unmeasured"] = float((gathered["n_queries"] == 0).float().mean())
+        values["attention/rows_mdi_inf"] = float(torch.stack([torch.isinf(gathered[n]) for n in mdi_names]).any(0)
+                                                 .float().mean())
+    if "answer_visual_gain" in gathered:
+        values["reliance/answer_rate"] = float((~gathered["answer_visual_gain"].isnan()).float().mean())
     for name, signal in signals.items():
         if signal is not None and signal.metric:
             v = gathered[name][torch.isfinite(gathered[name])]
             if v.numel():
-                values[f"attention/{name}"] = float(v.mean())
+                key = signal.metric_name or f"{METRIC_PREFIX[signal.source]}/{name}"
+                values[key] = float(v.mean())
     return values
 
 
@@ -405,3 +699,11 @@ def group_rank_score(values: torch.Tensor, num_generations: int, *, higher_is_be
     score = torch.where(valid, score, torch.full_like(score, math.nan))
     return score.reshape(-1)
 
+
+
+def __getattr__(name: str):
+    # SignalInputs is ProbeInputs since the table gained counterfactual and group sources.
+    if name == "SignalInputs":
+        warnings.warn("trl_mdi.signals.SignalInputs is now ProbeInputs", FutureWarning, stacklevel=2)
+        return ProbeInputs
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import textwrap
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,30 +44,27 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
 from . import signals as S
-from .answer_format import template_prefills_think
 from .answer_tokens import answer_tokens
 from .attention import ModalityAttention, probe_attention, trailing_completion_layout
-from .attention.model_facts import unwrap_model
+from .attention.model_facts import load_model_config, unwrap_model
+from .attention.model_parts import choice_logits, hidden_states_at
 from .attention.probe import probe_support
 from .batch import encode_prompts, fit_width, pad_rows, policy_batch, rng_untouched
 from .config import MDIGRPOConfig
-from .counterfactual import (
-    NO_IMAGE,
-    candidate_logits,
-    check_counterfactual_encodes,
-    counterfactual_prompts,
-    reliance_signals,
-)
+from .counterfactual import NO_IMAGE, check_counterfactual_encodes, counterfactual_prompts
+from .data.columns import check_choice_counts
 from .data.images import decode_row_images, lazy_images, report_bad_images, row_images
 from .diagnostics import BatchLog, ConsoleSummaryCallback, LiveDiagnostics, perception_strips, write_batch
 from .filtering import apply_group_filter, group_filter_keep
-from .rewards import ThinkFormatReward, bind_think_format, zero_spread_fraction
+from .rewards import ThinkFormatReward, zero_spread_fraction
 from .rewards.inputs import dataset_columns
 from .run_plan import (
     ProbePlacement,
+    RunPlan,
     check_filter_key,
     check_world_size,
     effective_config,
+    load_processing_class,
     plan_run,
     trl_runs_policy_forward,
 )
@@ -80,18 +78,38 @@ ROLLOUT_KEY = "trl_mdi_rollout"  # (B,) local row indices carried through TRL's 
 
 # ------------------------------------------------------------------------------------------------ per-batch records
 @dataclass
-class PolicyForward:
-    """What the policy forward over prompt + completion measured (TRL's old-log-prob forward, or the trainer's own).
+class PromptEncoding:
+    """TRL's own encoding of a batch's prompts (``_tokenize_prompts``): an extra forward needs no second processor
+    call."""
 
-    Local rows, TRL's order. ``logps``/``entropies`` are filled only when TPRL needs them; ``perception`` holds the
-    per-token perception signals computed this batch, by kind (``"perturbation"``, ``"attention"``), (B, C) each.
+    ids: list  # per row, the prompt's token ids
+    multimodal: dict  # the processor's image fields (pixel_values, image_grid_thw, ...)
+
+
+@dataclass
+class PolicyForward:
+    """What the policy forward over prompt + completion measured (TRL's old-log-prob forward, the training forward,
+    or the trainer's own). Local rows, TRL's order.
+
+    ``attention``: the probe's result (None with attention metrics off); ``logps`` / ``entropies``: the completion's
+    log-probs under the real image and the token entropies, (B, C), when read; ``perception``: the per-token
+    perception signals computed this batch, by kind (``"perturbation"``, ``"attention"``), (B, C) each.
     """
 
     attention: ModalityAttention | None = None
-    logps: torch.Tensor | None = None  # (B, C) log-probs of the completion under the real image
-    entropies: torch.Tensor | None = None  # (B, C) token entropies of the generation-time policy
+    logps: torch.Tensor | None = None
+    entropies: torch.Tensor | None = None
     perception: dict[str, torch.Tensor] = field(default_factory=dict)
-    has_image: torch.Tensor | None = None  # (B,) bool
+
+    @classmethod
+    def measured(cls, attention: ModalityAttention | None, completion_length: int, logps=None,
+                 entropies=None) -> PolicyForward:
+        """A probed forward's record, with the attention perception signal a_t (B, C) when the probe kept per-token
+        image masses (the one place it is read off the probe)."""
+        forward = cls(attention=attention, logps=logps, entropies=entropies)
+        if attention is not None and attention.query_image_mass is not None:
+            forward.perception["attention"] = attention.attention_signal(completion_length)
+        return forward
 
 
 @dataclass
@@ -111,7 +129,6 @@ class ScoredRollouts:
 
     rewards: torch.Tensor  # (N_global, F) per reward function, NaN for unreadable images and None rewards
     bad: torch.Tensor  # (N_global,) bool: rollouts of an unreadable image
-    signals: dict[str, torch.Tensor] | None  # local per-rollout signals (trl_mdi.signals) the rewards read
     prompts: list  # local rows
     completions: list
     lengths: list[int]
@@ -119,34 +136,38 @@ class ScoredRollouts:
 
 @dataclass
 class StepTiming:
-    """Wall seconds of one generation batch: generating, and the trainer's own scoring (probe, perturbed forward)."""
+    """Wall seconds of one generation batch: generating, and the trainer's own scoring (probe, extra forwards).
+    ``scoring_in_generation`` is the part of ``scoring`` spent inside TRL's forward, before ``rewards_started``."""
 
     started: float = 0.0
     rewards_started: float = 0.0
     scoring: float = 0.0
-    rides_trl_forward: bool = False  # scoring time is then inside TRL's forward, before rewards_started
+    scoring_in_generation: float = 0.0
 
     @property
     def generation(self) -> float:
-        inside = self.scoring if self.rides_trl_forward else 0.0
-        return max(self.rewards_started - self.started - inside, 0.0)
+        return max(self.rewards_started - self.started - self.scoring_in_generation, 0.0)
 
 
 @dataclass
 class BatchRecord:
     """One generation batch between TRL's stages. ``map_rows`` is the request (local rows whose per-image-token
-    attention the probe keeps, for attention maps); the rest is filled as TRL's stages run."""
+    attention the probe keeps, for attention maps); the rest is filled as TRL's stages run. Where the probe measures
+    is the run plan's (``RunPlan.batch_placement``): the record holds what was measured, never where."""
 
+    step: int = 0  # the optimizer step this batch feeds
     map_rows: list[int] = field(default_factory=list)
     bad_rows: torch.Tensor | None = None  # (B,) bool: local rows whose image could not be decoded
-    encoded: tuple | None = None  # TRL's own prompt encoding (_tokenize_prompts): (prompt_ids, multimodal_fields)
+    has_image: torch.Tensor | None = None  # (B,) bool: local rows with an image
+    encoded: PromptEncoding | None = None
+    completion_mask: torch.Tensor | None = None  # (B, C) the generated tokens, right-padded: what signals average
     forward: PolicyForward | None = None  # set once the policy forward ran: never run a second one
     counterfactual: CounterfactualForward | None = None
+    signals: S.BatchSignals | None = None  # the per-rollout values, once the forwards that feed them ran
     scored: ScoredRollouts | None = None
     timing: StepTiming = field(default_factory=StepTiming)
     tokens: float = 0.0  # prompt + completion tokens of the generation batch, all processes
     samples: float = 0.0
-    in_training_forward: bool = False  # the probe measures in the training forward (no forward before the rewards)
     mixed: bool = False  # images on some processes only
 
     @property
@@ -168,36 +189,44 @@ class BatchRecord:
 
 
 @dataclass
-class PendingMeasurement:
-    """A generation batch whose attention is measured in the training forward, slice by slice (TRL shuffles and splits
-    the batch; each slice carries its rows' local indices). Complete once every row has been measured; then its
-    metrics and live logs are written. ``out`` keeps what the logs need of TRL's output (advantages gathered,
-    completion ids and mask, local)."""
+class MeasuredSlice:
+    """One training slice measured in the training forward: its rows (local indices), the probe's result, and the
+    completion's log-probs (detached)."""
 
-    step: int
+    rows: list[int]
+    attention: ModalityAttention | None
+    logps: torch.Tensor
+
+
+@dataclass
+class PendingMeasurement:
+    """A generation batch measured in the training forward, slice by slice (TRL shuffles and splits the batch; each
+    slice carries its rows' local indices). Complete once every row has been measured; then its signals, metrics and
+    live logs are written. ``out`` keeps what the logs need of TRL's output (advantages gathered, completion ids and
+    mask, local)."""
+
     inputs: list[dict]
     record: BatchRecord
     out: dict[str, torch.Tensor]
-    parts: list[tuple[list[int], ModalityAttention | None, torch.Tensor]] = field(default_factory=list)
+    slices: list[MeasuredSlice] = field(default_factory=list)
     active_rows: list[int] | None = None  # the slice being trained now (set around its loss computation)
 
     @property
     def complete(self) -> bool:
-        return sum(len(rows) for rows, _, _ in self.parts) == len(self.inputs)
+        return sum(len(s.rows) for s in self.slices) == len(self.inputs)
 
     def slice_map_rows(self) -> list[int]:
         """Positions in the active slice of the rows the attention maps want."""
         return [i for i, row in enumerate(self.active_rows or []) if row in self.record.map_rows]
 
     def forward(self) -> PolicyForward:
-        """The whole batch's measurement, rows back in generation order: the probe's result (None with attention
-        metrics off) and the completion's log-probs from the training forward (detached)."""
-        rows = [r for part_rows, _, _ in self.parts for r in part_rows]
+        """The whole batch's measurement, rows back in generation order."""
+        rows = [r for s in self.slices for r in s.rows]
         order = sorted(range(len(rows)), key=rows.__getitem__)
-        logps = torch.cat([lp for _, _, lp in self.parts])[order]
-        parts = [a for _, a, _ in self.parts]
+        logps = torch.cat([s.logps for s in self.slices])[order]
+        parts = [s.attention for s in self.slices]
         attention = ModalityAttention.cat(parts).take(order) if parts[0] is not None else None
-        return PolicyForward(attention=attention, logps=logps)
+        return PolicyForward.measured(attention, logps.shape[1], logps=logps)
 
 
 # ------------------------------------------------------------------------------------------------ the trainer
@@ -206,24 +235,58 @@ class MDIGRPOTrainer(GRPOTrainer):
 
     A drop-in: same arguments as ``trl.GRPOTrainer``; ``args`` may be a plain ``GRPOConfig`` (upgraded, the added
     fields at their defaults) or an :class:`~trl_mdi.MDIGRPOConfig`. ``trainer.run_plan`` says what the run does.
+
+    Model card: named "MDI-GRPO"; it cites GRPO's paper as TRL does (DeepSeekMath), and its citation block adds the
+    two papers whose methods this trainer adds: MDI/AEI (text dominance) and VPPO (token perception, TPRL).
     """
 
     _tag_names = ["trl", "grpo", "trl_mdi"]
+    _name = "MDI-GRPO"
+    _paper = {
+        **GRPOTrainer._paper,
+        # docstyle-ignore
+        "citation": GRPOTrainer._paper["citation"] + "\n" + textwrap.dedent("""\
+            @article{wu2025language,
+                title        = {{When Language Overrules: Revealing Text Dominance in Multimodal Large Language Models}},
+                author       = {Huyu Wu and Meng Tang and Xinhan Zheng and Haiyun Jiang},
+                year         = 2025,
+                eprint       = {arXiv:2508.10552},
+            }
+            @inproceedings{huang2026spotlight,
+                title        = {{Spotlight on Token Perception for Multimodal Reinforcement Learning}},
+                author       = {Siyuan Huang and others},
+                year         = 2026,
+                booktitle    = {The Fourteenth International Conference on Learning Representations, {ICLR} 2026},
+                eprint       = {arXiv:2510.09285},
+            }"""),
+    }
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, **kwargs):
+        # Decide, then build TRL: the processor is loaded here as TRL would load it, so that the plan reads its chat
+        # template, and TRL gets the decided reward list and config.
         defaults_chosen = isinstance(args, MDIGRPOConfig)  # only then may the default reward stack stand in
         if args is None:
             name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
             args = MDIGRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
         config = MDIGRPOConfig.from_grpo_config(args)
+        evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
+        for split, ds in [("train_dataset", train_dataset), *evals]:
+            if ds is not None:
+                check_choice_counts(ds, split)  # a row with more choices than letters: the data's error, now
+        if kwargs.get("processing_class") is None:
+            # A model whose config cannot be read fails here with transformers' own error, as it would in plan_run.
+            load_model_config(model, config.model_init_kwargs, trust_remote_code=config.trust_remote_code)
+            kwargs["processing_class"] = load_processing_class(model, config)
         plan = plan_run(model, reward_funcs, config, defaults_chosen=defaults_chosen,
                         columns=dataset_columns(train_dataset, eval_dataset),
                         environment_rewards=kwargs.get("environment_factory") is not None,
-                        processing_class=kwargs.get("processing_class"))
+                        processing_class=kwargs["processing_class"])
         config = effective_config(config, plan)
         self._batch: BatchRecord | None = None
         self._pending: PendingMeasurement | None = None
+        # The format check the rewards, the clean-format metric and the logs share (one definition everywhere).
+        self.answer_format = ThinkFormatReward(config.answer_pattern, think_prefilled=bool(plan.think_prefilled))
         # Built before the weights load: a log path that cannot be written fails before any model work.
         self.live_logs = (
             LiveDiagnostics(config, is_main_process=config.process_index == 0, reward_names=list(plan.reward_names),
@@ -240,33 +303,43 @@ class MDIGRPOTrainer(GRPOTrainer):
         self.add_callback(ConsoleSummaryCallback(config.colorize_output, self.reward_func_names))
         if self.live_logs is not None:
             self.add_callback(self.live_logs)  # closes the log files when training ends
-        # The format check the rewards, the clean-format metric and the logs share (one definition everywhere).
-        prefilled = template_prefills_think(self.processing_class, self.chat_template_kwargs)
-        self.answer_format = ThinkFormatReward(config.answer_pattern, think_prefilled=prefilled)
-        self.reward_funcs = bind_think_format(self.reward_funcs, think_prefilled=prefilled)
+        self.run_plan = self._plan_with_loaded_model(plan)
+        if self.accelerator.is_main_process:
+            logger.info(self.run_plan.describe())
+
+    def _plan_with_loaded_model(self, plan: RunPlan) -> RunPlan:
+        """Phase 2 of the plan, and the only changes made after ``super().__init__``: they need what TRL has just
+        loaded. The model's attention implementation and whether the probe can measure it (a model with its own
+        softmax cannot be); the dummy vision pass and the empty-image guard installed on the loaded model; whether the
+        processor encodes the counterfactual image. Should the probe turn out unable to measure the model, the
+        default stack's mdi_balance leaves TRL's four parallel reward lists (tests/test_trl_contract.py pins them)
+        and attention-only settings are switched off in the trainer's copy of the config and the live logs."""
         # Mixed data: a slice of text-only rows is a text-only forward (TRL hands it empty image tensors), and under
         # ZeRO-3 / DDP image-less processes run the vision tower on a dummy, times zero.
         if plan.facts.is_vlm:
             drop_empty_image_inputs(self.model)
         self.vision_pass = vision_pass_for_run(self.model, self.processing_class, self.accelerator.num_processes,
                                                plan.facts.is_vlm, logger.info)
-        self.run_plan = plan.with_model(
+        loaded = plan.with_model(
             attn_implementation=unwrap_model(self.model).config.get_text_config()._attn_implementation,
-            trl_runs_policy_forward=trl_runs_policy_forward(config, self.num_iterations, self.use_vllm,
+            trl_runs_policy_forward=trl_runs_policy_forward(self.args, self.num_iterations, self.use_vllm,
                                                             self.vllm_importance_sampling_correction),
-            think_prefilled=prefilled, vision_pass=self.vision_pass is not None,
+            vision_pass=self.vision_pass is not None,
             probe_unsupported=probe_support(self.model) if plan.attention_metrics else None)
-        if self.run_plan.reliance:
-            check_counterfactual_encodes(self.processing_class, config.counterfactual_image, self.chat_template_kwargs,
-                                         self.chat_template)
-        if self.run_plan.reward_names != plan.reward_names:  # the default stack lost mdi_balance: metrics are off
-            self._keep_rewards(self.run_plan.reward_names)
-        if not self.run_plan.attention_metrics:  # the loaded model's attention cannot be measured after all
+        if loaded.reliance:
+            check_counterfactual_encodes(self.processing_class, self.args.counterfactual_image,
+                                         self.chat_template_kwargs, self.chat_template)
+        if loaded.reward_names != plan.reward_names:  # the default stack lost mdi_balance: metrics are off
+            keep = [i for i, n in enumerate(self.reward_func_names) if n in loaded.reward_names]
+            self.reward_funcs = [self.reward_funcs[i] for i in keep]
+            self.reward_func_names = [self.reward_func_names[i] for i in keep]
+            self.reward_processing_classes = [self.reward_processing_classes[i] for i in keep]
+            self.reward_weights = self.reward_weights[keep]
+        if not loaded.attention_metrics and plan.attention_metrics:
             self.args.compute_attention_metrics = False  # the trainer's own copy of the config, not the user's
             if self.live_logs is not None:
                 self.live_logs.attention = None
-        if self.accelerator.is_main_process:
-            logger.info(self.run_plan.describe())
+        return loaded
 
     # ------------------------------------------------------------------------------------ TRL's stages, intercepted
     def training_step(self, model, inputs, num_items_in_batch):
@@ -303,7 +376,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         out = super()._tokenize_prompts(prompts)
         record = self._batch
         if record is not None and record.encoded is None:
-            record.encoded = out[0], out[2]  # TRL's own encoding: an extra forward needs no second processor call
+            record.encoded = PromptEncoding(ids=out[0], multimodal=out[2])
         return out
 
     def _generate(self, prompts):
@@ -318,36 +391,40 @@ class MDIGRPOTrainer(GRPOTrainer):
         return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        # The probe rides on TRL's own forwards where the plan puts it: TRL's no-grad old-log-prob forward of the
-        # policy, or the first (grad-enabled) pass of each training slice. Anything else is TRL's forward unchanged.
-        record, pending = self._batch, self._pending
-        rides_trl = (record is not None and record.timing.rides_trl_forward and record.forward is None
-                     and model is self.model and not torch.is_grad_enabled())
-        rides_training = pending is not None and pending.active_rows is not None and torch.is_grad_enabled()
-        if not (rides_trl or rides_training):
+        # The probe rides on the TRL forward the plan puts it in (``_rides_here``); any other call is TRL's forward
+        # unchanged.
+        rides = self._rides_here(model)
+        if rides is None:
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                               *args, **kwargs)
-        if rides_trl and self.args.enable_entropy_filtering:
+        record, pending = self._batch, self._pending
+        if rides is ProbePlacement.TRL_FORWARD and self.args.enable_entropy_filtering:
             kwargs["compute_entropy"] = True  # the fused head returns it at no extra forward
         start = time.perf_counter()
-        map_rows = record.map_rows if rides_trl else pending.slice_map_rows()
+        map_rows = record.map_rows if rides is ProbePlacement.TRL_FORWARD else pending.slice_map_rows()
         with self._probe(map_rows, logits_to_keep) as probe:
             out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                              *args, **kwargs)
-        if rides_trl:
-            record.timing.scoring += time.perf_counter() - start
-            record.forward = self._measured(probe, logits_to_keep, logps=out[0], entropies=out[1])
+        attention = probe.result() if probe is not None else None
+        if rides is ProbePlacement.TRL_FORWARD:
+            seconds = time.perf_counter() - start
+            record.timing.scoring += seconds
+            record.timing.scoring_in_generation += seconds
+            record.forward = PolicyForward.measured(attention, logits_to_keep, logps=out[0], entropies=out[1])
         else:
-            pending.parts.append((pending.active_rows, probe.result() if probe is not None else None,
-                                  out[0].detach()))
+            pending.slices.append(MeasuredSlice(pending.active_rows, attention, out[0].detach()))
             pending.active_rows = None  # one measurement per slice
         return out
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        record, mode, signals = self._batch, self._mode(), None
+        record, mode = self._batch, self._mode()
         if record is not None:
             record.timing.rewards_started = start = time.perf_counter()
-            signals = self._forward_before_rewards(record, inputs, prompts, completion_ids_list)
+            record.completion_mask = pad_rows(completion_ids_list, 0, "right")[1]
+            self._forwards_before_rewards(record, inputs, prompts, completion_ids_list)
+            if record.forward is not None:  # else measured in the training forward: completed in compute_loss
+                record.signals = self._batch_signals(record, mode)
+                self._hand_to_rewards(inputs, record.signals)
             record.timing.scoring += time.perf_counter() - start
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         clean = self.accelerator.gather(torch.tensor(self.answer_format(completions, [x.get("choices") for x in inputs]),
@@ -358,8 +435,8 @@ class MDIGRPOTrainer(GRPOTrainer):
             # Rollouts of an unreadable image are unscorable: NaN rewards give them advantage 0 and keep them out
             # of their group's baseline (TRL's own rule); the loss mask drops them after.
             rewards[bad] = float("nan")
-            record.scored = ScoredRollouts(rewards=rewards, bad=bad, signals=signals, prompts=prompts,
-                                           completions=completions, lengths=[len(c) for c in completion_ids_list])
+            record.scored = ScoredRollouts(rewards=rewards, bad=bad, prompts=prompts, completions=completions,
+                                           lengths=[len(c) for c in completion_ids_list])
         group = self._group_size(mode)
         if group and rewards.shape[0] % group == 0:
             for name, value in zip(self.reward_func_names, zero_spread_fraction(rewards, group).tolist()):
@@ -380,23 +457,29 @@ class MDIGRPOTrainer(GRPOTrainer):
         if pending.complete:
             self._pending = None
             record = pending.record
-            record.forward = forward = pending.forward()
-            signals = (self._attach_signals(forward.attention, pending.inputs, "train") if forward.attention is not None
-                       else {})
-            if record.counterfactual is not None:
-                forward.has_image = torch.tensor([bool(row_images(x)) for x in pending.inputs])
-                signals.update(self._reliance(forward, record.counterfactual, pending.out["completion_mask"], None,
-                                              "train"))
-            record.scored.signals = signals or None
+            record.forward = pending.forward()
+            record.signals = self._batch_signals(record, "train")
             if self.live_logs is not None:
-                self._write_live_logs(pending.step, pending.inputs, pending.record, pending.out)
+                self._write_live_logs(pending.inputs, record, pending.out)
         return loss
 
     # ------------------------------------------------------------------------------------ one generation batch
+    def _rides_here(self, model) -> ProbePlacement | None:
+        """Whether this call of TRL's log-prob path is the forward the plan measures the batch in, and which:
+        TRL's no-grad old-log-prob forward of the policy (the first of the batch; a reference model's, or the policy
+        with its adapter off for the KL term, comes later or is another model), or a training slice's first pass."""
+        record, pending = self._batch, self._pending
+        if (record is not None and record.forward is None and model is self.model and not torch.is_grad_enabled()
+                and self.run_plan.batch_placement(self._mode()) is ProbePlacement.TRL_FORWARD):
+            return ProbePlacement.TRL_FORWARD
+        if pending is not None and pending.active_rows is not None and torch.is_grad_enabled():
+            return ProbePlacement.TRAINING_FORWARD
+        return None
+
     def _prepare_batch(self, inputs: list[dict], record: BatchRecord) -> None:
         """Before TRL generates: decode the images (a bad one is reported, never fatal by default), pick the rows the
-        attention maps want, start the clock and say where this batch is measured."""
-        mode, step = self._mode(), self.state.global_step + 1  # the optimizer step this batch feeds
+        attention maps want, start the clock."""
+        record.step = self.state.global_step + 1  # the optimizer step this batch feeds
         errors = decode_row_images(inputs)
         report_bad_images(inputs, errors, self.args.on_bad_image, gather_object)
         zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
@@ -407,18 +490,16 @@ class MDIGRPOTrainer(GRPOTrainer):
             for x in inputs:
                 x["images"] = [x["image"]] if x.get("image") is not None else []
         record.bad_rows = torch.tensor([i in errors for i in range(len(inputs))])
-        if self.live_logs and self.live_logs.is_main and self.live_logs.wants_maps(step):
+        record.has_image = torch.tensor([bool(row_images(x)) for x in inputs])
+        if self.live_logs and self.live_logs.is_main and self.live_logs.wants_maps(record.step):
             rows = [i for i, x in enumerate(inputs) if row_images(x)]  # one panel row per image of a prompt
             record.map_rows = rows[: self.args.attention_maps_per_step]
-        record.timing = StepTiming(started=time.perf_counter(),
-                                   rides_trl_forward=self.run_plan.placement is ProbePlacement.TRL_FORWARD)
-        record.in_training_forward = (mode == "train"
-                                      and self.run_plan.placement is ProbePlacement.TRAINING_FORWARD)
+        record.timing = StepTiming(started=time.perf_counter())
 
     def _finish_batch(self, out: dict[str, Any], inputs: list[dict], record: BatchRecord) -> None:
         """After TRL scored the batch: unreadable images and online filtering out of the update, TPRL into the loss
         mask and advantages, perf metrics, then the live logs (now, or once the training forward measured it)."""
-        mode, step = self._mode(), self.state.global_step + 1
+        mode = self._mode()
         scored = record.scored
         if scored.bad.any():
             apply_group_filter(out, ~self._local(scored.bad, len(inputs)).to(out["advantages"].device),
@@ -433,57 +514,83 @@ class MDIGRPOTrainer(GRPOTrainer):
         if self.args.uses_tprl:
             self._log(mode, apply_tprl(out, self.args, entropies=forward.entropies,
                                        perception=forward.perception.get(self.args.perception_signal),
-                                       has_image=forward.has_image, gather=self.accelerator.gather,
+                                       has_image=record.has_image, gather=self.accelerator.gather,
                                        process_index=self.accelerator.process_index))
         if self.args.perception_signal_compare and forward is not None:
             self._metrics[mode]["tprl/signal_rank_corr"].append(signal_rank_corr(
                 forward.perception["perturbation"], forward.perception["attention"], out["completion_mask"],
-                forward.has_image, self.accelerator.gather))
+                record.has_image, self.accelerator.gather))
         record.tokens = float(self.accelerator.gather(out["prompt_mask"].sum() + out["completion_mask"].sum()).sum())
         record.samples = float(len(inputs) * self.accelerator.num_processes)
         self._metrics[mode]["perf/generation_seconds"].append(record.timing.generation)
         self._metrics[mode]["perf/scoring_seconds"].append(record.timing.scoring)
-        if record.in_training_forward:
+        if self.run_plan.batch_placement(mode) is ProbePlacement.TRAINING_FORWARD:
             # Tag TRL's output with row indices (they survive its shuffle) and hold the batch until every slice
             # has been measured in compute_loss.
             out[ROLLOUT_KEY] = torch.arange(len(inputs), device=out["advantages"].device)
             kept = {"advantages": self.accelerator.gather(out["advantages"]), "completion_ids": out["completion_ids"],
                     "completion_mask": out["completion_mask"]}
-            self._pending = PendingMeasurement(step, inputs, record, kept)
+            self._pending = PendingMeasurement(inputs, record, kept)
         elif self.live_logs is not None:
-            self._write_live_logs(step, inputs, record, out)
+            self._write_live_logs(inputs, record, out)
 
-    def _forward_before_rewards(self, record: BatchRecord, inputs, prompts, completion_ids_list) -> dict | None:
-        """Before the rewards: the policy forward the rewards and TPRL read (TRL's, already measured, else one extra
-        no-grad forward), the counterfactual forward of the reliance signals, the perception signals; returns this
-        batch's per-rollout signals, added to the rows (None when the batch is measured in the training forward)."""
-        plan, mode = self.run_plan, self._mode()
-        if record.forward is None and plan.measures_policy and not record.in_training_forward:
+    def _forwards_before_rewards(self, record: BatchRecord, inputs, prompts, completion_ids_list) -> None:
+        """Before the rewards: the policy forward the rewards and TPRL read (TRL's, already measured, or one extra
+        no-grad forward where the plan says so), the counterfactual forward, the perception signals."""
+        plan = self.run_plan
+        if plan.batch_placement(self._mode()) is ProbePlacement.EXTRA_FORWARD:
             record.forward = self._extra_forward(record.map_rows, self._policy_batch(record.encoded, prompts, inputs,
                                                                                      completion_ids_list))
         if plan.reliance:
-            record.counterfactual = self._counterfactual_forward(inputs, prompts, completion_ids_list)
+            record.counterfactual = self._counterfactual_forward(inputs, prompts, completion_ids_list,
+                                                                 record.completion_mask)
         forward = record.forward
         if forward is None:
-            return None
-        forward.has_image = has_image = torch.tensor([bool(row_images(x)) for x in inputs])
+            if plan.batch_placement(self._mode()) is ProbePlacement.TRL_FORWARD:
+                raise RuntimeError("the run plan measures in TRL's old-log-prob forward, but TRL ran none for this "
+                                   "batch: TRL's condition for it changed (tests/test_trl_contract.py pins it)")
+            return
         if self.args.uses_perturbed_forward:
             forward.perception["perturbation"] = self._perturbation_signal(
-                inputs, prompts, completion_ids_list, forward.logps, has_image, record.counterfactual)
+                inputs, prompts, completion_ids_list, forward.logps, record.has_image, record.counterfactual)
         if "attention" in forward.perception:  # no image: nothing to depend on, as for the perturbation signal
-            forward.perception["attention"] *= has_image.to(forward.perception["attention"])[:, None]
-        signals = self._attach_signals(forward.attention, inputs, mode) if forward.attention is not None else {}
-        if record.counterfactual is not None:
-            mask = pad_rows(completion_ids_list, 0, "right")[1].to(forward.logps.device)
-            signals.update(self._reliance(forward, record.counterfactual, mask, inputs, mode))
-        return signals or None
+            forward.perception["attention"] *= record.has_image.to(forward.perception["attention"])[:, None]
+
+    def _batch_signals(self, record: BatchRecord, mode: str) -> S.BatchSignals:
+        """The one place a batch's per-rollout values are assembled (``trl_mdi.signals``), from the policy forward's
+        record and the counterfactual forward's, whichever stage completes them (before the rewards, or once the last
+        training slice has been measured); logged as attention/* and reliance/*. Every process calls it."""
+        forward, cf = record.forward, record.counterfactual
+        if forward.attention is not None:
+            S.check_measured_layers(forward.attention, self.run_plan.facts.measured_layers)
+        counterfactual = None
+        if cf is not None:
+            counterfactual = S.CounterfactualInputs.of(forward.logps, cf.logps, record.completion_mask, cf.answers,
+                                                       cf.choice_logits, record.has_image,
+                                                       forward.perception.get("attention"))
+        values = S.rollout_values(attention=forward.attention, counterfactual=counterfactual,
+                                  segments_spec=self.args.attention_layer_segments,
+                                  balance_ratio=self.args.mdi_balance_ratio)
+        n = len(record.has_image)
+        signals = S.batch_signals(values, gather=self._gather_cpu, local=lambda t: self._local(t, n),
+                                  group_size=self._group_size(mode))
+        self._log(mode, signals.metrics)
+        return signals
+
+    @staticmethod
+    def _hand_to_rewards(inputs: list[dict], signals: S.BatchSignals) -> None:
+        """Hand the per-rollout reward fields to the reward functions: TRL passes every key of its row dicts to
+        each reward as a named argument (its only channel to them), so the fields are added to the rows."""
+        for row, fields in zip(inputs, signals.reward_rows()):
+            row.update(fields)
 
     # ------------------------------------------------------------------------------------ the trainer's own forwards
-    def _policy_batch(self, encoded, prompts, inputs, completion_ids_list, with_images: bool = True):
+    def _policy_batch(self, encoded: PromptEncoding | None, prompts, inputs, completion_ids_list,
+                      with_images: bool = True):
         """Prompt + completion as TRL lays out its log-prob forward, from TRL's own prompt encoding when there is one
         (a ``rollout_func`` bypasses it: the prompts are encoded again, as TRL encodes them). ``with_images=False``:
         the prompts hold no image (the counterfactual without the image)."""
-        prompt_ids, fields = encoded if encoded is not None else encode_prompts(
+        prompt_ids, fields = (encoded.ids, encoded.multimodal) if encoded is not None else encode_prompts(
             self.processing_class, prompts, chat_template_kwargs=self.chat_template_kwargs,
             chat_template=self.chat_template)
         images = [row_images(x) for x in inputs] if with_images else []
@@ -502,14 +609,6 @@ class MDIGRPOTrainer(GRPOTrainer):
         layout = trailing_completion_layout(completion_length, list(self.run_plan.facts.image_token_ids), tokenizer)
         with probe_attention(self.model, layout, map_rows, self.run_plan.token_layers) as state:
             yield state
-
-    def _measured(self, probe, completion_length: int, logps=None, entropies=None) -> PolicyForward:
-        """What a probed policy forward gives: the attention result and, when asked, the attention signal (B, C)."""
-        attention = probe.result() if probe is not None else None
-        forward = PolicyForward(attention=attention, logps=logps, entropies=entropies)
-        if attention is not None and attention.query_image_mass is not None:
-            forward.perception["attention"] = attention.attention_signal(completion_length)
-        return forward
 
     def _policy_logps(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One no-grad policy forward through TRL's own log-prob path (same chunking, fused head).
@@ -541,7 +640,8 @@ class MDIGRPOTrainer(GRPOTrainer):
             batch = dataclasses.replace(batch, logits_to_keep=1)
         with self._probe(map_rows, completion_length) as probe:
             logps, entropies = self._policy_logps(batch)
-        return self._measured(probe, completion_length, *((logps, entropies) if needs_head else ()))
+        attention = probe.result() if probe is not None else None
+        return PolicyForward.measured(attention, completion_length, *((logps, entropies) if needs_head else ()))
 
     def _perturbation_signal(self, inputs, prompts, completion_ids_list, logps: torch.Tensor, has_image: torch.Tensor,
                              counterfactual: CounterfactualForward | None) -> torch.Tensor:
@@ -551,9 +651,7 @@ class MDIGRPOTrainer(GRPOTrainer):
             aug_logps = counterfactual.logps
         else:
             aug_prompts = self._counterfactual_prompts(inputs, prompts, self.args.perception_perturbation)
-            encoded = encode_prompts(self.processing_class, aug_prompts,
-                                     chat_template_kwargs=self.chat_template_kwargs, chat_template=self.chat_template)
-            aug_logps, _ = self._policy_logps(self._policy_batch(encoded, aug_prompts, inputs, completion_ids_list))
+            aug_logps, _ = self._policy_logps(self._policy_batch(None, aug_prompts, inputs, completion_ids_list))
         s_t = perturbation_signal(fit_width(logps, aug_logps.shape[1]), aug_logps)
         # Rows without an image have no visual dependency to measure: 0, and the masks leave them unfiltered.
         return s_t * has_image.to(s_t.device)[:, None]
@@ -568,55 +666,25 @@ class MDIGRPOTrainer(GRPOTrainer):
             row_offset=self.accelerator.process_index * len(inputs), patch_size=a.perturbation_patch_size,
             prob=a.perturbation_prob, noise_std=a.perturbation_noise_std, blur_radius=a.perturbation_blur_radius)
 
-    def _counterfactual_forward(self, inputs, prompts, completion_ids_list) -> CounterfactualForward:
+    def _counterfactual_forward(self, inputs, prompts, completion_ids_list,
+                                completion_mask: torch.Tensor) -> CounterfactualForward:
         """The reliance signals' one extra no-grad forward: the same rollouts with the counterfactual image
         (``counterfactual_image``), keeping the completion's log-probs and, at the position that chose each answer
         letter, the logits of the row's choice letters (read off the backbone's hidden state through the LM head's
         rows of those letters: no (B, C, vocabulary) logits)."""
         kind = self.args.counterfactual_image
         cf_prompts = self._counterfactual_prompts(inputs, prompts, kind)
-        encoded = encode_prompts(self.processing_class, cf_prompts, chat_template_kwargs=self.chat_template_kwargs,
-                                 chat_template=self.chat_template)
-        batch = self._policy_batch(encoded, cf_prompts, inputs, completion_ids_list, with_images=kind != NO_IMAGE)
-        ids, mask = pad_rows(completion_ids_list, self._tokenizer.pad_token_id, "right")
-        answers = answer_tokens(self._tokenizer, ids, mask, [x.get("choices") for x in inputs],
+        batch = self._policy_batch(None, cf_prompts, inputs, completion_ids_list, with_images=kind != NO_IMAGE)
+        ids = pad_rows(completion_ids_list, self._tokenizer.pad_token_id, "right")[0]
+        answers = answer_tokens(self._tokenizer, ids, completion_mask, [x.get("choices") for x in inputs],
                                 self.answer_format.answer_pattern)
-        base = unwrap_model(self.model)
-        with hidden_states_at(base.base_model, answers.letter_position, batch.logits_to_keep) as hidden:
+        with hidden_states_at(unwrap_model(self.model).base_model, answers.letter_position,
+                              batch.logits_to_keep) as hidden:
             logps, _ = self._policy_logps(batch)
-        head = base.get_output_embeddings()
-        with gathered_parameters([head.weight, head.bias]):
-            choice_logits = candidate_logits(hidden.result().to(head.weight.device), head.weight, head.bias,
-                                             answers.candidates.to(head.weight.device))
-        return CounterfactualForward(logps=logps, choice_logits=choice_logits, answers=answers)
-
-    def _reliance(self, forward: PolicyForward, counterfactual: CounterfactualForward, completion_mask: torch.Tensor,
-                  rows: list[dict] | None, mode: str) -> dict[str, torch.Tensor]:
-        """The batch's reliance signals from the real image's log-probs and the counterfactual forward: added to the
-        rows (when the rewards read them), logged as reliance/*, returned for the live logs."""
-        attention = forward.perception.get("attention")
-        if attention is None and forward.attention is not None and forward.attention.query_image_mass is not None:
-            attention = forward.attention.attention_signal(completion_mask.shape[1])
-        values = reliance_signals(forward.logps, counterfactual.logps, completion_mask, counterfactual.answers,
-                                  counterfactual.choice_logits, forward.has_image, attention)
-        n = len(forward.has_image)
-        local, metrics = S.attach_reliance(
-            {k: v.cpu() for k, v in values.items()}, rows,
-            gather=lambda t: self.accelerator.gather(t.to(self.accelerator.device)).cpu(),
-            local=lambda t: self._local(t, n), group_size=self._group_size(mode))
-        self._log(mode, metrics)
-        return local
+        letters = choice_logits(self.model, hidden.result(), answers.candidates)
+        return CounterfactualForward(logps=logps, choice_logits=letters, answers=answers)
 
     # ------------------------------------------------------------------------------------ small pieces
-    def _keep_rewards(self, names: tuple[str, ...]) -> None:
-        """Keep only the rewards ``names`` in TRL's four parallel reward lists (tests/test_trl_contract.py pins them),
-        for a default stack decided before the model loaded."""
-        keep = [i for i, n in enumerate(self.reward_func_names) if n in names]
-        self.reward_funcs = [self.reward_funcs[i] for i in keep]
-        self.reward_func_names = [self.reward_func_names[i] for i in keep]
-        self.reward_processing_classes = [self.reward_processing_classes[i] for i in keep]
-        self.reward_weights = self.reward_weights[keep]
-
     def _mode(self) -> str:
         return "train" if self.model.training else "eval"
 
@@ -632,17 +700,11 @@ class MDIGRPOTrainer(GRPOTrainer):
         for name, value in metrics.items():
             self._metrics[mode][name].append(value)
 
-    def _attach_signals(self, attention: ModalityAttention, inputs: list[dict], mode: str) -> dict[str, torch.Tensor]:
-        """This batch's per-rollout signals: added to the rows, logged as attention/*, returned for the live logs."""
-        local, metrics = S.attach_signals(
-            attention, inputs, segments_spec=self.args.attention_layer_segments,
-            balance_ratio=self.args.mdi_balance_ratio, expected_layers=list(self.run_plan.facts.measured_layers),
-            gather=lambda t: self.accelerator.gather(t.to(self.accelerator.device)).cpu(),
-            local=lambda t: self._local(t, len(inputs)), group_size=self._group_size(mode))
-        self._log(mode, metrics)
-        return local
+    def _gather_cpu(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (rows first) concatenated over every process, on the CPU (gathered on the accelerator's device)."""
+        return self.accelerator.gather(t.to(self.accelerator.device)).cpu()
 
-    def _write_live_logs(self, step: int, inputs: list[dict], record: BatchRecord, out: dict[str, Any]) -> None:
+    def _write_live_logs(self, inputs: list[dict], record: BatchRecord, out: dict[str, Any]) -> None:
         """Gather this batch's rollouts (all ranks take part) and append them to the live logs (main process)."""
         forward = record.forward
         attention = forward.attention if forward is not None else None
@@ -653,51 +715,23 @@ class MDIGRPOTrainer(GRPOTrainer):
                                        top_p=self.args.top_p_perception_tokens, signal=self.args.perception_signal,
                                        rows=self.args.log_full_rollouts_per_step)
         scored = record.scored
-        batch = BatchLog(step=step, epoch=float(self.state.epoch or 0.0), rows=inputs, prompts=scored.prompts,
+        batch = BatchLog(step=record.step, epoch=float(self.state.epoch or 0.0), rows=inputs, prompts=scored.prompts,
                          completions=scored.completions, completion_lengths=scored.lengths, rewards=scored.rewards,
                          advantages=self.accelerator.gather(out["advantages"]), reward_names=self.reward_func_names,
-                         reward_weights=self.reward_weights, signals=scored.signals, attention=attention,
+                         reward_weights=self.reward_weights,
+                         signals=record.signals.local if record.signals is not None else None, attention=attention,
                          map_rows=record.map_rows, strips=strips)
         write_batch(self.live_logs, batch, processing_class=self.processing_class, answer_format=self.answer_format)
 
 
-@contextlib.contextmanager
-def hidden_states_at(backbone: torch.nn.Module, positions: torch.Tensor, completion_length: int):
-    """Collect, over the (chunked) forwards of ``backbone`` inside the block, each row's last hidden state at the
-    position that chose completion token ``positions[row]`` (``L - C - 1 + t``; -1: none, a zero vector). Rows arrive
-    in order, chunk after chunk, as TRL's log-prob path runs them. ``.result()`` gives (B, H)."""
-    collected = _HiddenStates()
 
-    def hook(_module, _args, output):
-        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
-        start = sum(len(c) for c in collected)
-        t = positions[start:start + hidden.shape[0]].to(hidden.device)
-        index = (hidden.shape[1] - completion_length - 1 + t.clamp(min=0))
-        picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), index].detach()
-        collected.append(torch.where((t >= 0)[:, None], picked, torch.zeros_like(picked)))
+def __getattr__(name: str):
+    # The model-level helpers moved next to the model facts (trl_mdi.attention.model_parts).
+    if name in ("hidden_states_at", "gathered_parameters", "_HiddenStates"):
+        import warnings
 
-    handle = backbone.register_forward_hook(hook)
-    try:
-        yield collected
-    finally:
-        handle.remove()
+        from .attention import model_parts
 
-
-class _HiddenStates(list):
-    """The hidden states ``hidden_states_at`` collected, chunk by chunk; ``result()``: (B, H)."""
-
-    def result(self) -> torch.Tensor:
-        return torch.cat(self)
-
-
-@contextlib.contextmanager
-def gathered_parameters(params: list):
-    """Under DeepSpeed ZeRO-3, the full parameters inside the block (every process must enter it); else as they are."""
-    params = [p for p in params if p is not None]
-    if any(hasattr(p, "ds_id") for p in params):
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            yield
-        return
-    yield
+        warnings.warn(f"trl_mdi.trainer.{name} moved to trl_mdi.attention.model_parts", FutureWarning, stacklevel=2)
+        return getattr(model_parts, "HiddenStates" if name == "_HiddenStates" else name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..signals import RELIANCE_FIELDS, field_names, reward_field_pattern
+from ..signals import provided_fields, reads_attention, reward_field_pattern, trainer_field
 from .registry import REQUIRED_COLUMNS, required_reward_inputs, reward_name
 
 # How a label column is produced, for the error that names a missing one.
@@ -39,12 +39,10 @@ def check_reward_inputs(reward_funcs: Sequence, splits: Mapping[str, Sequence[st
     ValueError: split 'train': reward 'mc_idx_reward' needs column(s) ['label_idx'], which the dataset lacks (its columns: ['image', 'prompt']). Label columns: 'label_idx' for mc_idx (A-OKVQA: trl_mdi.aokvqa.prepare_aokvqa writes it); 'solution' for accuracy (math VQA). Add the column or drop the reward.
     """
     funcs = [f for f in reward_funcs if callable(f) and not isinstance(f, torch.nn.Module)]
-    provided = set(field_names(segments, reward=True)) if attention else set()
-    if reliance:
-        provided |= {n for n in RELIANCE_FIELDS if attention or n != "answer_image_attention"}
+    provided = provided_fields(segments, attention=attention, reliance=reliance)  # the signal table's reward fields
     if not attention:
         for f in funcs:
-            needed = [n for n in required_reward_inputs(f) if reward_field_pattern(n) or n == "answer_image_attention"]
+            needed = [n for n in required_reward_inputs(f) if reads_attention(n)]
             if needed:
                 raise ValueError(f"reward {reward_name(f)!r} reads {needed}, which the trainer computes only with "
                                  "compute_attention_metrics=True (attention metrics are off)")
@@ -57,10 +55,10 @@ def check_reward_inputs(reward_funcs: Sequence, splits: Mapping[str, Sequence[st
             missing = [c for c in required_reward_inputs(f) if c not in available and c not in provided]
             if missing:
                 problems.append(f"reward {reward_name(f)!r} needs column(s) {missing}")
-                missing_signals |= any(reward_field_pattern(c) for c in missing)
+                missing_signals |= any(trainer_field(c) for c in missing)
         if problems:
             labels = "; ".join(f"'{c}' for {r}" for c, r in LABEL_SOURCES.items())
-            signals = (f" Per-rollout attention fields of this model: {sorted(provided) or 'none'}."
+            signals = (f" Per-rollout fields the trainer provides for this model: {sorted(provided) or 'none'}."
                        if missing_signals else "")
             raise ValueError(f"split {split!r}: {'; '.join(problems)}, which the dataset lacks (its columns: "
                              f"{sorted(available)}).{signals} Label columns: {labels}. Add the column or drop the "
