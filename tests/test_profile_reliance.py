@@ -14,6 +14,8 @@ from PIL import Image
 from test_profile import run_profile
 
 from fixtures.testing import shape_image
+from trl_mdi import reliance as R
+from trl_mdi import signals as S
 from trl_mdi.profile import parse_args
 from trl_mdi.profile.reliance import reference_signals
 from trl_mdi.profile.reliance_report import data_prior_label
@@ -199,9 +201,16 @@ def test_a_model_blind_to_its_image_has_zero_gain_and_the_blind_answer_agrees(bl
         assert torch.allclose(out["visual_gain"], torch.zeros(2), atol=1e-5), kind
         assert torch.allclose(out["answer_visual_gain"], torch.zeros(2), atol=1e-5), kind
         assert out["blind_agrees"].tolist() == [1.0, 1.0], kind
-    # Removing the image removes its tokens: the text-only prompt is another input, so the gain is defined and not 0
+    # Removing the image removes its tokens: the text-only prompt is another input, so the gain is defined and not 0:
+    # the two plain forwards by hand (with the image, and the text-only prompt), unbatched
     out = reference_signals(model, proc, prompts, images, completions, "none", choices=choices, attention=False)
-    assert torch.isfinite(out["visual_gain"]).all() and (out["visual_gain"] != 0).all()
+    for i, (prompt, imgs, completion) in enumerate(zip(prompts, images, completions)):
+        answer = letters.index(completion[-1])
+        gain, answer_gain, blind = _brute(model, proc, prompt, imgs, [], completion, len(completion) - 1, letters,
+                                          answer)
+        assert gain != 0.0 and out["visual_gain"][i].item() == pytest.approx(gain, abs=1e-5)
+        assert out["answer_visual_gain"][i].item() == pytest.approx(answer_gain, abs=1e-5)
+        assert out["blind_agrees"][i].item() == blind
 
 
 def test_a_processor_that_cannot_encode_a_counterfactual_is_a_clear_error(tiny):
@@ -252,6 +261,34 @@ def prior_data(tmp_path_factory):
     return root
 
 
+def _pair_auroc(prior: list[float], other: list[float]) -> float | None:
+    """P(a prior-following value is larger than an other one), ties 1/2: every pair counted; None for an empty class."""
+    if not prior or not other:
+        return None
+    return sum((a > b) + 0.5 * (a == b) for a in prior for b in other) / (len(prior) * len(other))
+
+
+def _data_label_aurocs(reliance: dict, kind: str, names: list[str]) -> dict[str, tuple]:
+    """Per signal: (AUROC, n, n_prior) against the data's own label, from a model's stored prompts and rollouts: over
+    the rollouts with an image whose label and every signal of ``names`` are defined (the report's common set), the
+    signal oriented by the table's direction (-x where prior-following rollouts lie LOW)."""
+    prompts = reliance["prompts"]
+    scored = []
+    for r in reliance["rollouts"]:
+        p = prompts[r["prompt"]]
+        label = data_prior_label(r["answer"], p["gold"], p["prior"], p["conflict"])
+        values = {n: r[n] if n.startswith("mdi") else r["signals"][kind].get(n) for n in names}
+        if p["has_image"] and label is not None and all(v is not None for v in values.values()):
+            scored.append((label, values))
+    out = {}
+    for n in names:
+        sign = -1.0 if S.direction(n) == S.LOW else 1.0
+        prior = [sign * float(v[n]) for label, v in scored if label]
+        other = [sign * float(v[n]) for label, v in scored if not label]
+        out[n] = (_pair_auroc(prior, other), len(scored), len(prior))
+    return out
+
+
 def test_the_command_writes_the_reliance_section(tiny_vlm_dir, prior_data, tmp_path, capsys):
     a, b = tiny_vlm_dir("qwen2_5_vl"), tiny_vlm_dir("qwen2_5_vl", seed=1)
     out = tmp_path / "profile"
@@ -279,8 +316,14 @@ def test_the_command_writes_the_reliance_section(tiny_vlm_dir, prior_data, tmp_p
             assert {"mdi", "mdi_late", "answer_image_attention", "visual_gain", "answer_visual_gain",
                     "blind_agrees"} <= set(names)
             assert k["data_table"] is not None and k["agreement"]["n"] >= 1
-            aurocs = [row["auroc"] for row in k["data_table"] if row["signal"] == "visual_gain"]
-            assert aurocs[0] is None or 0.0 <= aurocs[0] <= 1.0
+            # Every AUROC against the data's label, counted pair by pair from the values profile.json stores
+            by_hand = _data_label_aurocs(r, kind, names)
+            assert {row["signal"]: (row["n"], row["n_prior"]) for row in k["data_table"]} == \
+                {n: (h[1], h[2]) for n, h in by_hand.items()}
+            for row in k["data_table"]:
+                assert row["direction"] == S.direction(row["signal"])
+                want = by_hand[row["signal"]][0]
+                assert want is not None and row["auroc"] == pytest.approx(want, abs=1e-12), row["signal"]
     md = (out / "profile.md").read_text()
     assert "## Reliance on the image" in md and "| model | counterfactual | accuracy, image |" in md
     assert md.count("which signal sees prior-following rollouts") == 4 and "Against the data's own label" in md
@@ -320,3 +363,75 @@ def test_reliance_flags_imply_the_section():
     assert args.reliance and args.counterfactual_image == ["black"] and args.samples_per_row == 0
     assert parse_args([*base, "--samples_per_row", "2"]).counterfactual_image == ["black"]
     assert parse_args([*base, "--counterfactual_image", "none", "blur"]).counterfactual_image == ["none", "blur"]
+
+
+# ------------------------------------------------------------------------------- a counterfactual entry added to the table
+
+# The largest per-token visual gain over the completion (docs/signals.md's counterfactual example): NaN tokens
+# (padding, no image) become -inf first, and a row without a valid token (-inf) gets NaN.
+MAX_TOKEN_GAIN = S.Signal(
+    "max_token_gain", "largest per-token visual gain g_t over the completion (nats)",
+    lambda x: torch.where(x.token_gain.isnan().all(1), math.nan,
+                          x.token_gain.nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf).amax(1)),
+    source=S.COUNTERFACTUAL, metric=True, log="max gain", direction=S.LOW)
+
+
+def test_a_counterfactual_entry_added_to_the_table_reaches_the_reliance_report(tiny, monkeypatch, tmp_path):
+    """One entry in SIGNALS, nothing else: the profile measures it per counterfactual kind (each value the largest
+    per-token gain of two plain forwards by hand), and the report gives its mean, its AUROC rows with the table's
+    direction (the AUROC counted pair by pair), a column, its glossary line, and a picture."""
+    from fixtures.warmup import synthetic_dataset
+    from trl_mdi.profile.reliance import measure_reliance
+    from trl_mdi.profile.reliance_report import plot_reliance, render_reliance, summarize_reliance
+
+    monkeypatch.setattr(S, "SIGNALS", (*S.SIGNALS, MAX_TOKEN_GAIN))
+    model, proc = tiny
+    tok = proc.tokenizer
+    ds = synthetic_dataset(6, split="validation", kinds=("prior_color",), conflict_rate=0.5)
+    picks = [row["prior_idx"] if row["conflict"] and i % 2 == 0 else row["label_idx"] for i, row in enumerate(ds)]
+    ds = ds.add_column("completion", [f"<think> it is {row['choices'][pick]}</think>\nAnswer: {'ABCD'[pick]}"
+                                      for row, pick in zip(ds, picks)])
+    m = measure_reliance(model, proc, ds, ["grey"], completion_column="completion", batch_size=4, seed=2)
+    assert len(m.rollouts) == 6
+    for r in m.rollouts:  # the entry's value: max_t [log p(y_t | I) - log p(y_t | I')] of two forwards by hand
+        row = ds[m.prompts[r["prompt"]]["row"]]
+        completion = tok.encode(row["completion"], add_special_tokens=False)
+        cf = perturb_images([[row["image"]]], "grey", seed=2, step=0, row_offset=m.prompts[r["prompt"]]["row"])[0]
+        c = len(completion)
+        target = torch.tensor(completion)
+        real = _forward(model, proc, row["prompt"], [row["image"]], completion)[:c].log_softmax(-1)[torch.arange(c),
+                                                                                                     target]
+        blind = _forward(model, proc, row["prompt"], cf, completion)[:c].log_softmax(-1)[torch.arange(c), target]
+        assert r["signals"]["grey"]["max_token_gain"] == pytest.approx((real - blind).max().item(), abs=1e-5)
+
+    summary = summarize_reliance(m, n_boot=20)
+    k = summary["kinds"]["grey"]
+    values = [r["signals"]["grey"]["max_token_gain"] for r in m.rollouts]
+    assert k["means"]["max_token_gain"] == pytest.approx(sum(values) / len(values))
+    names = [row["signal"] for row in k["data_table"]]
+    assert names[-1] == "max_token_gain" and {"visual_gain", "blind_agrees", "mdi"} <= set(names)
+    row = k["data_table"][-1]
+    by_hand = _data_label_aurocs({"prompts": m.prompts, "rollouts": m.rollouts}, "grey", names)["max_token_gain"]
+    assert row["direction"] == "low" and (row["n"], row["n_prior"]) == by_hand[1:] and 1 <= by_hand[2] < by_hand[1]
+    assert row["auroc"] == pytest.approx(by_hand[0], abs=1e-12)
+    assert R.default_direction("max_token_gain") == R.LOW == S.LOW  # trl_mdi.reliance orients it too, unedited
+    assert [r["signal"] for r in k["rule_table"]][-1] == "max_token_gain"
+
+    md = "\n".join(render_reliance([{"label": "tiny", "reliance": {"summary": summary}}],
+                                   {"counterfactual_image": ["grey"], "seed": 2, "samples_per_row": 0,
+                                    "completion_column": "completion", "max_new_tokens": 3}))
+    assert "| blind_agrees | answer_image_attention | max_token_gain |" in md
+    assert f"**max_token_gain**: {MAX_TOKEN_GAIN.help}." in md and "(reliance_max_token_gain.png)" in md
+    paths = plot_reliance({"tiny": {"prompts": m.prompts, "rollouts": m.rollouts}}, ["grey"], tmp_path)
+    assert (tmp_path / "reliance_max_token_gain.png").is_file() and len(paths) == len(S.reliance_names()) == 5
+
+
+def test_the_reports_former_constants_warn_and_read_the_table():
+    from trl_mdi.profile import reliance_report
+
+    with pytest.warns(FutureWarning, match="KIND_SIGNALS is deprecated: use trl_mdi.signals.reliance_names"):
+        assert reliance_report.KIND_SIGNALS == tuple(S.reliance_names())
+    with pytest.warns(FutureWarning, match="PICTURES is deprecated"):
+        assert reliance_report.PICTURES["blind_agrees"] == "reliance_blind_agrees.png"
+    with pytest.warns(FutureWarning, match="HOW_TO_READ is deprecated"):
+        assert "**visual_gain**: mean over the completion" in reliance_report.HOW_TO_READ

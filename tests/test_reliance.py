@@ -149,8 +149,9 @@ def test_signal_table_orients_each_signal_and_reports_classes():
     mdi = rng.normal(size=n) + 1.5 * labels  # high when prior-following
     noise = rng.normal(size=n)
     visual_gain[5] = np.nan
+    # common=False: each signal on its own rollouts (the common set is tested in test_reliance_stats.py)
     rows = R.signal_table({"visual_gain": visual_gain, "mdi_late": mdi, "custom": noise}, labels, groups,
-                          directions={"custom": "high"}, n_boot=200, seed=0)
+                          directions={"custom": "high"}, n_boot=200, seed=0, common=False)
     by = {r["signal"]: r for r in rows}
     assert [r["signal"] for r in rows] == ["visual_gain", "mdi_late", "custom"]
     assert by["visual_gain"]["direction"] == "low" and by["mdi_late"]["direction"] == "high"
@@ -165,7 +166,7 @@ def test_signal_table_orients_each_signal_and_reports_classes():
     assert r["within_group_share"] == pytest.approx(R.within_group_variance_share(visual_gain, groups))
     # a caller's direction overrides the default: the same signal flipped gives 1 - AUROC
     flipped = R.signal_table({"visual_gain": visual_gain}, labels, groups, directions={"visual_gain": "high"},
-                             n_boot=10)[0]
+                             n_boot=10, common=False)[0]
     assert flipped["auroc"] == pytest.approx(1 - r["auroc"])
     table = R.format_signal_table(rows)
     assert table.count("\n") == 4 and "| mdi_late | high | 120 (" in table

@@ -5,11 +5,11 @@
 
 For every model in turn: completions are generated greedily for the rows of one split (or taken from
 ``--completion_column``), every row is measured with the exact attention probe (``measure_modality_attention``, exact
-whatever ``--attn_implementation`` the model uses), and the per-row masses become, per
-layer and per layer segment, means and spreads over rows with MDI as a ratio of means (``stats``). The command
-writes ``profile.md``, ``profile.json``, ``mdi_by_layer.png`` and ``mass_by_layer.png`` (``report``, drawn by
-``trl_mdi.diagnostics.plots``). Models, data and flags are checked before any weight is loaded (``arguments``,
-``rows``).
+whatever ``--attn_implementation`` the model uses), and the per-row masses become, per layer and per layer segment,
+means and spreads over rows with MDI as a ratio of means (``trl_mdi.attention.layer_stats``, which the trainer's live
+logs share). The command writes ``profile.md``, ``profile.json``, ``mdi_by_layer.png`` and ``mass_by_layer.png``
+(``report``, drawn by ``trl_mdi.diagnostics.plots``). Models, data and flags are checked before any weight is
+loaded (``arguments``, ``rows``).
 
 With ``--reliance`` it also asks whether the answers come from the image: every rollout (greedy, and sampled with
 ``--samples_per_row``) is scored again with a counterfactual image in plain no-grad forwards, and the section reports
@@ -18,9 +18,9 @@ accuracy with and without the image and how well each per-rollout signal separat
 the trainer's counterfactual signals are tested against.
 
 Layout: ``arguments`` (flags, model checks), ``rows`` (the split, sampled and prepared with ``trl_mdi.data``),
-``measure`` (generation and measurement of one model), ``stats`` (aggregation and comparison, pure), ``report``
-(the files), ``reliance`` (the counterfactual measurement), ``reliance_report`` (its summary, Markdown and
-pictures), ``command`` (``main``). docs/profile.md has the ``--help`` output and worked examples.
+``measure`` (generation and measurement of one model), ``report`` (the files), ``reliance`` (the counterfactual
+measurement), ``reliance_report`` (its summary, Markdown and pictures), ``command`` (``main``); ``stats`` is a
+deprecated alias of ``trl_mdi.attention.layer_stats``. docs/profile.md has the ``--help`` output and worked examples.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .stats import compare, layer_profile, mass_curve, mdi_curve
+from ..attention.layer_stats import compare, layer_profile, mass_curve, mdi_curve
 
 # The command's names load on first use (PEP 562): the numbers and curves above, which the trainer's live logs may
 # use, then import no entry-point code (argument parsing, model checks, TRL's config).

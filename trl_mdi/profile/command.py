@@ -9,12 +9,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..attention.layer_stats import compare, layer_profile
 from ..cli_args import UsageError
 from ..data import DatasetError
 from .arguments import PROG, ProfileArguments, check_models, model_labels, parse_args
 from .report import fmt, write_report
 from .rows import ProfileRows, load_profile_rows
-from .stats import compare, layer_profile
 
 
 def _fail(message: str) -> int:

@@ -17,7 +17,13 @@ Per rollout, with y the completion, I the real images, I' the counterfactual (``
 ``visual_gain`` = mean_t [log p(y_t | I) - log p(y_t | I')]; ``answer_visual_gain`` = the same summed over the answer
 letter's tokens; ``blind_agrees`` = whether I''s most likely choice letter, at the position that wrote the
 answer letter, is the rollout's; ``answer_image_attention`` = the probe's image mass (``token_segment`` layers)
-at that position. ``mdi`` / ``mdi_<segment>`` come from the same probe forward.
+at that position; and any other counterfactual entry of the signal table (``trl_mdi.signals.reliance_names``), all
+computed by ``trl_mdi.signals.reliance_signals`` from these passes. ``mdi`` / ``mdi_<segment>`` come from the
+same probe forward.
+
+The choice letters' logits are the one quantity not read off the full logits: as in the trainer, the backbone's
+hidden state at the position that chose the letter goes through the LM head's rows of the choice letters
+(``trl_mdi.attention.model_parts.choice_logits``), so the profile and the trainer compare letters with one function.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import torch
 
 from ..answer_format import DEFAULT_ANSWER_PATTERN
 from ..answer_tokens import LETTERS, answer_tokens
+from ..attention.model_facts import unwrap_model
+from ..attention.model_parts import choice_logits, hidden_states_at
 from ..batch import (
     PolicyBatch,
     completion_mask_until_eos,
@@ -40,13 +48,8 @@ from ..batch import (
     pad_rows,
     policy_batch,
 )
-from ..counterfactual import (
-    check_counterfactual_encodes,
-    counterfactual_kinds,
-    counterfactual_prompts,
-    gather_choice_logits,
-    reliance_signals,
-)
+from ..counterfactual import check_counterfactual_encodes, counterfactual_kinds, counterfactual_prompts
+from ..signals import reliance_names, reliance_signals
 
 __all__ = ["RelianceMeasurement", "check_counterfactuals", "completion_logits", "measure_reliance",
            "reference_signals"]
@@ -168,10 +171,13 @@ def _signals(model, processor, prompts, images, completion_ids, kinds: Sequence[
         cf_prompts = _counterfactual(prompts, images, kind, seed=seed, step=step, rows=rows,
                                      perturbation=perturbation or {})
         cf_batch = _layout(processor, cf_prompts, ids, mask, pad, device)
-        cf_logits, cf_logps = completion_logits(model, cf_batch, temperature)
-        cf_choice = gather_choice_logits(cf_logits, answers.letter_position.to(cf_logits.device),
-                                         answers.candidates.to(cf_logits.device)).cpu()
-        del cf_logits
+        # The choice letters' logits as the trainer reads them (one function, ``choice_logits``): the backbone's
+        # hidden state where the answer letter was chosen, through the LM head's rows of the letters. The log-probs
+        # stay those of the plain forward's full logits: the independent reference for the trainer's.
+        with hidden_states_at(unwrap_model(model).base_model, answers.letter_position,
+                              cf_batch.logits_to_keep) as hidden:
+            _, cf_logps = completion_logits(model, cf_batch, temperature)
+        cf_choice = choice_logits(model, hidden.result(), answers.candidates).cpu()
         signals = reliance_signals(logps.cpu(), cf_logps.cpu(), c_mask.cpu(), answers, cf_choice, has_image,
                                    attention_signal)
         per_kind[kind] = {**signals, "cf_logps": cf_logps.cpu(), "cf_choice_logits": cf_choice}
@@ -216,7 +222,9 @@ def reference_signals(model, processor, prompts: Sequence[list[dict]], images: S
     ``answer_image_attention``, ``mdi``, ``mdi_<segment>`` ((B,) float, NaN where undefined); ``logps`` and
     ``cf_logps`` (B, C) (the completion tokens' log-probs with the real and the counterfactual images; meaningless
     where ``completion_mask`` is 0), ``completion_mask`` (B, C), ``has_image`` (B,) bool, ``answer_index`` and
-    ``letter_position`` (B,) long (-1: no answer), ``cf_choice_logits`` (B, K).
+    ``letter_position`` (B,) long (-1: no answer), ``cf_choice_logits`` (B, K) (the LM head's raw logits of the choice
+    letters with the counterfactual image, before ``temperature``: ``trl_mdi.attention.model_parts.choice_logits``).
+    Every counterfactual entry of the signal table is among the signals (``trl_mdi.signals.reliance_names``).
     """
     real, per_kind = _signals(model, processor, prompts, images, completion_ids, [kind],
                               completion_mask=completion_mask, choices=choices, answer_pattern=answer_pattern,
@@ -252,8 +260,10 @@ class RelianceMeasurement:
     None), ``answer`` (rollout 0's letter), ``blind`` (kind -> the greedy answer with the counterfactual),
     ``conflict`` / ``prior`` (the data's own prior label, None without). ``rollouts``: one dict per rollout:
     ``prompt`` (index into ``prompts``), ``sample`` (0: greedy or the given completion; 1..: sampled),
-    ``completion``, ``answer``, ``correct``, ``mdi*``, ``answer_image_attention``, and per kind under
-    ``signals[kind]``: ``visual_gain``, ``answer_visual_gain``, ``blind_agrees`` (NaN where undefined).
+    ``completion``, ``answer``, ``correct``, ``mdi*``, and per kind under ``signals[kind]`` every counterfactual
+    signal of the table that was computed (``trl_mdi.signals.reliance_names``: ``visual_gain``,
+    ``answer_visual_gain``, ``blind_agrees``, and ``answer_image_attention`` when the probe ran, the same under
+    every kind), NaN where undefined.
     """
 
     kinds: list[str]
@@ -390,13 +400,8 @@ def measure_reliance(model, processor, dataset, kinds: Sequence[str] = ("black",
                 rollout = {"prompt": base + j, "sample": k, "completion": text, "answer": answer,
                            "correct": None if p["gold"] is None else answer == p["gold"]}
                 rollout.update({name: _value(real[name], i) for name in real if name.startswith("mdi")})
-                signals = {}
-                for kind, s in per_kind.items():
-                    signals[kind] = {name: _value(s[name], i) for name in
-                                     ("visual_gain", "answer_visual_gain", "blind_agrees")}
-                    if "answer_image_attention" in s:
-                        rollout["answer_image_attention"] = _value(s["answer_image_attention"], i)
-                rollout["signals"] = signals
+                rollout["signals"] = {kind: {name: _value(s[name], i) for name in reliance_names() if name in s}
+                                      for kind, s in per_kind.items()}
                 rollouts_out.append(rollout)
     rollouts_out.sort(key=lambda r: (r["prompt"], r["sample"]))
     return RelianceMeasurement(kinds=kinds, prompts=prompts_out, rollouts=rollouts_out, skipped=skipped,

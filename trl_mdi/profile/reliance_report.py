@@ -11,36 +11,78 @@ Summary per kind, over the rows that have an image:
   blind answer and not the gold one; other: the answer is the gold one; any other wrong answer is left out), and,
   where rows carry their own prior label (``conflict`` + ``prior_idx``: :func:`data_prior_label`), against that
   label too, with ``label_agreement`` between the rule and the data. Groups are rows (GRPO's prompts).
+
+The signals are the signal table's (``trl_mdi.signals``): every counterfactual entry the measurement carries
+(``reliance_names``, in table order; a new entry appears in the summary, the Markdown and the pictures with no edit
+here), its AUROC direction and its glossary line from the table, and the probe's ``mdi`` / ``mdi_<segment>`` beside
+them. A signal without a direction (``Signal.direction`` None) gets its means and picture but no AUROC row.
 """
 
 from __future__ import annotations
 
 import math
+import textwrap
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .. import signals as S
 from ..reliance import format_signal_table, label_agreement, prior_following, signal_table
 from .reliance import RelianceMeasurement
 
-KIND_SIGNALS = ("visual_gain", "answer_visual_gain", "blind_agrees")
-"""Signals that depend on the counterfactual kind."""
-PICTURES = {"visual_gain": "reliance_visual_gain.png", "answer_visual_gain": "reliance_answer_visual_gain.png",
-            "blind_agrees": "reliance_blind_agrees.png",
-            "answer_image_attention": "reliance_answer_image_attention.png"}
-
-HOW_TO_READ = (
+_HOW_TO_READ_START = (
     "Each rollout (prompt + completion, teacher-forced) is scored with the real image I and with the counterfactual "
-    "I' in plain no-grad forwards. **visual_gain**: mean over the completion's tokens of log p(y_t | I) - "
-    "log p(y_t | I') (nats; > 0: the image made the text likelier). **answer_visual_gain**: the same summed over the "
-    "answer letter's tokens (none without an `Answer: X` line). **blind_agrees**: 1 when I''s most likely choice "
-    "letter, at the position that wrote the answer, is the rollout's own. **answer_image_attention**: the attention "
-    "mass on image tokens (late layers) at that position. *Accuracy* is rollout 0's (greedy, or the given "
-    "completion) against the gold letter; *with the counterfactual* it is the blind answer's (the greedy answer to the "
-    "counterfactual prompt); *multimodal gain* = the difference (MMStar); *same answer* = share of rows whose "
-    "answer the blind answer repeats. In the AUROC tables 1 = the signal ranks every prior-following rollout as more "
-    "prior-following than every other, 0.5 = it does not see them; against the general rule, built from the blind "
-    "answer, blind_agrees scores high by construction.")
+    "I' in plain no-grad forwards; g_t = log p(y_t | I) - log p(y_t | I') is the per-token visual gain (nats).")
+_HOW_TO_READ_END = (
+    "*Accuracy* is rollout 0's (greedy, or the given completion) against the gold letter; *with the counterfactual* "
+    "it is the blind answer's (the greedy answer to the counterfactual prompt); *multimodal gain* = the difference "
+    "(MMStar); *same answer* = share of rows whose answer the blind answer repeats. In the AUROC tables 1 = the "
+    "signal ranks every prior-following rollout as more prior-following than every other, 0.5 = it does not see "
+    "them; against the general rule, built from the blind answer, blind_agrees scores high by construction.")
+
+
+def how_to_read(names: Sequence[str] | None = None) -> str:
+    """The section's reading guide: how rollouts are scored, each counterfactual signal's glossary line (the table's
+    ``help``; ``names`` default: every counterfactual signal of the table), and what the numbers mean."""
+    names = S.reliance_names() if names is None else names
+    lines = [f"**{n}**: {S.signal_of(n).help}." for n in names if S.signal_of(n) is not None]
+    return " ".join([_HOW_TO_READ_START, *lines, _HOW_TO_READ_END])
+
+
+def picture_file(name: str) -> str:
+    """The file of a counterfactual signal's picture: ``reliance_<name>.png``."""
+    return f"reliance_{name}.png"
+
+
+def _kind_signals(m: RelianceMeasurement | Mapping[str, Any], kind: str) -> list[str]:
+    """The counterfactual signals the rollouts carry for ``kind``, in table order."""
+    rollouts = m.rollouts if isinstance(m, RelianceMeasurement) else m["rollouts"]
+    carried = set().union(*(r["signals"].get(kind, {}) for r in rollouts)) if rollouts else set()
+    return [n for n in S.reliance_names() if n in carried]
+
+
+def _deprecated_kind_signals() -> tuple[str, ...]:
+    return tuple(S.reliance_names())
+
+
+def _deprecated_pictures() -> dict[str, str]:
+    return {n: picture_file(n) for n in S.reliance_names()}
+
+
+_DEPRECATED = {"KIND_SIGNALS": (_deprecated_kind_signals, "trl_mdi.signals.reliance_names()"),
+               "PICTURES": (_deprecated_pictures, "picture_file(name) over trl_mdi.signals.reliance_names()"),
+               "HOW_TO_READ": (how_to_read, "how_to_read()")}
+
+
+def __getattr__(name: str) -> Any:
+    """The former constants, now read from the signal table (PEP 562), with a FutureWarning."""
+    if name in _DEPRECATED:
+        value, instead = _DEPRECATED[name]
+        warnings.warn(f"trl_mdi.profile.reliance_report.{name} is deprecated: use {instead}", FutureWarning,
+                      stacklevel=2)
+        return value()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def data_prior_label(answer: str | None, gold: str | None, prior: str | None, conflict: bool | None) -> bool | None:
@@ -72,12 +114,16 @@ def _finite(x: float) -> float | None:
 
 
 def summarize_reliance(m: RelianceMeasurement, *, n_boot: int = 1000, seed: int = 0) -> dict[str, Any]:
-    """The numbers of the section (see the module doc); NaN and undefined values are None."""
+    """The numbers of the section (see the module doc); NaN and undefined values are None.
+
+    Per kind: ``means`` of every counterfactual signal the rollouts carry (table order) and, with gold answers, the
+    AUROC tables over those with a direction in the table (``trl_mdi.signals.direction``) and the probe's
+    ``mdi*`` (``attention_means``: their means, the same for every kind)."""
     prompts = m.prompts
     imaged = [p for p in prompts if p["has_image"]]
     gold = [p for p in imaged if p["gold"] is not None]
     roll = [r for r in m.rollouts if prompts[r["prompt"]]["has_image"]]
-    attention_names = [n for n in (roll[0] if roll else {}) if n.startswith("mdi") or n == "answer_image_attention"]
+    attention_names = [n for n in (roll[0] if roll else {}) if n.startswith("mdi")]
     groups = [r["prompt"] for r in roll]
     data = [data_prior_label(r["answer"], prompts[r["prompt"]]["gold"], prompts[r["prompt"]]["prior"],
                              prompts[r["prompt"]]["conflict"]) for r in roll]
@@ -92,23 +138,30 @@ def summarize_reliance(m: RelianceMeasurement, *, n_boot: int = 1000, seed: int 
         answered = [p for p in imaged if p["answer"] is not None]
         acc_image = _rate([p["answer"] == p["gold"] for p in gold])
         acc_cf = _rate([p["blind"][kind] == p["gold"] for p in gold])
-        signals = {n: [r[n] for r in roll] for n in attention_names}
-        signals.update({n: [r["signals"][kind][n] for r in roll] for n in KIND_SIGNALS})
+        names = _kind_signals(m, kind)
+        means = {n: _mean([r["signals"][kind].get(n) for r in roll]) for n in names}
+        # The AUROC tables: the probe's MDI and every counterfactual signal whose table entry says where
+        # prior-following rollouts lie (the others have no orientation to score).
+        directions = {n: S.direction(n) for n in [*attention_names, *names]}
+        scored = {n: [r[n] for r in roll] for n in attention_names if directions[n] is not None}
+        scored.update({n: [r["signals"][kind].get(n) for r in roll] for n in names if directions[n] is not None})
+        directions = {n: directions[n] for n in scored}
         entry: dict[str, Any] = {
             "accuracy_image": acc_image, "accuracy_counterfactual": acc_cf,
             "multimodal_gain": None if acc_image is None else acc_image - acc_cf,
             "same_answer_rate": _rate([p["blind"][kind] == p["answer"] for p in answered]),
             "blind_answered": _rate([p["blind"][kind] is not None for p in imaged]),
-            "means": {n: _mean(signals[n]) for n in KIND_SIGNALS},
+            "means": means,
             "rule_table": None, "data_table": None, "agreement": None}
         if gold:
             raw = [prior_following(r["answer"], prompts[r["prompt"]]["blind"][kind], prompts[r["prompt"]]["gold"])
                    for r in roll]
             rule = [True if f else False if r["answer"] is not None and r["answer"] == prompts[r["prompt"]]["gold"]
                     else None for f, r in zip(raw, roll)]
-            entry["rule_table"] = signal_table(signals, rule, groups, n_boot=n_boot, seed=seed)
+            entry["rule_table"] = signal_table(scored, rule, groups, directions=directions, n_boot=n_boot, seed=seed)
             if has_data:
-                entry["data_table"] = signal_table(signals, data, groups, n_boot=n_boot, seed=seed)
+                entry["data_table"] = signal_table(scored, data, groups, directions=directions, n_boot=n_boot,
+                                                   seed=seed)
                 entry["agreement"] = label_agreement(raw, data)
         out["kinds"][kind] = entry
     return out
@@ -134,6 +187,9 @@ def render_reliance(models: Sequence[Mapping[str, Any]], settings: Mapping[str, 
         return []
     kinds = settings["counterfactual_image"]
     first = entries[0][1]
+    # Columns: every counterfactual signal any model carries under any kind, in table order
+    carried = {n for _, s in entries for k in s["kinds"].values() for n in k["means"]}
+    names = [n for n in S.reliance_names() if n in carried]
     lines = ["## Reliance on the image", "",
              f"Counterfactual image(s): {', '.join(f'`{k}`' for k in kinds)} (drawn with seed {settings['seed']}, "
              f"step 0, row = the row's index) · {first['rows_with_image']} rows with an image "
@@ -141,24 +197,23 @@ def render_reliance(models: Sequence[Mapping[str, Any]], settings: Mapping[str, 
              "completions "
              + ("from column " + repr(settings["completion_column"]) + " (rollout 0)"
                 if settings["completion_column"] else f"of up to {settings['max_new_tokens']} tokens"), "",
-             HOW_TO_READ, "",
+             how_to_read(names), "",
              "| model | counterfactual | accuracy, image | accuracy, counterfactual | multimodal gain | same answer "
-             "without the image | visual_gain | answer_visual_gain | blind_agrees |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "without the image | " + " | ".join(names) + " |",
+             "|---|---|---:|---:|---:|---:|" + "---:|" * len(names)]
     for label, s in entries:
         for kind, k in s["kinds"].items():
             lines.append(f"| {label} | `{kind}` | {_f(k['accuracy_image'])} | {_f(k['accuracy_counterfactual'])} | "
                          f"{_f(k['multimodal_gain'], '+.3f')} | {_f(k['same_answer_rate'])} | "
-                         f"{_f(k['means']['visual_gain'], '+.4f')} | {_f(k['means']['answer_visual_gain'], '+.4f')} | "
-                         f"{_f(k['means']['blind_agrees'])} |")
-    names = list(first["attention_means"])
-    if names:
+                         + " | ".join(_f(k["means"].get(n), _mean_format(n)) for n in names) + " |")
+    mdi_names = list(first["attention_means"])
+    if mdi_names:
         lines += ["", "Attention of the same rollouts (the counterfactual plays no part): means over rollouts.", "",
-                  "| model | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
-        lines += [f"| {label} | " + " | ".join(_f(s["attention_means"].get(n)) for n in names) + " |"
+                  "| model | " + " | ".join(mdi_names) + " |", "|---|" + "---:|" * len(mdi_names)]
+        lines += [f"| {label} | " + " | ".join(_f(s["attention_means"].get(n)) for n in mdi_names) + " |"
                   for label, s in entries]
     lines.append("")
-    lines += [f"![{name} per model]({file})" for name, file in PICTURES.items()]
+    lines += [f"![{name} per model]({picture_file(name)})" for name in names]
     lines.append("")
     for label, s in entries:
         for kind, k in s["kinds"].items():
@@ -179,11 +234,18 @@ def render_reliance(models: Sequence[Mapping[str, Any]], settings: Mapping[str, 
     return lines
 
 
+def _mean_format(name: str) -> str:
+    """A signal's mean in the tables: a rate for a 0/1 flag (``Signal.flag``), a signed number otherwise."""
+    signal = S.signal_of(name)
+    return ".3f" if signal is not None and signal.flag else "+.4f"
+
+
 def summary_line(label: str, summary: Mapping[str, Any]) -> list[str]:
     """What the command prints per model: accuracy with and without the image and the mean signals, per kind."""
     return [f"  {label}  reliance `{kind}`: accuracy {_f(k['accuracy_image'])} with the image, "
             f"{_f(k['accuracy_counterfactual'])} with the counterfactual (gain {_f(k['multimodal_gain'], '+.3f')}), "
-            f"same answer {_f(k['same_answer_rate'])}, visual_gain {_f(k['means']['visual_gain'], '+.4f')}"
+            f"same answer {_f(k['same_answer_rate'])}"
+            + "".join(f", {n} {_f(v, _mean_format(n))}" for n, v in k["means"].items())
             for kind, k in summary["kinds"].items()]
 
 
@@ -200,7 +262,7 @@ def signal_values(reliance: Mapping[str, Any], name: str, kind: str | None) -> l
     for r in reliance["rollouts"]:
         if not prompts[r["prompt"]]["has_image"]:
             continue
-        v = r["signals"][kind][name] if kind is not None else r.get(name)
+        v = r["signals"].get(kind, {}).get(name) if kind is not None else r.get(name)
         if v is not None and math.isfinite(v):
             out.append(float(v))
     return out
@@ -210,7 +272,7 @@ def plot_distributions(panels: Mapping[str, Mapping[str, Sequence[float]]], path
                        ylabel: str, rate: bool = False) -> Path:
     """One panel per key of ``panels`` (a counterfactual kind), in each one box per model (``{model: values}``: the
     quartiles, whiskers at 1.5 IQR, the mean as a dot), or, with ``rate``, one bar per model of the values' mean (a
-    0/1 signal); a dashed line at 0. Saves a PNG and returns ``Path(path)``."""
+    0/1 signal); a dashed line at 0; the title wraps to the figure's width. Saves a PNG and returns ``Path(path)``."""
     from matplotlib.figure import Figure
 
     n = max(len(panels), 1)
@@ -243,30 +305,43 @@ def plot_distributions(panels: Mapping[str, Mapping[str, Sequence[float]]], path
     axes[0].set_ylabel(ylabel)
     if rate:
         axes[0].set_ylim(0, 1.15)
-    fig.suptitle(title, fontsize=10)
+    # About 11 characters of a 10-point title per inch: a long title (a glossary line) wraps inside the figure
+    fig.suptitle(textwrap.fill(title, int(fig.get_figwidth() * 11)), fontsize=10)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
     return path
 
 
+def _same_for_every_kind(models: Mapping[str, Mapping[str, Any]], name: str, kinds: Sequence[str]) -> bool:
+    """Whether a signal has one value per rollout whatever the counterfactual (``answer_image_attention`` reads the
+    probe over the real image only): then its picture has one panel, not one per kind."""
+    if len(kinds) < 2:
+        return False
+    for reliance in models.values():
+        for r in reliance["rollouts"]:
+            values = [r["signals"].get(k, {}).get(name) for k in kinds]
+            values = [None if v is None or math.isnan(float(v)) else float(v) for v in values]
+            if any(v != values[0] for v in values):
+                return False
+    return True
+
+
 def plot_reliance(models: Mapping[str, Mapping[str, Any]], kinds: Sequence[str], out: str | Path) -> dict[str, Path]:
-    """The section's pictures in ``out`` (``PICTURES``): ``models`` maps each model's label to its
-    ``{"prompts", "rollouts"}``."""
+    """The section's pictures in ``out``, one per counterfactual signal the rollouts carry (``picture_file``), titled
+    with its glossary line: ``models`` maps each model's label to its ``{"prompts", "rollouts"}``. One panel per
+    kind (one in all for a signal that is the same under every kind); a 0/1 flag is drawn as a rate."""
     out = Path(out)
-    ylabels = {"visual_gain": "nats per completion token", "answer_visual_gain": "nats over the answer letter",
-               "blind_agrees": "share of rollouts", "answer_image_attention": "image attention mass (late layers)"}
-    titles = {"visual_gain": "visual_gain: log p(completion | image) - log p(completion | counterfactual), per token",
-              "answer_visual_gain": "answer_visual_gain: the same over the answer letter",
-              "blind_agrees": "blind_agrees: the counterfactual picks the rollout's letter",
-              "answer_image_attention": "answer_image_attention: image mass where the answer letter was chosen"}
+    names = [n for n in S.reliance_names() if any(n in _kind_signals(r, k) for r in models.values() for k in kinds)]
     paths = {}
-    for name, file in PICTURES.items():
-        if name in KIND_SIGNALS:
+    for name in names:
+        signal = S.signal_of(name)
+        if _same_for_every_kind(models, name, kinds):
+            panels = {"any counterfactual": {label: signal_values(r, name, kinds[0]) for label, r in models.items()}}
+        else:
             panels = {f"counterfactual: {k}": {label: signal_values(r, name, k) for label, r in models.items()}
                       for k in kinds}
-        else:
-            panels = {"any counterfactual": {label: signal_values(r, name, None) for label, r in models.items()}}
-        paths[file] = plot_distributions(panels, out / file, title=titles[name], ylabel=ylabels[name],
-                                         rate=name == "blind_agrees")
+        file = picture_file(name)
+        paths[file] = plot_distributions(panels, out / file, title=f"{name}: {signal.help}",
+                                         ylabel="share of rollouts" if signal.flag else name, rate=signal.flag)
     return paths

@@ -8,9 +8,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..attention.layer_stats import mass_curve, mdi_curve
 from ..diagnostics.plots import plot_mass_by_layer, plot_mdi_by_layer
 from . import reliance_report
-from .stats import mass_curve, mdi_curve
 
 FILES = ("profile.md", "profile.json", "mdi_by_layer.png", "mass_by_layer.png")
 
