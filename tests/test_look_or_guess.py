@@ -1,0 +1,306 @@
+"""The look-or-guess task (issue 30): the `look_or_guess` kind of `fixtures.synthetic`, its two reasoning styles and
+their reader, the warm-up recipe that redraws each row's style every epoch (`fixtures.warmup.LookOrGuessRecipe`),
+the figures of benchmarks/look_or_guess.py on handmade rollouts, and a short warm-up that writes both styles."""
+
+from __future__ import annotations
+
+import collections
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures.synthetic import PRIOR_OBJECTS, generate_synthetic_rows
+from fixtures.synthetic.look_or_guess import (
+    GUESS,
+    LOOK,
+    MAX_COMPLETION_LENGTH,
+    OTHER,
+    Reasoning,
+    check_equal_lengths,
+    read_reasoning,
+    read_style,
+    style_target,
+    style_token_counts,
+)
+from fixtures.warmup import (
+    LookOrGuessRecipe,
+    WarmupRecipe,
+    look_or_guess_sft_dataset,
+    style_plan,
+    synthetic_dataset,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+NEW_FIELDS = ("object", "drawn_color", "usual_color")
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    from fixtures.tiny import build_tiny_vlm
+    from fixtures.warmup import DEFAULT_MODEL_SIZE
+
+    _, processor = build_tiny_vlm("qwen2_vl", seed=0, **DEFAULT_MODEL_SIZE)  # the warm-up's model
+    return processor.tokenizer
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """benchmarks/look_or_guess.py as a module (its folder holds the helpers it imports)."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    import look_or_guess
+
+    return look_or_guess
+
+
+# ------------------------------------------------------------------------------------------------------ rows
+
+
+def test_rows_are_the_prior_color_rows_plus_what_either_target_needs():
+    args = dict(split="validation", seed=3, conflict_rate=0.5, option_order="fixed")
+    prior = generate_synthetic_rows(80, kinds=("prior_color",), **args)
+    rows = generate_synthetic_rows(80, kinds=("look_or_guess",), **args)
+    # Same draws: every prior_color field is equal, row for row (ids, questions, images, labels, conflicts).
+    assert [{k: v for k, v in r.items() if k not in NEW_FIELDS} for r in rows] == prior
+    assert not any(f in r for r in prior for f in NEW_FIELDS)  # the existing kind's rows gained nothing
+    for r in rows:
+        answer = r["choices"][r["correct_choice_idx"]]
+        assert r["object"] in r["question"] and r["object"] in PRIOR_OBJECTS
+        assert r["drawn_color"] == answer
+        assert r["usual_color"] == PRIOR_OBJECTS[r["object"]] == r["prior_answer"]
+        assert r["conflict"] == (r["drawn_color"] != r["usual_color"])
+    # Exactly half conflict rows, letter-balanced on both subsets (rule 2 of fixtures.synthetic).
+    cells = collections.Counter((r["conflict"], r["correct_choice_idx"]) for r in rows)
+    assert cells == {(c, letter): 10 for c in (False, True) for letter in range(4)}
+
+
+def test_unlabelled_rows_hide_the_colours_but_keep_the_object():
+    rows = generate_synthetic_rows(8, split="test", kinds=("look_or_guess",))
+    assert all(r["drawn_color"] is None and r["usual_color"] is None and r["object"] in r["question"] for r in rows)
+
+
+def test_dataset_columns_for_the_kind_only():
+    ds = synthetic_dataset(12, kinds=("look_or_guess", "color"), conflict_rate=0.5)
+    by_kind = collections.Counter(o is None for o in ds["object"])
+    assert by_kind == {False: 6, True: 6}  # colour rows carry the columns, as None
+    for o, d, ans, u, p, choices in zip(ds["object"], ds["drawn_color"], ds["answer"], ds["usual_color"],
+                                        ds["prior_idx"], ds["choices"]):
+        if o is not None:
+            assert d == ans and u == choices[p] == PRIOR_OBJECTS[o]
+    assert "object" not in synthetic_dataset(4, kinds=("prior_color",)).column_names
+
+
+# ---------------------------------------------------------------------------------------------------- styles
+
+
+def test_targets_answer_from_their_reasoning():
+    choices = ["red", "green", "blue", "yellow"]
+    # A conflict row: a banana drawn blue. Look reads blue (C, right); guess recalls yellow (D, the prior).
+    assert style_target(LOOK, "banana", "blue", choices) == "<think> the shape in the image is blue</think>\nAnswer: C"
+    assert style_target(GUESS, "banana", "blue", choices) == "<think> a banana is yellow</think>\nAnswer: D"
+    assert style_target(LOOK, "sky", "blue", choices[::-1]).endswith("Answer: B")  # the letter follows the options
+    with pytest.raises(ValueError, match="style must be one of"):
+        style_target("stare", "sky", "blue", choices)
+    with pytest.raises(ValueError, match="not among the choices"):
+        style_target(GUESS, "sky", "red", ["red", "green", "purple", "yellow"])
+
+
+def test_both_styles_are_the_same_number_of_tokens_for_each_object(tiny_tokenizer):
+    counts = check_equal_lengths(tiny_tokenizer)
+    # Counted by hand from the tiny tokenizer: <think> + " a" + the name + " is" + colour + </think> "\n" "Answer"
+    # ":" " X" = 10 tokens + the name's pieces (" tomato" 6, " grass" 4, " sky" 3, " banana" 4).
+    name_pieces = {obj: len(tiny_tokenizer(" " + obj, add_special_tokens=False)["input_ids"]) for obj in PRIOR_OBJECTS}
+    assert name_pieces == {"tomato": 6, "grass": 4, "sky": 3, "banana": 4}
+    assert counts == {obj: {LOOK: 9 + n, GUESS: 9 + n} for obj, n in name_pieces.items()}
+    assert max(n for c in counts.values() for n in c.values()) + 1 <= MAX_COMPLETION_LENGTH  # + the end token
+    # Any drawn colour: every colour word is one token, so a conflict row's look target is as long.
+    for obj in PRIOR_OBJECTS:
+        for colour in ("red", "green", "blue", "yellow"):
+            text = style_target(LOOK, obj, colour, ["red", "green", "blue", "yellow"])
+            assert len(tiny_tokenizer(text, add_special_tokens=False)["input_ids"]) == counts[obj][GUESS]
+
+
+def test_uneven_lengths_are_an_error():
+    class CharTokenizer:  # one token per character: the styles' lengths differ
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": list(range(len(text)))}
+
+    # "<think>" 7 + " the shape here is blue" 23 | " a sky is blue" 14, + "</think>" 8 + "\nAnswer: C" 10
+    assert style_token_counts(CharTokenizer(), ["sky"]) == {"sky": {LOOK: 48, GUESS: 39}}
+    with pytest.raises(ValueError, match="differ in length"):
+        check_equal_lengths(CharTokenizer())
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("<think> the shape is red</think>\nAnswer: A", Reasoning(LOOK, "red")),
+    ("<think> the shape in the image here is blue</think>\nAnswer: C", Reasoning(LOOK, "blue")),
+    ("<think> the shape here is yellow</think>", Reasoning(LOOK, "yellow")),  # no answer line: still a look
+    ("  <think> the shape in the image is purple</think>\nAnswer: B", Reasoning(LOOK, "purple")),
+    ("<think> a tomato is red</think>\nAnswer: A", Reasoning(GUESS, "red", "tomato")),
+    ("<think> a sky is green</think>\nAnswer: B", Reasoning(GUESS, "green", "sky")),  # a wrong recollection
+    ("<think> an banana is yellow</think>\nAnswer: D", Reasoning(GUESS, "yellow", "banana")),
+    ("<think> the shape is tomato</think>\nAnswer: A", Reasoning(OTHER)),  # not a colour
+    ("<think> a circle is red</think>\nAnswer: A", Reasoning(OTHER)),  # not an object with a usual colour
+    ("<think> the shape is in the image red</think>\nAnswer: A", Reasoning(OTHER)),
+    ("<think> the shape is red and a tomato is red</think>\nAnswer: A", Reasoning(OTHER)),
+    ("<think> image</think>\nAnswer: A", Reasoning(OTHER)),  # the language-prior warm-up's constant text
+    ("Answer: A <think> the shape is red</think>", Reasoning(OTHER)),  # the block must open the completion
+    ("<think> the shape is red", Reasoning(OTHER)),  # never closed
+    ("", Reasoning(OTHER)),
+])
+def test_read_reasoning_on_handmade_texts(text, expected):
+    assert read_reasoning(text) == expected
+    assert read_style(text) == expected.style
+
+
+# ------------------------------------------------------------------------------------------------- warm-up
+
+
+def test_style_plan_is_seeded_redrawn_every_epoch_and_independent_of_the_row():
+    plan = style_plan(400, 6, seed=0)
+    assert plan == style_plan(400, 6, seed=0)
+    assert plan != style_plan(400, 6, seed=1)
+    assert all(plan[e] != plan[e + 1] for e in range(5))
+    rows = synthetic_dataset(400, kinds=("look_or_guess",), conflict_rate=0.5)
+    conflict = rows["conflict"]
+    looks = [s == LOOK for epoch in plan for s in epoch]
+    assert 0.47 <= sum(looks) / len(looks) <= 0.53  # 2400 draws at 1/2: sd 0.01
+    # A row's style in one epoch says nothing about the next: agreement between epochs near 1/2, not 1.
+    agree = sum(a == b for e in range(5) for a, b in zip(plan[e], plan[e + 1])) / (5 * 400)
+    assert 0.45 <= agree <= 0.55
+    # ... nor about the row: conflict and non-conflict rows look alike often.
+    by_kind = [sum(plan[e][i] == LOOK for e in range(6) for i in range(400) if conflict[i] == c) / 1200
+               for c in (False, True)]
+    assert abs(by_kind[0] - by_kind[1]) < 0.06
+    assert all(s == GUESS for s in style_plan(50, 1, look_share=0.0)[0])
+    assert all(s == LOOK for s in style_plan(50, 1, look_share=1.0)[0])
+
+
+def test_sft_dataset_has_one_block_per_epoch_with_that_epochs_styles():
+    rows = synthetic_dataset(24, kinds=("look_or_guess",), conflict_rate=0.5, seed=2)
+    sft = look_or_guess_sft_dataset(rows, 3, seed=5)
+    assert len(sft) == 72 and set(sft.column_names) == {"prompt", "image", "completion"}
+    plan = style_plan(24, 3, seed=5)
+    texts = [c[0]["content"] for c in sft["completion"]]
+    pairs = [(str(p[-1]["content"]), t) for p, t in zip(sft["prompt"], texts)]
+    for epoch in range(3):
+        # Every row once per epoch, with the style drawn for it in that epoch (its target exactly style_target's) ...
+        expected = [(str(rows[i]["prompt"][-1]["content"]),
+                     style_target(plan[epoch][i], rows[i]["object"], rows[i]["drawn_color"], rows[i]["choices"]))
+                    for i in range(24)]
+        block = pairs[24 * epoch: 24 * (epoch + 1)]
+        assert sorted(block) == sorted(expected)
+        assert block != expected  # ... in a shuffled order
+        assert [read_style(t) for _, t in expected] == plan[epoch]
+    assert texts[:24] != texts[24:48]  # the SFT data differ between epochs
+
+
+def test_recipe_guards():
+    with pytest.raises(ValueError, match="use LookOrGuessRecipe"):
+        WarmupRecipe(kinds=("look_or_guess",))
+    with pytest.raises(ValueError, match="whole epochs"):
+        LookOrGuessRecipe(epochs=2.5)
+    with pytest.raises(ValueError, match="look_share"):
+        LookOrGuessRecipe(look_share=1.5)
+    with pytest.raises(ValueError, match="only"):
+        LookOrGuessRecipe(kinds=("look_or_guess", "color"))
+    r = LookOrGuessRecipe()
+    assert (r.n_train, r.conflict_rate, r.epochs, r.kinds) == (400, 0.5, 8.0, ("look_or_guess",))
+
+
+# ------------------------------------------------------------------------------ the benchmark's figures
+
+
+def _rollout(prompt, style, conflict, answer, *, named, gold, prior, clean=True, gains=None, ids=None):
+    return {"prompt": prompt, "sample": 1, "style": style, "conflict": conflict, "answer": answer,
+            "follows": answer is not None and answer == named, "correct": answer == gold,
+            "answers_prior": answer == prior, "clean": clean, "gains": gains, "ids": ids}
+
+
+def test_style_metrics_on_handmade_rollouts(bench):
+    rs = [
+        # prompt 0, conflict (gold B, prior A): look right, look wrong, guess on the prior, other
+        _rollout(0, LOOK, True, "B", named="B", gold="B", prior="A"),
+        _rollout(0, LOOK, True, "C", named="A", gold="B", prior="A"),  # reasoning named A, answered C
+        _rollout(0, GUESS, True, "A", named="A", gold="B", prior="A"),
+        _rollout(0, OTHER, True, None, named=None, gold="B", prior="A", clean=False),
+        # prompt 1, non-conflict (gold D = prior): guesses only
+        _rollout(1, GUESS, False, "D", named="D", gold="D", prior="D"),
+        _rollout(1, GUESS, False, "D", named="D", gold="D", prior="D"),
+    ]
+    m = bench.style_metrics(rs)
+    assert (m["rollouts"], m["prompts"]) == (6, 2)
+    assert m["all"]["look_rate"] == pytest.approx(2 / 6) and m["all"]["other_rate"] == pytest.approx(1 / 6)
+    assert m["conflict"]["look_rate"] == 0.5 and m["plain"]["guess_rate"] == 1.0
+    assert m["both_styles"] == 0.5 and m["both_styles_conflict"] == 1.0 and m["both_styles_plain"] == 0.0
+    assert m["conflict"][LOOK] == {"n": 2, "follows": 0.5, "accuracy": 0.5, "answers_prior": 0.0}
+    assert m["conflict"][GUESS]["answers_prior"] == 1.0 and m["conflict"][GUESS]["accuracy"] == 0.0
+    assert m["all"]["clean"] == pytest.approx(5 / 6)
+    # Conflict accuracy 1/4 = look 0.5 x 0.5 + guess 0.25 x 0 + other 0.25 x 0.
+    d = m["conflict_decomposition"]
+    assert m["conflict"]["accuracy"] == 0.25 and d == {LOOK: 0.25, GUESS: 0.0, OTHER: 0.0}
+
+
+def test_position_gains_line_up_from_the_end(bench, tiny_tokenizer):
+    def ids(text):
+        return tiny_tokenizer(text, add_special_tokens=False)["input_ids"] + [tiny_tokenizer.eos_token_id]
+
+    choices = ["red", "green", "blue", "yellow"]
+    look_sky, look_tomato = ids(style_target(LOOK, "sky", "red", choices)), ids(style_target(LOOK, "tomato", "red",
+                                                                                               choices))
+    guess_sky = ids(style_target(GUESS, "sky", "red", choices))
+    # Gains: 2.0 at the look colour word (7th from the end), 0 elsewhere; 0.1 everywhere for the guess.
+    lg_sky = [0.0] * len(look_sky)
+    lg_sky[-7] = 2.0
+    lg_tom = [0.0] * len(look_tomato)
+    lg_tom[-7] = 4.0
+    rs = [_rollout(0, LOOK, True, "A", named="A", gold="A", prior="C", gains=lg_sky, ids=look_sky),
+          _rollout(1, LOOK, True, "A", named="A", gold="A", prior="A", gains=lg_tom, ids=look_tomato),
+          _rollout(2, GUESS, True, "C", named="C", gold="A", prior="C", gains=[0.1] * len(guess_sky), ids=guess_sky),
+          _rollout(3, GUESS, True, "C", named="C", gold="A", prior="C", clean=False, gains=[9.0] * 13, ids=[1] * 13)]
+    p = bench.position_gains(rs, tiny_tokenizer)
+    look = p[LOOK]["positions"]
+    assert look[-7]["mean"] == pytest.approx(3.0) and look[-7]["n"] == 2 and look[-7]["token"] == " red"
+    assert look[-1]["token"] == tiny_tokenizer.eos_token and look[-2]["token"] == " A"
+    assert look[-len(look_tomato)]["n"] == 1  # only the tomato rollout is that long
+    assert p[LOOK]["colour_word"] == pytest.approx(3.0) and p[LOOK]["elsewhere"] == 0.0
+    assert p[GUESS]["rollouts"] == 1  # the unclean one is left out
+    assert p[GUESS]["colour_word"] == pytest.approx(0.1) and p[GUESS]["elsewhere"] == pytest.approx(0.1)
+
+
+# ---------------------------------------------------------------------------------------------------- smoke
+
+
+def test_short_warmup_writes_both_styles(bench):
+    """A short look-or-guess warm-up (well under the full recipe) already writes both styles when sampled, each
+    answering from its reasoning; the full recipe's figures are benchmarks/look_or_guess.py warmup-check's."""
+    import torch
+
+    from fixtures.warmup import warm_start
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a ~1M-parameter model: a second thread only slows it on a shared machine
+    try:
+        # 128 steps at a higher rate: the shortest trial here after which both styles answer from their reasoning
+        # (80 steps: a third of the rollouts followed it; this: 0.91, 25 look and 31 guess of 64, in 46 s).
+        recipe = LookOrGuessRecipe(n_train=128, epochs=8.0, learning_rate=3e-3)
+        model, processor, info = warm_start(recipe, log=lambda m: None)
+        ds = bench.held_out_rows(recipe, bench.Settings(n_eval=16))
+        rollouts = bench.label_rollouts(bench.sample_rollouts(model, processor, ds, samples=4, max_new_tokens=20,
+                                                              greedy=False), ds)
+        clean = [r for r in rollouts if r["clean"]]
+        bench.score_rollouts(model, processor, clean, ds)
+    finally:
+        torch.set_num_threads(threads)
+    assert info["sft_steps"] == 128  # 8 blocks of 128 rows, batch 8, one pass in order
+    styles = collections.Counter(r["style"] for r in rollouts)
+    assert len(rollouts) == 64 and styles[LOOK] >= 8 and styles[GUESS] >= 8, styles
+    followed = [r["follows"] for r in rollouts if r["style"] in (LOOK, GUESS)]
+    assert sum(followed) / len(followed) >= 0.8
+    # The per-token gains are the reference's own: their mean is its visual_gain, and at the answer letter (the
+    # token before the end token in a clean rollout) they are its answer_visual_gain.
+    assert clean and all(len(r["gains"]) == len(r["ids"]) for r in clean)
+    for r in clean:
+        assert sum(r["gains"]) / len(r["gains"]) == pytest.approx(r["visual_gain"], abs=1e-4)
+        assert r["gains"][-2] == pytest.approx(r["answer_visual_gain"], abs=1e-4)
