@@ -435,3 +435,30 @@ def test_counterfactual_forward_on_a_tiny_vlm():
     choice = CF.gather_choice_logits(grey_logits, torch.tensor([at]), torch.tensor([letters]))
     agrees = CF.blind_agrees(choice, torch.tensor([1]), torch.tensor([2]), torch.tensor([True]))
     assert agrees.item() == float(grey_logits[0, at, letters].argmax().item() == 1)
+
+
+def test_the_sum_max_and_confidence_forms_follow_their_formulas():
+    """visual_gain_sum, visual_gain_max and answer_logprob (trl_mdi.signals) against loops over the tokens."""
+    from types import SimpleNamespace
+
+    from trl_mdi import signals as S
+
+    g = torch.Generator().manual_seed(3)
+    logps, cf = -torch.rand(3, 5, generator=g) * 3, -torch.rand(3, 5, generator=g) * 3
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    span = torch.tensor([[0, 0, 1, 0, 0], [0, 0, 0, 1, 1], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    answers = SimpleNamespace(span_mask=span, letter_position=torch.tensor([2, 3, -1]),
+                              answer_index=torch.tensor([0, 1, -1]), n_choices=torch.tensor([4, 4, 4]))
+    has_image = torch.tensor([True, True, True])
+    values = S.counterfactual_signals(S.CounterfactualInputs.of(logps, cf, mask, answers, None, has_image))
+    for b in range(2):
+        gains = [float(logps[b, t] - cf[b, t]) for t in range(5) if mask[b, t]]
+        assert values["visual_gain_sum"][b].item() == pytest.approx(sum(gains), abs=1e-5)
+        assert values["visual_gain_max"][b].item() == pytest.approx(max(gains), abs=1e-6)
+        assert values["answer_logprob"][b].item() == pytest.approx(
+            sum(float(logps[b, t]) for t in range(5) if span[b, t]), abs=1e-6)
+    assert all(torch.isnan(values[n][2]) for n in ("visual_gain_sum", "visual_gain_max", "answer_logprob"))
+    assert "blind_agrees" not in values  # no choice logits read: left out, not invented
+    no_image = S.counterfactual_signals(S.CounterfactualInputs.of(logps, cf, mask, answers, None,
+                                                                  torch.tensor([False, True, True])))
+    assert torch.isnan(no_image["visual_gain_sum"][0]) and torch.isnan(no_image["visual_gain_max"][0])

@@ -8,7 +8,7 @@ import torch
 from trl import GRPOTrainer
 
 from trl_mdi.config import MDIGRPOConfig
-from trl_mdi.trainer import MDIGRPOTrainer
+from trl_mdi.trainer import MDIGRPOTrainer, PromptEncoding
 
 
 def _params(fn):
@@ -97,7 +97,7 @@ def test_forward_inputs_match_what_trl_passes(tiny_vlm_dir, grpo_train_dataset, 
 
     def tokenize_spy(self, prompts):
         out = original_tokenize(self, prompts)
-        seen.setdefault("encoded", (out[0], out[2]))  # what the trainer keeps of TRL's own encoding
+        seen.setdefault("encoded", PromptEncoding(out[0], out[2]))  # what the trainer keeps of TRL's own encoding
         return out
 
     def rewards_spy(self, inputs, prompts, completions, completion_ids_list):

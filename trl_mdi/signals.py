@@ -158,6 +158,21 @@ def _layer_mean(x: ProbeInputs, group: str) -> torch.Tensor:
     return getattr(x.attention, group)[:, x.attention.layers].mean(dim=1)
 
 
+def _row_max(values: torch.Tensor) -> torch.Tensor:
+    """(B,) the largest finite value of each row of (B, C) ``values`` (NaN marks positions that do not count); NaN
+    for a row without one."""
+    finite = torch.isfinite(values)
+    best = torch.where(finite, values, torch.full_like(values, -math.inf)).amax(dim=1)
+    return torch.where(finite.any(dim=1), best, torch.full_like(best, math.nan))
+
+
+def _span_sum(values: torch.Tensor, span: torch.Tensor, has_image: torch.Tensor) -> torch.Tensor:
+    """(B,) the sum of ``values`` over each row's span; NaN for a row without a span or an image."""
+    valid = span & has_image[:, None]
+    total = torch.where(valid, values, torch.zeros_like(values)).sum(dim=1)
+    return torch.where(valid.any(dim=1), total, torch.full_like(total, math.nan))
+
+
 def _signed(value: float | None) -> str:
     return f"{float(value):+.4g}" if value is not None and math.isfinite(float(value)) else "—"
 
@@ -211,6 +226,14 @@ SIGNALS: tuple[Signal, ...] = (
            lambda x: C.visual_gain(x.logps, x.cf_logps, x.completion_mask, has_image=x.has_image),
            source=COUNTERFACTUAL, reward=True, metric=True, log="vis gain", direction=LOW,
            words=_words("visual gain", "nats per token", "no completion token")),
+    Signal("visual_gain_sum", "sum of g_t over the completion (nats): the image's evidence in the whole chain, "
+           "undiluted by its length",
+           lambda x: C.visual_gain(x.logps, x.cf_logps, x.completion_mask, has_image=x.has_image)
+           * ((x.completion_mask != 0) & x.has_image[:, None]).sum(1),
+           source=COUNTERFACTUAL, reward=True, metric=True, direction=LOW),
+    Signal("visual_gain_max", "largest per-token g_t over the completion (nats): where the image entered most "
+           "(a perception token such as a colour word read off the image)",
+           lambda x: _row_max(x.token_gain), source=COUNTERFACTUAL, reward=True, metric=True, direction=LOW),
     Signal("answer_visual_gain", "sum of g_t over the answer letter's tokens: log p(answer | I) - log p(answer | I') "
            "in nats (pointwise visual information of the answer)",
            lambda x: C.answer_visual_gain(x.logps, x.cf_logps, x.answer_span, has_image=x.has_image),
@@ -228,6 +251,10 @@ SIGNALS: tuple[Signal, ...] = (
            lambda x: None if x.attention is None else x.at_answer_letter(x.attention),
            source=COUNTERFACTUAL, reward=True, metric=True, direction=LOW, reads=(PROBE,),
            words=lambda v: f"image attention at the answer letter {v:.4g}" if v is not None else ""),
+    Signal("answer_logprob", "log p(answer | I) summed over the answer letter's tokens, with the real image: the "
+           "policy's confidence in its answer, a baseline any reliance signal should beat",
+           lambda x: _span_sum(x.logps, x.answer_span, x.has_image), source=COUNTERFACTUAL, metric=True,
+           direction=LOW),
     # ------------------------------------------------------------------ groups, over the batch gathered
     Signal("mdi_group_score", "rank of |log MDI| within the rollout's group, 1 (most balanced) to -1, zero-mean",
            lambda g: group_relative_mdi_score(g.gathered["mdi"], g.group_size), source=GROUP, reward=True,
@@ -266,7 +293,7 @@ def field_names(segments: Sequence[str], *, reward: bool | None = None, forwards
     >>> field_names(["late"], reward=True)
     ['mdi', 'mdi_late', 'aei_text', 'aei_image', 'aei_text_late', 'aei_image_late', 'mdi_balance', 'mdi_group_score']
     >>> [n for n in field_names([], reward=True, forwards=[PROBE, COUNTERFACTUAL]) if not reward_field_pattern(n)]
-    ['visual_gain', 'answer_visual_gain', 'blind_agrees', 'answer_image_attention', 'answer_visual_gain_group_score']
+    ['visual_gain', 'visual_gain_sum', 'visual_gain_max', 'answer_visual_gain', 'blind_agrees', 'answer_image_attention', 'answer_visual_gain_group_score']
     """
     return [n for s in SIGNALS if (reward is None or s.reward == reward) and needed_forwards(s) <= set(forwards)
             for n in expand(s, segments)]

@@ -14,6 +14,8 @@ leaves it out of that reward). Completions may be strings or message lists
     accuracy      accuracy_reward       dataset column solution      TRL's math-verify reward
     answer_visual_gain  answer_visual_gain_reward  trainer field answer_visual_gain  clip(g, 0, 4) / 4
     answer_visual_gain_group  ..._group_reward  trainer field answer_visual_gain_group_score  in [-1, 1]
+    visual_gain   visual_gain_reward    trainer field visual_gain    clip(g, 0, 0.5) / 0.5 (mean over the completion)
+    visual_gain_sum  visual_gain_sum_reward  trainer field visual_gain_sum  clip(g, 0, 4) / 4 (sum over it)
 
 A reward states what it needs as named parameters without defaults; ``required_reward_inputs`` reads
 them from the signature, so a custom reward given by import path is checked the same way
@@ -31,6 +33,8 @@ helpers), ``registry`` (names, defaults, resolution). Everything is re-exported 
 
 from .functions import (
     ANSWER_GAIN_CLIP,
+    VISUAL_GAIN_CLIP,
+    VISUAL_GAIN_SUM_CLIP,
     ThinkFormatReward,
     accuracy_reward,
     answer_visual_gain_group_reward,
@@ -42,6 +46,8 @@ from .functions import (
     parse_mc_answer,
     think_format_lenient_reward,
     think_format_reward,
+    visual_gain_reward,
+    visual_gain_sum_reward,
 )
 from .groups import zero_spread_fraction
 from .parsing import LETTERS as LETTERS
@@ -66,6 +72,10 @@ __all__ = [
     "REQUIRED_COLUMNS",
     "REWARD_REGISTRY",
     "ANSWER_GAIN_CLIP",
+    "VISUAL_GAIN_CLIP",
+    "VISUAL_GAIN_SUM_CLIP",
+    "visual_gain_reward",
+    "visual_gain_sum_reward",
     "accuracy_reward",
     "answer_visual_gain_group_reward",
     "answer_visual_gain_reward",

@@ -242,6 +242,47 @@ def answer_visual_gain_reward(completions: list, answer_visual_gain: list, **kwa
     return out
 
 
+VISUAL_GAIN_CLIP = 0.5
+"""G of ``visual_gain_reward`` (nats per completion token)."""
+
+VISUAL_GAIN_SUM_CLIP = 4.0
+"""G of ``visual_gain_sum_reward`` (nats over the completion)."""
+
+
+def _clipped_gain(completions: list, values: list, clip: float, name: str) -> list[float | None]:
+    if len(values) != len(completions):
+        raise ValueError(f"got {len(completions)} completions but {len(values)} {name} values")
+    out = []
+    for value in values:
+        value = _optional_float(value)
+        out.append(None if value is None else min(max(value, 0.0), clip) / clip)
+    return out
+
+
+def visual_gain_reward(completions: list, visual_gain: list, **kwargs) -> list[float | None]:
+    """Pays the completion's visual gain: ``clip(g, 0, G) / G`` with ``g`` the trainer's ``visual_gain``, the mean
+    over completion tokens of ``log p(y_t | I) - log p(y_t | I')`` (nats per token), ``G = VISUAL_GAIN_CLIP``; None
+    without an image. Unlike ``answer_visual_gain`` it sees the image's evidence where a chain of thought takes it in
+    (a colour read off the image), not only at the answer letter, which follows the chain in both passes. Clipped
+    for the reason ``answer_visual_gain_reward`` gives (docs/reliance.md).
+
+    >>> visual_gain_reward(["a", "b", "c", "d"], [0.25, -0.1, 3.0, None])
+    [0.5, 0.0, 1.0, None]
+    """
+    return _clipped_gain(completions, visual_gain, VISUAL_GAIN_CLIP, "visual_gain")
+
+
+def visual_gain_sum_reward(completions: list, visual_gain_sum: list, **kwargs) -> list[float | None]:
+    """The sum form of ``visual_gain_reward``: ``clip(g, 0, G) / G`` with ``g`` the trainer's ``visual_gain_sum``
+    (nats over the completion), ``G = VISUAL_GAIN_SUM_CLIP``: a long chain that reads the image once is not diluted,
+    but a longer chain can also collect more.
+
+    >>> visual_gain_sum_reward(["a", "b"], [2.0, None])
+    [0.5, None]
+    """
+    return _clipped_gain(completions, visual_gain_sum, VISUAL_GAIN_SUM_CLIP, "visual_gain_sum")
+
+
 def answer_visual_gain_group_reward(completions: list, answer_visual_gain_group_score: list,
                                     **kwargs) -> list[float | None]:
     """Group-relative answer visual gain: the rank of ``answer_visual_gain`` inside the prompt's group, in [-1, 1]

@@ -17,6 +17,8 @@ from .functions import (
     mdi_group_reward,
     think_format_lenient_reward,
     think_format_reward,
+    visual_gain_reward,
+    visual_gain_sum_reward,
 )
 
 __all__ = [
@@ -56,6 +58,9 @@ REWARD_REGISTRY: dict[str, Callable[..., list[float | None]]] = {
     # Reliance (docs/reliance.md): the answer's log-prob gain from the image over the counterfactual.
     "answer_visual_gain": answer_visual_gain_reward,
     "answer_visual_gain_group": answer_visual_gain_group_reward,
+    # ...and the completion's: where a chain of thought takes the image in (mean and sum forms).
+    "visual_gain": visual_gain_reward,
+    "visual_gain_sum": visual_gain_sum_reward,
 }
 DEFAULT_REWARDS: tuple[str, ...] = ("mc_idx", "think_format", "mdi_balance")
 DEFAULT_REWARD_WEIGHTS: tuple[float, ...] = (4.0, 1.0, 1.0)
