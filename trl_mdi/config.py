@@ -96,12 +96,13 @@ class MDIGRPOConfig(GRPOConfig):
         > Reliance: did the answer come from the image? (docs/reliance.md)
 
         reliance_signals (`bool`, *optional*, defaults to `False`):
-            Compute, per rollout, the counterfactual reliance signals and log them (`reliance/*`, the rollout log):
-            `visual_gain` (mean over the completion of `log p(y_t | I) - log p(y_t | I')`), `answer_visual_gain`
-            (the same summed over the answer letter's tokens), `blind_agrees` (the counterfactual's most likely
-            choice letter, at the position that chose the answer, is the rollout's) and, with attention metrics
-            on, `answer_image_attention`. Costs one no-grad forward with the counterfactual image per generation
-            batch. On by itself when a reward reads one of these fields.
+            Compute, per rollout, the counterfactual signals of the signal table (`trl_mdi.signals`, source
+            "counterfactual"; each one's line in the metric glossary of docs/logs.md) and log them (`reliance/*`,
+            the rollout log): e.g. `visual_gain` (mean over the completion of `log p(y_t | I) - log p(y_t | I')`),
+            `answer_visual_gain` (the same summed over the answer letter's tokens), `blind_agrees` (the
+            counterfactual's most likely choice letter, at the position that chose the answer, is the rollout's);
+            those that read the probe need attention metrics on. Costs one no-grad forward with the counterfactual
+            image per generation batch. On by itself when a reward reads one of these fields.
         counterfactual_image (`str`, *optional*, defaults to `"black"`):
             I' of the reliance signals: `"none"` (the image removed: a text-only prompt) or a same-size image that
             keeps every token position: `black`, `grey` (uniform mid-grey), `blur`, `gaussian_noise`,
@@ -231,9 +232,9 @@ class MDIGRPOConfig(GRPOConfig):
     )
     reliance_signals: bool = field(
         default=False,
-        metadata={"help": "Compute and log per-rollout counterfactual reliance signals (visual_gain, "
-                  "answer_visual_gain, blind_agrees, answer_image_attention): one extra no-grad forward with the "
-                  "counterfactual image per generation batch. On by itself when a reward reads one of them."},
+        metadata={"help": "Compute and log the per-rollout counterfactual signals of the signal table (visual_gain, "
+                  "answer_visual_gain, blind_agrees, ...: the glossary in docs/logs.md): one extra no-grad forward "
+                  "with the counterfactual image per generation batch. On by itself when a reward reads one of them."},
     )
     counterfactual_image: str = field(
         default="black",

@@ -23,7 +23,7 @@ interception):
 9. **Observing changes nothing**: the extra forwards run no-grad in a forked RNG, on every process.
 
 TRL offers no channel between its stages (its old-log-prob forward, ``_calculate_rewards``, the advantages), so the
-trainer holds exactly two per-batch records, each set and cleared in ``try/finally``: ``_batch`` while a generation
+trainer holds exactly two per-batch records, each set and cleared in ``try/finally``: ``_record`` while a generation
 batch is scored, and ``_pending`` while a batch measured in the training forward waits for its last slice (like
 TRL's own ``_buffered_inputs``). Everything else flows through arguments.
 """
@@ -283,7 +283,7 @@ class MDIGRPOTrainer(GRPOTrainer):
                         environment_rewards=kwargs.get("environment_factory") is not None,
                         processing_class=kwargs["processing_class"])
         config = effective_config(config, plan)
-        self._batch: BatchRecord | None = None
+        self._record: BatchRecord | None = None
         self._pending: PendingMeasurement | None = None
         # The format check the rewards, the clean-format metric and the logs share (one definition everywhere).
         self.answer_format = ThinkFormatReward(config.answer_pattern, think_prefilled=bool(plan.think_prefilled))
@@ -344,19 +344,19 @@ class MDIGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------ TRL's stages, intercepted
     def training_step(self, model, inputs, num_items_in_batch):
         # The step owns the batch record, so that the perf split below sees what its generation (if any) measured.
-        self._batch = record = BatchRecord()
+        self._record = record = BatchRecord()
         start = time.perf_counter()
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)
         finally:
-            self._batch = None
+            self._record = None
         for name, value in record.perf(time.perf_counter() - start).items():
             self._metrics["train"][name].append(value)
         return loss
 
     def _generate_and_score_completions(self, inputs):
-        owned = self._batch is None  # evaluation batches arrive without a training step around them
-        record = self._batch = self._batch or BatchRecord()
+        owned = self._record is None  # evaluation batches arrive without a training step around them
+        record = self._record = self._record or BatchRecord()
         try:
             self._prepare_batch(inputs, record)
             # TRL 1.16 gathers the batch's images for its completion logs only on processes that have some: with
@@ -370,11 +370,11 @@ class MDIGRPOTrainer(GRPOTrainer):
             return out
         finally:
             if owned:
-                self._batch = None
+                self._record = None
 
     def _tokenize_prompts(self, prompts):
         out = super()._tokenize_prompts(prompts)
-        record = self._batch
+        record = self._record
         if record is not None and record.encoded is None:
             record.encoded = PromptEncoding(ids=out[0], multimodal=out[2])
         return out
@@ -397,7 +397,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         if rides is None:
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                               *args, **kwargs)
-        record, pending = self._batch, self._pending
+        record, pending = self._record, self._pending
         if rides is ProbePlacement.TRL_FORWARD and self.args.enable_entropy_filtering:
             kwargs["compute_entropy"] = True  # the fused head returns it at no extra forward
         start = time.perf_counter()
@@ -417,13 +417,13 @@ class MDIGRPOTrainer(GRPOTrainer):
         return out
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        record, mode = self._batch, self._mode()
+        record, mode = self._record, self._mode()
         if record is not None:
             record.timing.rewards_started = start = time.perf_counter()
             record.completion_mask = pad_rows(completion_ids_list, 0, "right")[1]
             self._forwards_before_rewards(record, inputs, prompts, completion_ids_list)
             if record.forward is not None:  # else measured in the training forward: completed in compute_loss
-                record.signals = self._batch_signals(record, mode)
+                record.signals = self._record_signals(record, mode)
                 self._hand_to_rewards(inputs, record.signals)
             record.timing.scoring += time.perf_counter() - start
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -458,7 +458,7 @@ class MDIGRPOTrainer(GRPOTrainer):
             self._pending = None
             record = pending.record
             record.forward = pending.forward()
-            record.signals = self._batch_signals(record, "train")
+            record.signals = self._record_signals(record, "train")
             if self.live_logs is not None:
                 self._write_live_logs(pending.inputs, record, pending.out)
         return loss
@@ -468,7 +468,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         """Whether this call of TRL's log-prob path is the forward the plan measures the batch in, and which:
         TRL's no-grad old-log-prob forward of the policy (the first of the batch; a reference model's, or the policy
         with its adapter off for the KL term, comes later or is another model), or a training slice's first pass."""
-        record, pending = self._batch, self._pending
+        record, pending = self._record, self._pending
         if (record is not None and record.forward is None and model is self.model and not torch.is_grad_enabled()
                 and self.run_plan.batch_placement(self._mode()) is ProbePlacement.TRL_FORWARD):
             return ProbePlacement.TRL_FORWARD
@@ -610,7 +610,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         with probe_attention(self.model, layout, map_rows, self.run_plan.token_layers) as state:
             yield state
 
-    def _policy_logps(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _policy_logps(self, layout) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One no-grad policy forward through TRL's own log-prob path (same chunking, fused head).
 
         It runs in the model's current mode, as TRL's own old-log-prob forward does (so with dropout > 0 it draws
@@ -620,7 +620,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         """
         batch_size = (self.args.per_device_train_batch_size if self._mode() == "train"
                       else self.args.per_device_eval_batch_size)
-        inputs = batch.logp_inputs()
+        inputs = layout.logp_inputs()
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
                 rng_untouched(self.accelerator.device):
             logps, entropies, _ = super()._get_per_token_logps_and_entropies(
@@ -628,18 +628,18 @@ class MDIGRPOTrainer(GRPOTrainer):
                 batch_size=batch_size, compute_entropy=self.args.enable_entropy_filtering, **inputs)
         return logps, entropies
 
-    def _extra_forward(self, map_rows: list[int], batch) -> PolicyForward:
+    def _extra_forward(self, map_rows: list[int], layout) -> PolicyForward:
         """The one extra no-grad forward: attention probe (with the attention signal when asked) and, when TPRL needs
         them, log-probs under the real image (the perturbation signal) and entropies (the entropy filter)."""
-        completion_length = batch.logits_to_keep
+        completion_length = layout.logits_to_keep
         needs_head = self.args.uses_perturbed_forward or self.args.enable_entropy_filtering or self.run_plan.reliance
         if not needs_head:
             # Only attention is wanted: let the LM head score one position per row instead of the whole completion
             # (TRL's fused head skips positions whose label is -100). At Qwen's 152k vocabulary the head is about a
             # tenth of the forward's FLOPs; the probe still measures every completion token.
-            batch = dataclasses.replace(batch, logits_to_keep=1)
+            layout = dataclasses.replace(layout, logits_to_keep=1)
         with self._probe(map_rows, completion_length) as probe:
-            logps, entropies = self._policy_logps(batch)
+            logps, entropies = self._policy_logps(layout)
         attention = probe.result() if probe is not None else None
         return PolicyForward.measured(attention, completion_length, *((logps, entropies) if needs_head else ()))
 
@@ -674,13 +674,13 @@ class MDIGRPOTrainer(GRPOTrainer):
         rows of those letters: no (B, C, vocabulary) logits)."""
         kind = self.args.counterfactual_image
         cf_prompts = self._counterfactual_prompts(inputs, prompts, kind)
-        batch = self._policy_batch(None, cf_prompts, inputs, completion_ids_list, with_images=kind != NO_IMAGE)
+        layout = self._policy_batch(None, cf_prompts, inputs, completion_ids_list, with_images=kind != NO_IMAGE)
         ids = pad_rows(completion_ids_list, self._tokenizer.pad_token_id, "right")[0]
         answers = answer_tokens(self._tokenizer, ids, completion_mask, [x.get("choices") for x in inputs],
                                 self.answer_format.answer_pattern)
         with hidden_states_at(unwrap_model(self.model).base_model, answers.letter_position,
-                              batch.logits_to_keep) as hidden:
-            logps, _ = self._policy_logps(batch)
+                              layout.logits_to_keep) as hidden:
+            logps, _ = self._policy_logps(layout)
         letters = choice_logits(self.model, hidden.result(), answers.candidates)
         return CounterfactualForward(logps=logps, choice_logits=letters, answers=answers)
 
@@ -715,13 +715,13 @@ class MDIGRPOTrainer(GRPOTrainer):
                                        top_p=self.args.top_p_perception_tokens, signal=self.args.perception_signal,
                                        rows=self.args.log_full_rollouts_per_step)
         scored = record.scored
-        batch = BatchLog(step=record.step, epoch=float(self.state.epoch or 0.0), rows=inputs, prompts=scored.prompts,
+        log = BatchLog(step=record.step, epoch=float(self.state.epoch or 0.0), rows=inputs, prompts=scored.prompts,
                          completions=scored.completions, completion_lengths=scored.lengths, rewards=scored.rewards,
                          advantages=self.accelerator.gather(out["advantages"]), reward_names=self.reward_func_names,
                          reward_weights=self.reward_weights,
                          signals=record.signals.local if record.signals is not None else None, attention=attention,
                          map_rows=record.map_rows, strips=strips)
-        write_batch(self.live_logs, batch, processing_class=self.processing_class, answer_format=self.answer_format)
+        write_batch(self.live_logs, log, processing_class=self.processing_class, answer_format=self.answer_format)
 
 
 
