@@ -423,7 +423,7 @@ class MDIGRPOTrainer(GRPOTrainer):
             record.completion_mask = pad_rows(completion_ids_list, 0, "right")[1]
             self._forwards_before_rewards(record, inputs, prompts, completion_ids_list)
             if record.forward is not None:  # else measured in the training forward: completed in compute_loss
-                record.signals = self._record_signals(record, mode)
+                record.signals = self._batch_signals(record, mode)
                 self._hand_to_rewards(inputs, record.signals)
             record.timing.scoring += time.perf_counter() - start
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -458,7 +458,7 @@ class MDIGRPOTrainer(GRPOTrainer):
             self._pending = None
             record = pending.record
             record.forward = pending.forward()
-            record.signals = self._record_signals(record, "train")
+            record.signals = self._batch_signals(record, "train")
             if self.live_logs is not None:
                 self._write_live_logs(pending.inputs, record, pending.out)
         return loss
