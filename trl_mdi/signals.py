@@ -228,8 +228,7 @@ SIGNALS: tuple[Signal, ...] = (
            words=_words("visual gain", "nats per token", "no completion token")),
     Signal("visual_gain_sum", "sum of g_t over the completion (nats): the image's evidence in the whole chain, "
            "undiluted by its length",
-           lambda x: C.visual_gain(x.logps, x.cf_logps, x.completion_mask, has_image=x.has_image)
-           * ((x.completion_mask != 0) & x.has_image[:, None]).sum(1),
+           lambda x: _span_sum(x.logps - x.cf_logps, x.completion_mask != 0, x.has_image),
            source=COUNTERFACTUAL, reward=True, metric=True, direction=LOW),
     Signal("visual_gain_max", "largest per-token g_t over the completion (nats): where the image entered most "
            "(a perception token such as a colour word read off the image)",

@@ -219,6 +219,16 @@ ANSWER_GAIN_CLIP = 4.0
 """G of ``answer_visual_gain_reward``: gains are paid up to G nats (a 55-fold likelier answer with the image)."""
 
 
+def _clipped_gain(completions: list, values: list, clip: float, name: str) -> list[float | None]:
+    if len(values) != len(completions):
+        raise ValueError(f"got {len(completions)} completions but {len(values)} {name} values")
+    out = []
+    for value in values:
+        value = _optional_float(value)
+        out.append(None if value is None else min(max(value, 0.0), clip) / clip)
+    return out
+
+
 def answer_visual_gain_reward(completions: list, answer_visual_gain: list, **kwargs) -> list[float | None]:
     """Pays the answer's visual gain: ``clip(g, 0, G) / G`` with ``g = log p(answer | I) - log p(answer | I')``
     (the trainer's ``answer_visual_gain``, summed over the answer letter's tokens, in nats) and ``G =
@@ -233,13 +243,7 @@ def answer_visual_gain_reward(completions: list, answer_visual_gain: list, **kwa
     >>> answer_visual_gain_reward(["a", "b", "c", "d"], [2.0, -1.0, 9.0, None])
     [0.5, 0.0, 1.0, None]
     """
-    if len(answer_visual_gain) != len(completions):
-        raise ValueError(f"got {len(completions)} completions but {len(answer_visual_gain)} answer_visual_gain values")
-    out = []
-    for value in answer_visual_gain:
-        value = _optional_float(value)
-        out.append(None if value is None else min(max(value, 0.0), ANSWER_GAIN_CLIP) / ANSWER_GAIN_CLIP)
-    return out
+    return _clipped_gain(completions, answer_visual_gain, ANSWER_GAIN_CLIP, "answer_visual_gain")
 
 
 VISUAL_GAIN_CLIP = 0.5
@@ -247,16 +251,6 @@ VISUAL_GAIN_CLIP = 0.5
 
 VISUAL_GAIN_SUM_CLIP = 4.0
 """G of ``visual_gain_sum_reward`` (nats over the completion)."""
-
-
-def _clipped_gain(completions: list, values: list, clip: float, name: str) -> list[float | None]:
-    if len(values) != len(completions):
-        raise ValueError(f"got {len(completions)} completions but {len(values)} {name} values")
-    out = []
-    for value in values:
-        value = _optional_float(value)
-        out.append(None if value is None else min(max(value, 0.0), clip) / clip)
-    return out
 
 
 def visual_gain_reward(completions: list, visual_gain: list, **kwargs) -> list[float | None]:
