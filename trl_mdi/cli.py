@@ -10,8 +10,8 @@ What it adds to a bare ``TrlParser`` + ``MDIGRPOTrainer`` script, and why:
 2. **Provenance.** The effective configuration is printed at start (main process only), each value marked with
    where it came from: the command line, the YAML file, a trl_mdi default, or the library default.
 3. **Fail before loading weights.** The model config must describe a vision-language model, the data must have an
-   image and a prompt column and the labels the rewards read, and unknown flags are errors (TrlParser's own
-   behaviour, kept). Input problems exit with status 2 and one message, no traceback.
+   image and a prompt column and the labels the rewards read, ``--use_vllm`` must be runnable here (vLLM installed,
+   a ``--vllm_mode`` the machine can run), and unknown flags are errors (TrlParser's own behaviour, kept). Input problems exit with status 2 and one message, no traceback.
 4. **The model is passed by path**, so ``model_init_kwargs`` (dtype, attn_implementation) and DeepSpeed ZeRO-3's
    sharded initialisation apply at load time; the processor is loaded here so its pixel budget can be set from the
    command line (``--min_pixels`` / ``--max_pixels``; TRL 1.16 has no max_prompt_length).
@@ -47,6 +47,7 @@ from .cli_checks import (  # noqa: F401
     answer_format_warning,
     check_image_token,
     check_peft,
+    check_vllm,
     check_vlm,
     effective_rewards,
     load_processor,
@@ -116,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     is_main = t.process_index == 0
     log = print if is_main else (lambda *a, **k: None)
     try:
+        check_vllm(t)  # --use_vllm with no vLLM, or a mode this machine cannot run: before anything loads
         model_config = check_vlm(m.model_name_or_path, revision=m.model_revision,
                                  trust_remote_code=t.trust_remote_code)
         check_peft(m, model_config)

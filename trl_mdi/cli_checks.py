@@ -9,6 +9,67 @@ from typing import Any
 from .cli_args import ModelCheckError, ParsedRun, UsageError
 from .data import DatasetError, TrainingData
 
+# ------------------------------------------------------------------------------------------------------ vLLM
+
+VLLM_INSTALL = "pip install -e '.[vllm]'"  # the extra pins the vLLM release TRL 1.16 supports (pyproject.toml)
+VLLM_CPU_INSTALL = "make test-vllm"  # builds .venv-vllm with vLLM's CPU build (Makefile)
+
+
+def vllm_problem(use_vllm: bool, mode: str, installed: str | None, has_cuda: bool) -> str | None:
+    """Why ``--use_vllm`` cannot run here (None: it can), from facts gathered without importing vLLM.
+
+    ``installed``: the distribution that provides the ``vllm`` module (``"vllm"``, the GPU build; ``"vllm-cpu"``;
+    None when vLLM is not installed). Server mode syncs the trainer's weights to the server through vLLM's NCCL
+    weight-transfer engine (``VLLMClient.init_communicator``), which needs a CUDA device on the training side;
+    colocate mode runs the engine in each training process, so a GPU build needs a GPU there.
+
+    >>> vllm_problem(False, "colocate", None, False) is None
+    True
+    >>> vllm_problem(True, "colocate", "vllm-cpu", False) is None
+    True
+    >>> vllm_problem(True, "colocate", None, True).startswith("--use_vllm: vLLM is not installed")
+    True
+    """
+    if not use_vllm:
+        return None
+    if installed is None:
+        return (f"--use_vllm: vLLM is not installed in this environment; install it with {VLLM_INSTALL} (GPU "
+                f"machines), or drop --use_vllm to generate with transformers")
+    if mode == "server" and not has_cuda:
+        return ("--vllm_mode server: the trainer syncs its weights to the vLLM server over NCCL, which needs a CUDA "
+                "GPU on the training processes, and this machine has none; use --vllm_mode colocate, or drop "
+                "--use_vllm")
+    if mode == "colocate" and not has_cuda and installed != "vllm-cpu":
+        return (f"--vllm_mode colocate: the vLLM installed here ({installed}) is a GPU build and this machine has no "
+                f"CUDA GPU; run on a GPU machine, install vLLM's CPU build (see {VLLM_CPU_INSTALL} in the Makefile), "
+                "or drop --use_vllm")
+    return None
+
+
+def installed_vllm() -> str | None:
+    """The distribution providing the ``vllm`` module (``vllm``, ``vllm-cpu``, ...), or None; vLLM is not imported
+    (its import takes seconds and starts its platform detection)."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    providers = importlib.metadata.packages_distributions().get("vllm") or ["vllm"]
+    return providers[0]
+
+
+def check_vllm(training_args) -> None:
+    """``--use_vllm`` that cannot run on this machine is a one-line error before anything loads (``vllm_problem``);
+    without it, TRL raises its ImportError only once the model's weights have loaded."""
+    if not getattr(training_args, "use_vllm", False):
+        return
+    import torch
+
+    problem = vllm_problem(True, training_args.vllm_mode, installed_vllm(), torch.cuda.is_available())
+    if problem:
+        raise UsageError(problem)
+
+
 # ------------------------------------------------------------------------------------------ model and processor
 
 
