@@ -212,6 +212,41 @@ def _signal_reward_check(ns, request):
     assert reward(["a", "b"], image_mass_late=[0.25, None]) == [2.5, None]
 
 
+def _counterfactual_entry_check(ns, request):
+    """docs/signals.md's counterfactual example: on a hand-made record, the share of valid tokens with g_t > 0 (NaN
+    for a row with none), and a field of the counterfactual forward with its rollout-log column and glossary row."""
+    from trl_mdi.answer_tokens import AnswerTokens
+
+    (signal,) = ns["NEW_SIGNALS"]
+    assert isinstance(signal, S.Signal) and signal.source == S.COUNTERFACTUAL and signal.reward and signal.metric
+    request.getfixturevalue("monkeypatch").setattr(S, "SIGNALS", (*S.SIGNALS, signal))
+    logps = torch.tensor([[-1.0, -2.0, -0.5, 9.0], [-1.0, -1.0, -1.0, -1.0], [-1.0, -1.0, -1.0, -1.0]])
+    cf = torch.tensor([[-1.5, -1.0, -2.5, 0.0], [-2.0, -2.0, -2.0, -2.0], [-2.0, -2.0, -2.0, -2.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    none = torch.full((3,), -1)
+    answers = AnswerTokens(span_mask=torch.zeros(3, 4, dtype=torch.bool), letter_position=none, answer_index=none,
+                           candidates=torch.full((3, 1), -1), n_choices=torch.zeros(3, dtype=torch.long))
+    record = S.CounterfactualInputs.of(logps, cf, mask, answers, None, torch.tensor([True, False, True]))
+    values = S.counterfactual_signals(record)  # gains 0.5, -1, 2 (padding excluded); no image; no token
+    torch.testing.assert_close(values[signal.name], torch.tensor([2 / 3, math.nan, math.nan]), equal_nan=True)
+    assert S.reads_counterfactual(signal.name) and (signal.name, "gain share") in S.rollout_log_columns()
+    assert "reliance/gain_token_share" in dict(S.glossary())
+
+
+def _counterfactual_reward_check(ns, request):
+    from trl_mdi.rewards.inputs import check_reward_inputs
+
+    reward = ns["gain_share_reward"]
+    with pytest.raises(ValueError, match="gain_token_share"):  # without the worked example's table entry
+        check_reward_inputs([reward], {"train": ["prompt", "image"]}, attention=False, reliance=True)
+    entry = BLOCKS_BY_MARKER['Signal("gain_token_share"']
+    table = dict(vars(S))
+    exec(compile(entry.template.format(code=block_of(entry).code), entry.page, "exec"), table)  # noqa: S102
+    request.getfixturevalue("monkeypatch").setattr(S, "SIGNALS", (*S.SIGNALS, *table["NEW_SIGNALS"]))
+    check_reward_inputs([reward], {"train": ["prompt", "image"]}, attention=False, reliance=True)
+    assert reward(["a", "b"], gain_token_share=[0.75, None]) == [0.25, None]
+
+
 BLOCKS: tuple[DocBlock, ...] = (
     DocBlock("readme-training-script", "README.md", "MDIGRPOTrainer(model=", RUN, setup=_readme_setup, check=_readme_check),
     DocBlock("concepts-probe-call", "docs/concepts.md", "measure_modality_attention(model", RUN, setup=_probe_setup, check=_probe_check),
@@ -223,6 +258,12 @@ BLOCKS: tuple[DocBlock, ...] = (
              template="NEW_SIGNALS = (\n{code})", setup=lambda request: ({}, dict(vars(S))),
              check=_signal_entry_check),
     DocBlock("signals-reward", "docs/signals.md", "late_look_reward", RUN, check=_signal_reward_check),
+    DocBlock("signals-counterfactual-entry", "docs/signals.md", 'Signal("gain_token_share"', RUN,
+             context={"Signal": S.Signal, "COUNTERFACTUAL": S.COUNTERFACTUAL, "LOW": S.LOW},
+             template="NEW_SIGNALS = (\n{code})", setup=lambda request: ({}, dict(vars(S))),
+             check=_counterfactual_entry_check),
+    DocBlock("signals-counterfactual-reward", "docs/signals.md", "gain_share_reward", RUN,
+             check=_counterfactual_reward_check),
 )
 BLOCKS_BY_MARKER = {b.marker: b for b in BLOCKS}
 

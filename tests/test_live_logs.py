@@ -9,7 +9,9 @@ import torch
 from test_trainer import make_args, spread_reward
 from transformers import AutoProcessor, TrainerCallback
 
+from trl_mdi import signals as S
 from trl_mdi.diagnostics import LogPathError
+from trl_mdi.diagnostics.writers import summary_label
 from trl_mdi.trainer import MDIGRPOTrainer
 
 STEP_HEADER = re.compile(r"^## Step (\d+)\b", re.M)
@@ -267,11 +269,11 @@ def test_reliance_signals_in_the_rollout_log(model_dir, grpo_train_dataset, tmp_
     line = re.compile(r"^\*\*Reliance on the image\*\* \(counterfactual: a black image of the same size\): (.*)$", re.M)
     for block, logged in zip(blocks, metrics):
         answered, unanswered = line.findall(block)  # rollouts 0 and 1, in full
-        assert re.fullmatch(r"answer visual gain [+-][\d.e+-]+ nats · visual gain [+-][\d.e+-]+ nats per token · "
+        assert re.fullmatch(r"visual gain [+-][\d.e+-]+ nats per token · answer visual gain [+-][\d.e+-]+ nats · "
                             r"blind answer agrees: (yes \(the answer would have been the same without the image\)|"
                             r"no \(without the image the answer would have been different\))"
                             + (r" · image attention at the answer letter [\d.e-]+" if attention else ""), answered), answered
-        assert re.fullmatch(r"answer visual gain — \(no answer line\) · visual gain [+-][\d.e+-]+ nats per token · "
+        assert re.fullmatch(r"visual gain [+-][\d.e+-]+ nats per token · answer visual gain — \(no answer line\) · "
                             r"blind answer agrees: — \(no answer letter to compare\)", unanswered), unanswered
         table = block.split("### Other rollouts (2)\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
         header = [c.strip() for c in table[0].strip("|").split("|")]
@@ -283,10 +285,15 @@ def test_reliance_signals_in_the_rollout_log(model_dir, grpo_train_dataset, tmp_
         summary = dict(re.findall(r"^\| ([^|]+?) \| ([^|]+?) \|$", block.split("### Step summary", 1)[1], re.M))
         answer_rate = float(summary["answer rate (rollouts with an image and an answer)"])
         assert answer_rate == logged["reliance/answer_rate"] == 0.5
-        for label, key in (("blind agreement (share of answers unchanged without the image)", "blind_agree_rate"),
-                           ("answer visual gain mean (nats)", "answer_visual_gain"),
-                           ("visual gain mean (nats per token)", "visual_gain")):
-            assert float(summary[label]) == pytest.approx(logged[f"reliance/{key}"], rel=1e-3, abs=1e-6), label
+        # One summary row per counterfactual metric signal of the table, equal to its reliance/* metric; the
+        # answer letter's image attention only with the probe on.
+        rows = {summary_label(s): s.metric_key for s in S.SIGNALS if s.source == S.COUNTERFACTUAL and s.metric
+                and (attention or s.name != "answer_image_attention")}
+        assert [k for k in summary if k in rows or k.startswith("answer rate")] == [*rows, "answer rate (rollouts "
+                                                                                   "with an image and an answer)"]
+        assert "blind agreement (share of answers unchanged without the image)" in rows
+        for label, key in rows.items():
+            assert float(summary[label]) == pytest.approx(logged[key], rel=1e-3, abs=1e-6), label
     assert re.search(r"^Blind agreement trend: `..` .* \(2 points\)$", blocks[1], re.M)
     assert "reliance/blind_agree_rate" in capsys.readouterr().out
     if not attention:

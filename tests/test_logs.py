@@ -39,6 +39,7 @@ from trl_mdi.diagnostics import (
     trend_line,
 )
 from trl_mdi.diagnostics.maps import display_size
+from trl_mdi.diagnostics.writers import summary_label
 
 SPARKS = "▁▂▃▄▅▆▇█"
 
@@ -398,8 +399,10 @@ Accuracy trend: `▄` min 0.6667 · max 0.6667 · last 0.6667 (1 point)
 
 """
 
-RELIANCE_SUMMARY = ["blind agreement (share of answers unchanged without the image)", "answer visual gain mean (nats)",
-                    "visual gain mean (nats per token)", "answer rate (rollouts with an image and an answer)"]
+# The step summary's reliance rows: one per counterfactual metric signal, in the table's order, then the answer rate.
+RELIANCE_SUMMARY = ["visual gain mean (nats per token)", "answer visual gain mean (nats)",
+                    "blind agreement (share of answers unchanged without the image)",
+                    "answer rate (rollouts with an image and an answer)"]
 
 
 def with_reliance(rollouts: list[dict], values: list[tuple]) -> list[dict]:
@@ -440,11 +443,11 @@ def test_rollout_log_shows_reliance_signals_when_computed(tmp_path):
     assert step_headings(text) == [1, 2]
     block = re.split(r"^## Step \d+ ", text, flags=re.M)[1]
     # The full rollouts say what each number means.
-    assert ("**Reliance on the image** (counterfactual: a grey image of the same size): answer visual gain +2.31 nats"
-            " · visual gain +0.12 nats per token · blind answer agrees: no (without the image the answer would have"
-            " been different)") in block
-    assert ("answer visual gain -0.4 nats · visual gain -0.05 nats per token · blind answer agrees: yes (the answer"
-            " would have been the same without the image)") in block
+    assert ("**Reliance on the image** (counterfactual: a grey image of the same size): visual gain +0.12 nats per"
+            " token · answer visual gain +2.31 nats · blind answer agrees: no (without the image the answer would have"
+            " been different)\n") in block
+    assert ("visual gain -0.05 nats per token · answer visual gain -0.4 nats · blind answer agrees: yes (the answer"
+            " would have been the same without the image)\n") in block
     # The table: one row per other rollout, None as —, blind as yes / no.
     table = block.split("### Other rollouts (3)\n\n", 1)[1].split("\n\n", 1)[0].split("\n")
     header = cells(table[0])
@@ -454,7 +457,7 @@ def test_rollout_log_shows_reliance_signals_when_computed(tmp_path):
         ("0.3", "—", "—"), ("0.2", "1", "yes"), ("—", "—", "—")]
     summary = summary_of(block)
     assert [k for k in summary if k in RELIANCE_SUMMARY] == RELIANCE_SUMMARY
-    blind, answer_gain, gain, answer_rate = (summary[k] for k in RELIANCE_SUMMARY)
+    gain, answer_gain, blind, answer_rate = (summary[k] for k in RELIANCE_SUMMARY)
     assert float(blind) == pytest.approx(2 / 3, abs=1e-4)  # 2 of the 3 rollouts with a verdict
     assert float(answer_gain) == pytest.approx((2.31 - 0.4 + 1.0) / 3, abs=1e-3)
     assert float(gain) == pytest.approx((0.12 - 0.05 + 0.3 + 0.2) / 4, abs=1e-3)
@@ -468,7 +471,7 @@ def test_rollout_log_shows_reliance_signals_when_computed(tmp_path):
     assert w.write_step(2, None, with_reliance(make_rollouts(2, n=5), values[2]))
     w.close()
     last = re.split(r"^## Step \d+ ", read(path), flags=re.M)[-1]
-    assert float(summary_of(last)[RELIANCE_SUMMARY[0]]) == 0.2 and float(summary_of(last)[RELIANCE_SUMMARY[3]]) == 1
+    assert float(summary_of(last)[RELIANCE_SUMMARY[2]]) == 0.2 and float(summary_of(last)[RELIANCE_SUMMARY[3]]) == 1
     assert "Blind agreement trend: `█▁` min 0.2 · max 0.6667 · last 0.2 (2 points)" in last
 
 
@@ -480,27 +483,30 @@ def test_reliance_line_for_rollouts_without_an_answer_or_an_image(tmp_path):
     w = RolloutLogWriter(tmp_path / "r.md", full_rollouts_per_step=2, counterfactual="none")
     assert w.write_step(1, None, rollouts)
     text = read(tmp_path / "r.md")
-    assert ("**Reliance on the image** (counterfactual: the prompt without its image): answer visual gain — (no answer"
-            " line) · visual gain +0.25 nats per token · blind answer agrees: — (no answer letter to compare) · image"
-            " attention at the answer letter 0.0312\n") in text
+    assert ("**Reliance on the image** (counterfactual: the prompt without its image): visual gain +0.25 nats per"
+            " token · answer visual gain — (no answer line) · blind answer agrees: — (no answer letter to compare) ·"
+            " image attention at the answer letter 0.0312\n") in text
     assert ("**Reliance on the image** (counterfactual: the prompt without its image): — (no image in the prompt)\n"
             in text)
     summary = summary_of(text)
-    assert summary[RELIANCE_SUMMARY[0]] == "—" and summary[RELIANCE_SUMMARY[1]] == "—"
+    assert summary[RELIANCE_SUMMARY[2]] == "—" and summary[RELIANCE_SUMMARY[1]] == "—"
+    assert summary[RELIANCE_SUMMARY[0]] == "0.25"  # the one defined gain; the undefined one is no 0
     assert summary[RELIANCE_SUMMARY[3]] == "0" and "Blind agreement trend: (no data yet)" in text
+    # answer_image_attention has no column but is a metric: its mean is a summary row (0.0312 of the one rollout)
+    assert summary_label(signals.signal_of("answer_image_attention")) in summary
     from trl_mdi.counterfactual import counterfactual_kinds
     from trl_mdi.diagnostics.writers import COUNTERFACTUALS
 
     assert set(COUNTERFACTUALS) == set(counterfactual_kinds())  # every configurable I' is named in words
     w = RolloutLogWriter(tmp_path / "plain.md", full_rollouts_per_step=1)  # a writer that was not told I'
     assert w.write_step(1, None, rollouts[:1])
-    assert "**Reliance on the image:** answer visual gain — (no answer line)" in read(tmp_path / "plain.md")
+    assert "**Reliance on the image:** visual gain +0.25 nats per token" in read(tmp_path / "plain.md")
 
 
 def test_reliance_signals_go_to_the_rollout_record_not_the_attention_row(tmp_path):
-    """rollout_records puts the reliance signals (NaN -> None) on the rollout, keeps them and the reward-only group
-    score out of the attention row, and gives no attention row when the batch has reliance signals only (attention
-    metrics off). The attention log of a batch with reliance signals is the same as without them."""
+    """rollout_records puts the reliance signals (NaN -> None) on the rollout, the probe signals on the attention row
+    and the reward-only group scores on neither, and gives no attention row when the batch has reliance signals only
+    (attention metrics off). The attention log of a batch with reliance signals is the same as without them."""
     from trl_mdi.diagnostics import rollout_records
     from trl_mdi.rewards import ThinkFormatReward
 
@@ -512,6 +518,7 @@ def test_reliance_signals_go_to_the_rollout_record_not_the_attention_row(tmp_pat
     attention = {k: torch.tensor([float("nan") if v is None else float(v) for v in (attention_row(2.0)[k],
                                                                                     attention_row(3.0)[k])])
                  for k in attention_row(2.0)}
+    attention["mdi_group_score"] = torch.tensor([1.0, -1.0])
     base = _batch_log(MC_ROWS, texts)
 
     def records(table):
@@ -520,15 +527,15 @@ def test_reliance_signals_go_to_the_rollout_record_not_the_attention_row(tmp_pat
     only_reliance, both, only_attention = records(reliance), records({**attention, **reliance}), records(attention)
     assert [r["attention"] for r in only_reliance] == [None, None]
     assert [r["attention"] for r in both] == [r["attention"] for r in only_attention]
-    assert not set(signals.RELIANCE_FIELDS) & set(both[0]["attention"])
+    assert set(both[0]["attention"]) == {*attention_row(2.0), "index"}  # the probe signals, no group score
     for recs in (only_reliance, both):
-        assert [{k: r["rollout"].get(k) for k in signals.RELIANCE_SIGNALS} for r in recs] == [
+        assert [{k: r["rollout"][k] for k in signals.reliance_names() if k in r["rollout"]} for r in recs] == [
             {"visual_gain": 0.5, "answer_visual_gain": 2.0, "blind_agrees": 0.0,
              "answer_image_attention": pytest.approx(0.04)},
             {"visual_gain": pytest.approx(-0.1), "answer_visual_gain": None, "blind_agrees": None,
              "answer_image_attention": None}]
-        assert "answer_visual_gain_group_score" not in recs[0]["rollout"]
-    assert not set(signals.RELIANCE_FIELDS) & set(only_attention[0]["rollout"])
+        assert not {"answer_visual_gain_group_score", "mdi_group_score"} & set(recs[0]["rollout"])
+    assert not set(signals.reliance_fields()) & set(only_attention[0]["rollout"])
     assert [r["rollout"] for r in records(None)] == [r["rollout"] for r in only_attention]
     for name, recs in (("both", both), ("attention", only_attention)):
         w = attention_writer(tmp_path / name / "att.md", run_name="r")
@@ -536,6 +543,61 @@ def test_reliance_signals_go_to_the_rollout_record_not_the_attention_row(tmp_pat
         w.close()
     clock = functools.partial(re.sub, r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}( \(\+[\d:]+\))?", "")
     assert clock(read(tmp_path / "both" / "att.md")) == clock(read(tmp_path / "attention" / "att.md"))
+
+
+def test_a_counterfactual_signal_added_to_the_table_reaches_the_rollout_log(tmp_path, monkeypatch):
+    """The rollout log reads the signal table: a counterfactual entry added to ``SIGNALS`` (a number with a column,
+    a 0/1 flag with words) gets its column (the flag as yes / no), its phrase in the reliance line, its summary row
+    (mean where finite; the flag's rate) and, for the flag, a trend rebuilt on resume; rollout_records puts it on
+    the rollout, not the attention row."""
+    from trl_mdi.diagnostics import rollout_records
+
+    gain = signals.Signal("peak_gain", "largest g_t", lambda x: None, source=signals.COUNTERFACTUAL, metric=True,
+                          log="peak")
+    flag = signals.Signal("peak_late", "the largest g_t is in the completion's second half", lambda x: None,
+                          source=signals.COUNTERFACTUAL, metric=True, flag=True, log="late?",
+                          label="late peak (share of rollouts)",
+                          words=lambda v: "peak late: —" if v is None else f"peak late: {'yes' if v else 'no'}")
+    monkeypatch.setattr(signals, "SIGNALS", (*signals.SIGNALS, gain, flag))
+    assert [name for name, _ in signals.rollout_log_columns()][-2:] == ["peak_gain", "peak_late"]
+    values = [(1.5, 1.0), (None, None), (0.5, 0.0), (-1.0, 1.0)]
+    rollouts = [{**r, "visual_gain": 0.1, "peak_gain": g, "peak_late": f}
+                for r, (g, f) in zip(make_rollouts(1, n=4), values)]
+    path = tmp_path / "peak.md"
+    w = RolloutLogWriter(path, full_rollouts_per_step=1, accuracy_rewards=["mc_idx"], counterfactual="grey")
+    assert w.write_step(1, None, rollouts)
+    w.close()
+    block = re.split(r"^## Step \d+ ", read(path), flags=re.M)[1]
+    assert ("**Reliance on the image** (counterfactual: a grey image of the same size): visual gain +0.1 nats per token"
+            " · peak late: yes\n") in block  # the number without words has no phrase
+    table = block.split("### Other rollouts (3)\n\n", 1)[1].split("\n\n", 1)[0].split("\n")
+    header = cells(table[0])
+    assert header[-4:] == ["vis gain", "peak", "late?", "completion"]
+    assert [(r["peak"], r["late?"]) for r in (dict(zip(header, cells(row))) for row in table[2:])] == [
+        ("—", "—"), ("0.5", "no"), ("-1", "yes")]
+    summary = summary_of(block)
+    assert float(summary["peak mean"]) == pytest.approx((1.5 + 0.5 - 1.0) / 3, abs=1e-4)
+    assert float(summary["late peak (share of rollouts)"]) == pytest.approx(2 / 3, abs=1e-4)
+    assert "Late peak trend: `▄` min 0.6667" in block
+    w = RolloutLogWriter(path, counterfactual="grey").open(resume_from_step=1)
+    assert w.records[0][1]["peak_late"] == pytest.approx(2 / 3, abs=1e-5)
+    w.close()
+
+    table = {"visual_gain": torch.tensor([0.5, -0.1]), "peak_gain": torch.tensor([2.0, float("nan")]),
+             "peak_late": torch.tensor([1.0, 0.0])}
+    recs = rollout_records(dataclasses.replace(_batch_log(MC_ROWS, ["a", "b"]), signals=table), offset=2)
+    assert [(r["rollout"]["peak_gain"], r["rollout"]["peak_late"], r["attention"]) for r in recs] == [
+        (2.0, 1.0, None), (None, 0.0, None)]
+
+
+def test_reliance_columns_is_a_deprecated_alias_of_the_table():
+    from trl_mdi.diagnostics import writers
+
+    with pytest.warns(FutureWarning, match="rollout_log_columns"):
+        columns = writers.RELIANCE_COLUMNS
+    assert columns == (("visual_gain", "vis gain"), ("answer_visual_gain", "ans gain"), ("blind_agrees", "blind"))
+    with pytest.warns(FutureWarning, match="summary_label"):
+        assert writers.BLIND_RATE == "blind agreement (share of answers unchanged without the image)"
 
 
 def test_console_shows_the_blind_agreement_rate_when_logged(capsys):

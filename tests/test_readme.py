@@ -2,8 +2,9 @@
 figures and links come from the code.
 
 1. **Generated tables.** The config reference in docs/config.md (between ``<!-- config-reference:start -->`` and
-   ``:end -->``) equals ``python -m trl_mdi.config_doc``; the attention-metric glossary in docs/logs.md (between
-   ``<!-- signal-glossary:start -->`` and ``:end -->``) equals the table of ``trl_mdi/signals.py``. Regenerate both
+   ``:end -->``) equals ``python -m trl_mdi.config_doc``; the signal glossary in docs/logs.md (between
+   ``<!-- signal-glossary:start -->`` and ``:end -->``: attention/* and reliance/*) equals the table of
+   ``trl_mdi/signals.py``. Regenerate both
    with ``python -m trl_mdi.config_doc --update docs/config.md`` / ``--update docs/logs.md``.
 2. **Runnable shell blocks.** A fenced ```` ```bash ```` block whose opening fence is on the line right after a
    ``<!-- runnable -->`` comment (invisible when rendered) is executed, each by ``bash -euo pipefail`` from the
@@ -13,8 +14,8 @@ figures and links come from the code.
 3. **grpo_vlm.py command lines.** Every ``examples/scripts/grpo_vlm.py`` command anywhere in the docs is parsed by
    the script's real parser (``trl_mdi.cli.parse_args``), so a misspelt or removed flag fails here
    (tests/test_entry_point.py additionally pins the four commands of docs/training.md's "Training on GPUs").
-4. **Metric glossary.** Every metric name listed is logged by the code, and every ``attention/*``, ``tprl/*`` and
-   ``perf/*`` metric the code logs is listed (``<segment>`` in a name stands for any layer segment).
+4. **Metric glossary.** Every metric name listed is logged by the code, and every ``attention/*``, ``reliance/*``,
+   ``tprl/*`` and ``perf/*`` metric the code logs is listed (``<segment>`` in a name stands for any layer segment).
 5. **Figures and links.** Every number quoted in the benchmark section appears in benchmarks/RESULTS.md; every
    relative link or image of every page points to a file that exists, and every anchor to a heading there.
 6. **Python blocks** (```` ```python ````) of every page: tests/test_doc_blocks.py runs each or checks its names.
@@ -41,7 +42,7 @@ README = ROOT / "README.md"
 RUNNABLE_MARK = "<!-- runnable -->"
 SCRATCH = "/tmp/trl_mdi_readme"  # the only place runnable blocks write; redirected to tmp_path
 SCRIPT = "examples/scripts/grpo_vlm.py"
-METRIC_PREFIXES = ("attention/", "tprl/", "perf/")
+METRIC_PREFIXES = ("attention/", "reliance/", "tprl/", "perf/")
 
 
 DOCS = ROOT / "docs"
@@ -193,8 +194,10 @@ def _library_sources() -> str:
 
 
 def logged_trl_mdi_metrics() -> set[str]:
-    """attention/*, tprl/*, perf/* names trl_mdi logs: computed from the functions that build them, plus literals."""
+    """attention/*, reliance/*, tprl/*, perf/* names trl_mdi logs: computed from the functions that build them, plus
+    literals."""
     from trl_mdi import signals as S
+    from trl_mdi.answer_tokens import AnswerTokens
     from trl_mdi.attention import ModalityAttention
     from trl_mdi.tprl import apply_tprl
 
@@ -208,6 +211,16 @@ def logged_trl_mdi_metrics() -> set[str]:
     )
     names = set(S.batch_metrics(S.rollout_signals(att, "thirds", 2.0)))
 
+    # Reliance: the counterfactual values of a hand-made record with every input read (choice logits, the probe's
+    # per-token image mass), both rollouts answered.
+    answers = AnswerTokens(span_mask=torch.tensor([[False, True, False]] * b), letter_position=torch.tensor([1, 1]),
+                           answer_index=torch.tensor([0, 1]), candidates=torch.tensor([[5, 6], [5, 6]]),
+                           n_choices=torch.tensor([2, 2]))
+    record = S.CounterfactualInputs.of(torch.full((b, 3), -1.0), torch.full((b, 3), -2.0), torch.ones(b, 3), answers,
+                                       torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([True, True]),
+                                       attention=torch.full((b, 3), 0.1))
+    names |= set(S.batch_metrics(S.counterfactual_signals(record)))
+
     # TPRL: every part on, over a batch with spread (so no branch is skipped).
     out = {"completion_mask": torch.ones(2, 4, dtype=torch.long), "advantages": torch.tensor([1.0, -1.0])}
     args = SimpleNamespace(enable_entropy_filtering=True, top_p_entropy_tokens=0.5, enable_perception_filtering=True,
@@ -219,7 +232,7 @@ def logged_trl_mdi_metrics() -> set[str]:
 
     # Literal names, wherever in the package they are logged: a subscript (`_metrics[mode]["perf/..."]`,
     # `metrics["tprl/..."] = ...`) or a dict key (`{"attention/...": ...}`).
-    literal = r"""["']((?:attention|tprl|perf)/[A-Za-z0-9_/]+)["']"""
+    literal = r"""["']((?:attention|reliance|tprl|perf)/[A-Za-z0-9_/]+)["']"""
     for path in sorted((ROOT / "trl_mdi").rglob("*.py")):
         text = _source(path)
         names |= set(re.findall(rf"\[\s*{literal}\s*\]", text)) | set(re.findall(rf"{literal}\s*:", text))

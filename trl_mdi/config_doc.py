@@ -1,5 +1,5 @@
 """Generated reference tables: the config reference (every field MDIGRPOConfig adds to GRPOConfig) and the
-attention-metric glossary (every attention/* metric of ``trl_mdi.signals``).
+signal glossary (every attention/* and reliance/* metric of the signal table, ``trl_mdi.signals``).
 
     python -m trl_mdi.config_doc                    # print the config table
     python -m trl_mdi.config_doc --update FILE.md   # replace every generated block between its markers in FILE
@@ -99,7 +99,8 @@ def render_table() -> str:
 
 
 def render_signal_glossary() -> str:
-    """The attention/* rows of the metric glossary, from ``trl_mdi.signals`` (one row per metric signal)."""
+    """The attention/* and reliance/* rows of the metric glossary, from the signal table (``trl_mdi.signals.glossary``:
+    one row per metric signal, then the batch-level counts)."""
     from .signals import glossary
 
     lines = ["| metric | meaning |", "|---|---|"]

@@ -137,7 +137,8 @@ class Signal:
     reward: bool = False  # handed to reward functions as a named argument
     metric: bool = False  # logged as <attention|reliance>/<name>: mean over rollouts where finite
     log: str | None = None  # column header of its log (attention log: probe; rollout log: counterfactual)
-    label: str | None = None  # its name in the attention log's step summary when it is no column (default: log)
+    label: str | None = None  # its step-summary row: attention log, when no column (default: log); rollout log
+    # (default: "<log> mean", "<log> rate" for a flag; trl_mdi.diagnostics.writers.summary_label)
     direction: str | None = None  # LOW / HIGH: where prior-following rollouts lie (trl_mdi.reliance); None: unknown
     reads: tuple[str, ...] = ()  # group: the signals it ranks; counterfactual: PROBE when it needs the probe too
     flag: bool = False  # a 0/1 verdict: its metric is a rate, its log cell yes / no
@@ -225,6 +226,7 @@ SIGNALS: tuple[Signal, ...] = (
            "image (nats per token): > 0 the image made the sampled text likelier",
            lambda x: C.visual_gain(x.logps, x.cf_logps, x.completion_mask, has_image=x.has_image),
            source=COUNTERFACTUAL, reward=True, metric=True, log="vis gain", direction=LOW,
+           label="visual gain mean (nats per token)",
            words=_words("visual gain", "nats per token", "no completion token")),
     Signal("visual_gain_sum", "sum of g_t over the completion (nats): the image's evidence in the whole chain, "
            "undiluted by its length",
@@ -237,18 +239,20 @@ SIGNALS: tuple[Signal, ...] = (
            "in nats (pointwise visual information of the answer)",
            lambda x: C.answer_visual_gain(x.logps, x.cf_logps, x.answer_span, has_image=x.has_image),
            source=COUNTERFACTUAL, reward=True, metric=True, log="ans gain", direction=LOW,
-           words=_words("answer visual gain", "nats", "no answer line")),
+           label="answer visual gain mean (nats)", words=_words("answer visual gain", "nats", "no answer line")),
     Signal("blind_agrees", "share of answered rollouts whose letter the counterfactual's own argmax over the choice "
            "letters would have given (the answer would have been the same without the image)",
            lambda x: None if x.choice_logits is None else C.blind_agrees(
                x.choice_logits, x.answers.answer_index.to(x.logps.device), x.answers.n_choices.to(x.logps.device),
                x.has_image),
            source=COUNTERFACTUAL, reward=True, metric=True, log="blind", direction=HIGH, flag=True,
-           metric_name="reliance/blind_agree_rate", words=_blind_words),
+           metric_name="reliance/blind_agree_rate", words=_blind_words,
+           label="blind agreement (share of answers unchanged without the image)"),
     Signal("answer_image_attention", "the probe's image mass a_t at the position that wrote the answer letter "
            "(token-layer segment)",
            lambda x: None if x.attention is None else x.at_answer_letter(x.attention),
            source=COUNTERFACTUAL, reward=True, metric=True, direction=LOW, reads=(PROBE,),
+           label="image attention at the answer letter mean",
            words=lambda v: f"image attention at the answer letter {v:.4g}" if v is not None else ""),
     Signal("answer_logprob", "log p(answer | I) summed over the answer letter's tokens, with the real image: the "
            "policy's confidence in its answer, a baseline any reliance signal should beat",

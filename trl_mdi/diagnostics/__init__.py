@@ -5,7 +5,8 @@ Library side (no trainer, TRL or transformers import; usable on their own):
 
 * :mod:`.markdown`: safe formatting (clean, fence, escape_inline, md_table, sparkline, trend_line).
 * :mod:`.log_file`: append-only step-block files (header once, fsync per step, resume, warn-once on failure).
-* :mod:`.writers`: RolloutLogWriter and AttentionLogWriter.
+* :mod:`.writers`: RolloutLogWriter and AttentionLogWriter (the rollout log reads its reliance columns, words and
+  summary rows from the signal table, ``trl_mdi.signals``, imported when the first step is written).
 * :mod:`.maps`: attention maps: each image's token grid, a rollout's masses cut per image, the PNG (PIL only).
 * :mod:`.plots`: per-layer pictures from plain arrays (MDI by layer, stacked masses), also drawn by
   ``python -m trl_mdi.profile``.

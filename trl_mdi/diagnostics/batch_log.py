@@ -51,10 +51,11 @@ def rollout_records(batch: BatchLog, *, offset: int = 0, answer_format: Callable
     ``offset`` (the process's first row in the gathered tensors), with their rewards, weighted total and advantage.
 
     The rollout fields are those ``RolloutLogWriter`` reads; the task fields (gold, parsed, format) come from
-    :func:`~trl_mdi.diagnostics.answers.answer_fields`. The counterfactual reliance signals
-    (``trl_mdi.signals.RELIANCE_SIGNALS``), when the batch has them, are rollout fields too (None where undefined):
-    they need no attention probe, so they go to the rollout log. The attention part is the rollout's other signals
-    (``trl_mdi.signals.rollout_rows``) with its index, None when the batch has none.
+    :func:`~trl_mdi.diagnostics.answers.answer_fields`. The signal table says where each of the batch's signals
+    goes: the counterfactual ones (``trl_mdi.signals.reliance_names()``), when the batch has them, are rollout fields
+    too (None where undefined): they need no attention probe, so they go to the rollout log. The attention part is
+    the rollout's probe signals (``source="probe"``, as ``trl_mdi.signals.rollout_rows`` gives them) with its index,
+    None when the batch has none. Group signals (reward inputs only) go to neither.
     """
     n = len(batch.rows)
     if offset + n > batch.rewards.shape[0]:
@@ -64,9 +65,8 @@ def rollout_records(batch: BatchLog, *, offset: int = 0, answer_format: Callable
     totals = (rewards * weights).nansum(dim=1).tolist()
     advantages = batch.advantages[offset : offset + n].tolist()
     table = batch.signals or {}
-    reliance = signals.rollout_rows({k: table[k] for k in signals.RELIANCE_SIGNALS if k in table}) or [{}] * n
-    # The reward-only group score stays out of both logs; the attention log gets only the attention signals.
-    attention = signals.rollout_rows({k: v for k, v in table.items() if k not in signals.RELIANCE_FIELDS}) or [None] * n
+    reliance = signals.rollout_rows({k: table[k] for k in signals.reliance_names() if k in table}) or [{}] * n
+    attention = signals.rollout_rows({k: v for k, v in table.items() if _source(k) == signals.PROBE}) or [None] * n
     strips = list(batch.strips or []) + [None] * n
     records = []
     for i, (row, prompt, completion, length) in enumerate(zip(batch.rows, batch.prompts, batch.completions,
@@ -88,6 +88,12 @@ def rollout_records(batch: BatchLog, *, offset: int = 0, answer_format: Callable
         records.append({"rollout": rollout,
                         "attention": None if attention[i] is None else {**attention[i], "index": index}})
     return records
+
+
+def _source(name: str) -> str | None:
+    """The table source of a batch signal's name (None: not in the table)."""
+    signal = signals.signal_of(name)
+    return None if signal is None else signal.source
 
 
 def completion_string(completion: Any) -> str:

@@ -20,6 +20,7 @@ from transformers import TrainerCallback
 
 from .. import signals
 from ..attention import ModalityAttention
+from ..attention.layer_stats import layer_profile, mdi_curve
 from ..data.images import row_images
 from .answers import accuracy_rewards, console_reward_keys
 from .batch_log import BatchLog, rollout_records
@@ -95,9 +96,7 @@ class LiveDiagnostics(TrainerCallback):
         return self.wants_layer_picture(step) and self.args.attention_maps_per_step > 0
 
     def _layer_picture(self, step: int, attention: ModalityAttention) -> str:
-        """Draw this step's MDI by layer (the profile command's plotting code); the path relative to the log."""
-        from ..profile import layer_profile, mdi_curve
-
+        """Draw this step's MDI by layer (the profile command's statistics and plot); the path relative to the log."""
         path = self.attention.maps_dir / f"step{int(step):06d}_mdi_by_layer.png"
         curve = mdi_curve(layer_profile(attention, self.args.attention_layer_segments))
         plot_mdi_by_layer({f"step {step} ({attention.image.shape[0]} rollouts)": curve}, path,

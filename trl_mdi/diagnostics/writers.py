@@ -9,16 +9,18 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from .log_file import StepLogFile
 from .markdown import clean, escape_inline, fence, format_value, md_table, trend_line
 
-# The counterfactual reliance signals a rollout may carry (trl_mdi.signals.RELIANCE_SIGNALS), with their table headers.
-RELIANCE_COLUMNS = (("visual_gain", "vis gain"), ("answer_visual_gain", "ans gain"), ("blind_agrees", "blind"))
+if TYPE_CHECKING:
+    from ..signals import Signal
+
 # The counterfactual I' of the signals (MDIGRPOConfig.counterfactual_image), as the full rollouts name it.
 COUNTERFACTUALS = {
     "none": "the prompt without its image", "grey": "a grey image of the same size",
@@ -28,6 +30,15 @@ COUNTERFACTUALS = {
 
 # Image placeholders of chat-templated prompt strings: Qwen-VL's vision span, runs of its pad token, "<image>".
 _IMAGE_SPAN = re.compile(r"<\|vision_start\|>.*?<\|vision_end\|>|(?:<\|image_pad\|>)+|(?:<image>)+", re.DOTALL)
+
+
+def _table():
+    """``trl_mdi.signals``, whose ``SIGNALS`` say which reliance columns, words and summary rows a rollout gets.
+    Imported on first use: it imports the attention probe and with it transformers, and the writers load without
+    them (tests/test_logs.py). The module is read at each call, so a table changed at run time is seen."""
+    from .. import signals
+
+    return signals
 
 
 def _mean(values: Iterable[Any]) -> float | None:
@@ -109,14 +120,17 @@ class RolloutLogWriter(StepLogFile):
         ``accuracy_rewards``, > 0),
         group (prompt group id; else consecutive blocks of ``num_generations``), completion_length (tokens),
         index (shown as #; default its position),
-        visual_gain, answer_visual_gain, blind_agrees (1 / 0), answer_image_attention (the counterfactual reliance
-        signals, None where undefined; ``counterfactual`` names the I' they compare the image with).
+        and the counterfactual reliance signals (``trl_mdi.signals.reliance_names()``: visual_gain,
+        answer_visual_gain, blind_agrees as 1 / 0, ...; None where undefined; ``counterfactual`` names the I' they
+        compare the image with).
 
     The table of other rollouts has a ``parsed``, ``gold`` and ``format`` column only when some rollout of the step
     has that key (``trl_mdi.diagnostics.answers``: a free-form task has no parsed letter and no format verdict).
     A step whose rollouts carry reliance signals also gets, and only then (a run without them logs the same bytes as
-    before they existed): ``vis gain``, ``ans gain`` and ``blind`` columns, a "Reliance on the image" line in each
-    full rollout, the blind-agreement rate, mean gains and answer rate in the summary, and a blind-agreement trend.
+    before they existed), all read from the signal table (``trl_mdi.signals.SIGNALS``, counterfactual entries): a
+    column per signal with a ``log`` header (``vis gain``, ``ans gain``, ``blind``...), a "Reliance on the image" line
+    in each full rollout (each signal's ``words``), a summary row per metric signal (:func:`reliance_summary`) and
+    the answer rate, and a trend line of each 0/1 ``flag``'s rate (the blind agreement).
     """
 
     kind = "rollout"
@@ -190,7 +204,8 @@ class RolloutLogWriter(StepLogFile):
             # The task's columns, where some rollout of the step has them (a free-form task: no parsed, no format).
             task = [(key, label) for key, label in (("parsed", "parsed"), ("answer", "gold"), ("format_ok", "format"))
                     if any(key in r for r in rollouts)]
-            reliance = [(key, label) for key, label in RELIANCE_COLUMNS if any(key in r for r in rollouts)]
+            table = _table()  # the reliance columns: the counterfactual signals with a log header
+            reliance = [(key, label) for key, label in table.rollout_log_columns() if any(key in r for r in rollouts)]
             header = ["#", "group", *(["images"] if show_images else []), *names, "total", "advantage", "correct",
                       "length", *[label for _, label in task], *[label for _, label in reliance], "completion"]
             rows = []
@@ -203,8 +218,8 @@ class RolloutLogWriter(StepLogFile):
                 rows.append([r.get("index", pos), self._group_of(r, pos), *([n_images[pos]] if show_images else []),
                              *[rewards.get(n) for n in names], r.get("reward"),
                              r.get("advantage"), self._mark(self._correct(r)), r.get("completion_length", len(text)),
-                             *[cells[key] for key, _ in task], *[_reliance_cell(r, key) for key, _ in reliance],
-                             preview])
+                             *[cells[key] for key, _ in task],
+                             *[table.rollout_log_cell(key, r.get(key)) for key, _ in reliance], preview])
             parts.append(md_table(header, rows))
         stats = self._summary(rollouts, names)
         if show_images:
@@ -214,17 +229,15 @@ class RolloutLogWriter(StepLogFile):
         rows = [[k, v] for k, v in stats.items()] + [[k, v] for k, v in (summary or {}).items()]
         parts.append(md_table(["metric", "value"], [[k, _cell(v)] for k, v in rows]))
         data = {"reward": stats.get("reward (weighted) mean"), "accuracy": stats.get("accuracy")}
-        if BLIND_RATE in stats:
-            data["blind_agree"] = stats[BLIND_RATE]
+        # Each 0/1 reliance flag's rate gets a trend (the blind agreement); its value rides in the block's end marker,
+        # so a resumed log rebuilds it.
+        trends = [(key, title) for key, label, title in _flag_trends() if label in stats]
+        data.update({key: stats[label] for key, label, _ in _flag_trends() if label in stats})
         history = [d for _, d in self.records] + [data]
-        parts.append(trend_line([d.get("reward") for d in history], self.trend_width, "Mean reward trend:") + "  ")
-        accuracy = trend_line([d.get("accuracy") for d in history], self.trend_width, "Accuracy trend:")
-        if "blind_agree" not in data:
-            parts.append(accuracy)
-        else:
-            parts.append(accuracy + "  ")
-            parts.append(trend_line([d.get("blind_agree") for d in history], self.trend_width,
-                                    "Blind agreement trend:"))
+        lines = [trend_line([d.get("reward") for d in history], self.trend_width, "Mean reward trend:"),
+                 trend_line([d.get("accuracy") for d in history], self.trend_width, "Accuracy trend:"),
+                 *[trend_line([d.get(key) for d in history], self.trend_width, title) for key, title in trends]]
+        parts += [line + "  " for line in lines[:-1]] + lines[-1:]
         return self._write_block(step, epoch, "\n".join(parts), data)
 
     def _full(self, r: dict, pos: int, names: list[str], group: Any = None) -> str:
@@ -254,7 +267,7 @@ class RolloutLogWriter(StepLogFile):
             answer.append(f"**Format:** {self._format_mark(r['format_ok'])}")
         if answer:
             out += [" · ".join(answer), ""]
-        if any(key in r for key, _ in RELIANCE_COLUMNS):
+        if any(name in r for name in _table().reliance_names()):
             out += [self._reliance_line(r), ""]
         out += [md_table(["reward", "value"], table)]
         if r.get("perception"):
@@ -268,19 +281,7 @@ class RolloutLogWriter(StepLogFile):
                 else "**Reliance on the image:**")
         if "image_sizes" in r and not r["image_sizes"]:
             return f"{head} — (no image in the prompt)"
-        blind = r.get("blind_agrees")
-        blind = ("— (no answer letter to compare)" if not _finite(blind)
-                 else "yes (the answer would have been the same without the image)" if blind
-                 else "no (without the image the answer would have been different)")
-        answer_gain, gain = r.get("answer_visual_gain"), r.get("visual_gain")
-        parts = [f"answer visual gain {_signed(answer_gain)} nats" if answer_gain is not None
-                 else "answer visual gain — (no answer line)",
-                 f"visual gain {_signed(gain)} nats per token" if gain is not None
-                 else "visual gain — (no completion token)",
-                 f"blind answer agrees: {blind}"]
-        if r.get("answer_image_attention") is not None:
-            parts.append(f"image attention at the answer letter {format_value(r['answer_image_attention'])}")
-        return f"{head} " + " · ".join(parts)
+        return f"{head} " + " · ".join(escape_inline(phrase) for phrase in _table().reliance_words(r))
 
     def _format_mark(self, ok: bool | None) -> str | None:
         if ok is None:
@@ -311,51 +312,71 @@ class RolloutLogWriter(StepLogFile):
                 vals = [float(v) for v in g if v is not None and not math.isnan(float(v))]
                 flat += len(vals) <= 1 or max(vals) == min(vals)
             stats["groups with zero reward spread"] = f"{flat} / {len(groups)}"
-        if any(key in r for r in rollouts for key, _ in RELIANCE_COLUMNS):
+        if any(name in r for r in rollouts for name in _table().reliance_names()):
             stats.update(reliance_summary(rollouts))
         return stats
 
 
-BLIND_RATE = "blind agreement (share of answers unchanged without the image)"
+ANSWER_RATE = "answer rate (rollouts with an image and an answer)"
+
+
+def summary_label(signal: Signal) -> str:
+    """A counterfactual signal's row in the rollout log's step summary: its ``label``, else its column header (or
+    name) with "mean", or "rate" for a 0/1 flag.
+
+    >>> from trl_mdi.signals import COUNTERFACTUAL, Signal
+    >>> summary_label(Signal("max_token_gain", "", lambda x: None, source=COUNTERFACTUAL, log="max gain"))
+    'max gain mean'
+    """
+    return signal.label or f"{signal.log or signal.name.replace('_', ' ')} {'rate' if signal.flag else 'mean'}"
+
+
+def _flag_trends() -> list[tuple[str, str, str]]:
+    """(key in the step's end marker, summary label, trend title) of each counterfactual 0/1 flag: the key is its
+    metric's name without prefix and ``_rate`` (``blind_agree``), the title its label up to a parenthesis."""
+    table, out = _table(), []
+    for s in table.SIGNALS:
+        if s.source == table.COUNTERFACTUAL and s.metric and s.flag:
+            label = summary_label(s)
+            key = s.metric_key.split("/", 1)[-1].removesuffix("_rate")
+            out.append((key, label, f"{label.split(' (', 1)[0].capitalize()} trend:"))
+    return out
 
 
 def reliance_summary(rollouts: list[dict]) -> dict[str, float | None]:
     """The step summary's reliance rows, computed as the trainer's ``reliance/*`` metrics are (over the same gathered
-    rollouts): the blind-agreement rate over the rollouts with a ``blind_agrees`` verdict, the mean gains where
-    defined, and the answer rate, the share of all rollouts with an answer visual gain (an image and an answer).
+    rollouts): one row per counterfactual metric signal of the table that some rollout carries, in table order (the
+    mean where finite; a 0/1 flag's mean is its rate over the rollouts with a verdict), then the answer rate, the
+    share of all rollouts with an answer visual gain (an image and an answer).
 
     >>> stats = reliance_summary([{"visual_gain": 0.5, "answer_visual_gain": 2.0, "blind_agrees": 0.0},
     ...                           {"visual_gain": 0.1, "answer_visual_gain": -1.0, "blind_agrees": 1.0},
     ...                           {"visual_gain": 0.4, "answer_visual_gain": None, "blind_agrees": None}])
-    >>> [round(v, 3) for v in stats.values()]  # blind agreement, answer gain, gain, answer rate
-    [0.5, 0.5, 0.333, 0.667]
+    >>> [round(v, 3) for v in stats.values()]  # gain, answer gain, blind agreement, answer rate
+    [0.333, 0.5, 0.5, 0.667]
     """
-    verdicts = [float(r["blind_agrees"]) for r in rollouts if _finite(r.get("blind_agrees"))]
-    answered = sum(1 for r in rollouts if r.get("answer_visual_gain") is not None
-                   and not math.isnan(float(r["answer_visual_gain"])))
-    return {
-        BLIND_RATE: sum(verdicts) / len(verdicts) if verdicts else None,
-        "answer visual gain mean (nats)": _mean(r.get("answer_visual_gain") for r in rollouts),
-        "visual gain mean (nats per token)": _mean(r.get("visual_gain") for r in rollouts),
-        "answer rate (rollouts with an image and an answer)": answered / len(rollouts) if rollouts else None,
-    }
+    table, stats = _table(), {}
+    for s in table.SIGNALS:
+        if s.source == table.COUNTERFACTUAL and s.metric and any(s.name in r for r in rollouts):
+            stats[summary_label(s)] = _mean(r.get(s.name) for r in rollouts)
+    if any("answer_visual_gain" in r for r in rollouts):  # reliance/answer_rate (trl_mdi.signals.BATCH_METRICS)
+        answered = sum(1 for r in rollouts if r.get("answer_visual_gain") is not None
+                       and not math.isnan(float(r["answer_visual_gain"])))
+        stats[ANSWER_RATE] = answered / len(rollouts)
+    return stats
 
 
-def _finite(value: Any) -> bool:
-    return value is not None and math.isfinite(float(value))
-
-
-def _signed(value: Any) -> str:
-    """A gain with its sign (+2.311, -0.05), "—" where undefined."""
-    return f"{float(value):+.4g}" if _finite(value) else format_value(value)
-
-
-def _reliance_cell(r: dict, key: str) -> Any:
-    """A reliance table cell: gains as numbers, blind_agrees as yes / no, None where undefined."""
-    value = r.get(key)
-    if key != "blind_agrees":
-        return value
-    return bool(value) if _finite(value) else None
+def __getattr__(name: str) -> Any:
+    # The reliance columns are read from the signal table since counterfactual signals became table entries.
+    if name == "RELIANCE_COLUMNS":
+        warnings.warn("trl_mdi.diagnostics.writers.RELIANCE_COLUMNS is deprecated: the rollout log's reliance columns "
+                      "are trl_mdi.signals.rollout_log_columns()", FutureWarning, stacklevel=2)
+        return tuple(_table().rollout_log_columns())
+    if name == "BLIND_RATE":
+        warnings.warn("trl_mdi.diagnostics.writers.BLIND_RATE is deprecated: the step summary's row of a reliance "
+                      "signal is summary_label(trl_mdi.signals.signal_of(name))", FutureWarning, stacklevel=2)
+        return summary_label(_table().signal_of("blind_agrees"))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def perception_strip_lines(strip: dict, top: int = 5) -> list[str]:
