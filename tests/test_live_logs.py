@@ -275,6 +275,9 @@ def test_reliance_signals_in_the_rollout_log(model_dir, grpo_train_dataset, tmp_
                             + (r" · image attention at the answer letter [\d.e-]+" if attention else ""), answered), answered
         assert re.fullmatch(r"visual gain [+-][\d.e+-]+ nats per token · answer visual gain — \(no answer line\) · "
                             r"blind answer agrees: — \(no answer letter to compare\)", unanswered), unanswered
+        # Each full rollout says which of its tokens came from the image (issue 30 item 5): a marked line or "none".
+        evidence = re.findall(r"^\*\*Image evidence(\*\* \(tokens at least 1 nat likelier|:\*\* none)", block, re.M)
+        assert len(evidence) == 2, block
         table = block.split("### Other rollouts (2)\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
         header = [c.strip() for c in table[0].strip("|").split("|")]
         assert header[-4:] == ["vis gain", "ans gain", "blind", "completion"], header

@@ -933,3 +933,36 @@ def test_diagnostics_library_side_imports_no_trainer():
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=os.environ)
     assert out.stdout.strip() == "False"
+
+
+def test_image_evidence_marks_the_tokens_the_image_made_likeliest(tmp_path):
+    """issue 30 item 5: the full rollout shows 'the shape is **red**' for a rollout whose colour word came from the
+    image, and nothing marked for one that guessed. The marks against a loop over the tokens: the top 3 gains that
+    reach 1 nat, in completion order, on the tiny tokenizer's real token texts."""
+    import torch
+
+    from fixtures.tiny import tokenizer as tiny_tokenizer
+    from trl_mdi.diagnostics.batch_log import image_evidence
+    from trl_mdi.diagnostics.writers import image_evidence_line
+
+    tok = tiny_tokenizer.build_tokenizer("qwen2_5_vl", tiny_tokenizer.official_chat_template("qwen2_5_vl"), 8192)
+    look, guess = "<think> the shape is red</think>\nAnswer: A", "<think> a tomato is red</think>\nAnswer: A"
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in (look, guess)]
+    width = max(map(len, ids))
+    completion = torch.tensor([i + [0] * (width - len(i)) for i in ids])
+    mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])
+    texts = [tok.decode([t]) for t in ids[0]]
+    red = max(i for i, t in enumerate(texts) if "red" in t)
+    gains = torch.full((2, width), 0.001)
+    gains[0, red], gains[0, 0] = 4.41, 1.5  # the colour word read off the image, and one weaker mark
+    gains[0, 1] = 0.999  # below the threshold: not marked
+    gains[1, : len(ids[1])] = torch.linspace(-0.02, 0.02, len(ids[1]))
+    look_ev, guess_ev = image_evidence(gains, completion, mask, tok, rows=2)
+    expected = sorted(t for t in sorted(range(len(ids[0])), key=lambda t: -float(gains[0, t]))[:3]
+                      if float(gains[0, t]) >= 1.0)
+    assert look_ev["marked"] == expected == sorted([0, red]) and guess_ev["marked"] == []
+    assert "".join(look_ev["tokens"]) == tok.decode(ids[0])
+    line = image_evidence_line(look_ev)
+    assert "**red**" in line and line.endswith("+4.41") and "**Image evidence** (tokens at least 1 nat" in line
+    assert image_evidence_line(guess_ev).startswith("**Image evidence:** none")
+    assert image_evidence(gains, completion, mask, tok, rows=1)[1] is None  # only the fully printed rollouts

@@ -20,6 +20,8 @@ def test_overridden_method_signatures():
     assert _params(GRPOTrainer._calculate_rewards) == ["self", "inputs", "prompts", "completions", "completion_ids_list"]
     assert _params(GRPOTrainer._generate) == ["self", "prompts"]
     assert _params(GRPOTrainer._tokenize_prompts) == ["self", "prompts"]
+    assert _params(GRPOTrainer._generate_single_turn) == ["self", "prompt_ids", "images", "multimodal_fields",
+                                                          "num_generations", "has_tool_images"]
     assert _params(GRPOTrainer.compute_loss) == ["self", "model", "inputs", "return_outputs", "num_items_in_batch"]
     assert _params(GRPOTrainer.training_step) == ["self", "model", "inputs", "num_items_in_batch"]
     logp = _params(GRPOTrainer._get_per_token_logps_and_entropies)
@@ -37,6 +39,39 @@ def test_generate_returns_its_8_tuple_and_encodes_prompts_once():
     # encoding of the batch's prompts, (prompt_ids, images, multimodal_fields), skipped only with a rollout_func.
     assert "prompt_ids, images, multimodal_fields = self._tokenize_prompts(prompts)" in src
     assert "return prompt_ids, images, multimodal_fields" in inspect.getsource(GRPOTrainer._tokenize_prompts)
+
+
+def test_vllm_gets_the_ids_we_fix_and_trl_scores_its_own():
+    """trl_mdi.vllm_prompts: the trainer changes the prompt ids _generate_single_turn hands vLLM (colocate mode), and
+    nothing else. That is right only while (1) TRL hands vLLM those very ids with the images, as raw token ids
+    (colocate mode: vLLM expands the placeholders itself), (2) TRL drops the prompt ids vLLM returns and scores the
+    ids _tokenize_prompts made, and (3) server mode places image features on the runs of image tokens of TRL's
+    expanded ids (so the trainer leaves them expanded there). Also: TRL syncs the weights at the top of
+    _generate_single_turn when the step moved, the condition under which the trainer drops vLLM's cached image
+    features first."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    flat = lambda fn: " ".join(inspect.getsource(fn).split())  # noqa: E731 (whitespace-insensitive source)
+    single = flat(GRPOTrainer._generate_single_turn)
+    assert ("_, completion_ids, logprobs, _ = self.vllm_generation.generate( prompts=prompt_ids, images=images, "
+            "num_generations=num_generations,") in single
+    # The trainer drops vLLM's cached image features under TRL's own sync condition, just before TRL syncs.
+    assert ('if self.use_vllm: # Sync weights if training step changed if self.state.global_step != '
+            'self._last_loaded_step: with profiling_context(self, "sync_weights"): '
+            'self.vllm_generation.sync_weights() self._last_loaded_step = self.state.global_step') in single
+    gen = flat(VLLMGeneration.generate)
+    assert 'row = {"prompt_token_ids": ids}' in gen
+    assert 'row["multi_modal_data"] = {"image": img_list if len(img_list) > 1 else img_list[0]}' in gen
+    assert "self._place_features(prompt_features, prompt_ids)" in gen and 'elif self.mode == "colocate":' in gen
+    assert "if prompt_ids[offset] == image_token_id:" in flat(VLLMGeneration._place_features)
+    # The prompt ids _generate returns, hence those TRL's forward scores, are _tokenize_prompts', not the
+    # single-turn call's (its rebinding of prompt_ids is local to our override).
+    outer = flat(GRPOTrainer._generate)
+    assert ("prompt_ids, images, multimodal_fields = self._tokenize_prompts(prompts) num_generations = "
+            "self.num_generations if mode == \"train\" else self.num_generations_eval completion_ids, logprobs = "
+            "self._generate_single_turn( prompt_ids, images, multimodal_fields, num_generations )") in outer
+    assert "return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images" in (
+        outer)
 
 
 def test_old_logps_condition_is_the_one_we_mirror():

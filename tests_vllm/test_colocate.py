@@ -1,7 +1,8 @@
 """MDIGRPOTrainer with vLLM generating (TRL's colocate mode, vLLM's CPU build), against what each result must equal.
 
 One module-scoped set of 2-step runs on the tiny Qwen2.5-VL, all with the same seed, data and reward: stock
-``GRPOTrainer``, ``MDIGRPOTrainer`` with attention metrics off, and with them on. Every run records, per generation
+``GRPOTrainer`` with the trainer's prompt fix (``PromptFixedGRPOTrainer``: TRL 1.16 alone samples from a corrupted
+prompt, huggingface/trl#6294), ``MDIGRPOTrainer`` with attention metrics off, and with them on. Every run records, per generation
 batch, the no-grad policy forwards (TRL's importance-sampling forward, and any the trainer adds) and the inputs and
 weights of the first one, on which the probe rides; the metrics-on run also records what the probe measured. The
 tests then compare: parameters (observing changes nothing), forward counts (metrics cost no forward), the probe's
@@ -11,7 +12,9 @@ mixing image sizes, a two-image row and a text-only row; Qwen2-VL; LoRA.
 
 Shown able to fail (one-off pytest plugins, not kept): the probe placed in an extra forward fails the forward
 count ([2, 2] != [1, 1]); the probe measuring one query too many fails probe-vs-eager (1.5e-2); without the CPU
-harness TRL's weight sync fails; with the placeholders collapsed (the fix) the expected failure passes.
+harness TRL's weight sync fails; without the prompt fix (``trl_mdi.vllm_prompts``) the engine runs 3 more prompt
+tokens per row than the trainer scores; without the encoder-cache reset the mixed batch's second-batch image rows
+differ from the policy by up to 0.19 in log-prob.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from trl_mdi import trainer as trainer_module
 from trl_mdi.attention import image_token_ids, probe_attention
 from trl_mdi.config import MDIGRPOConfig
 from trl_mdi.trainer import MDIGRPOTrainer
+from trl_mdi.vllm_prompts import drop_stale_image_features, engine_prompt_ids
 
 
 def spread_reward(completions, **kwargs):
@@ -154,6 +158,19 @@ def record_run(monkeypatch, trainer_cls, model_dir, args, dataset, peft_config=N
     return rec
 
 
+class PromptFixedGRPOTrainer(GRPOTrainer):
+    """Stock ``GRPOTrainer`` with only the engine fixes MDIGRPOTrainer applies (``trl_mdi.vllm_prompts``): the engine
+    gets one image placeholder per image, and its cached image features are dropped before each weight sync. Stock
+    TRL 1.16 alone samples from a corrupted prompt (huggingface/trl#6294), so its rollouts, and so its parameters,
+    differ from a correct run's; this is the stock run to compare against."""
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        prompt_ids = engine_prompt_ids(prompt_ids, self.model.config.image_token_id)
+        if self.state.global_step != self._last_loaded_step:
+            drop_stale_image_features(self.vllm_generation)
+        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+
 @pytest.fixture(scope="module")
 def qwen25_dir(tiny_vlm_dir):
     return tiny_vlm_dir("qwen2_5_vl")
@@ -165,7 +182,7 @@ def runs(qwen25_dir, tmp_path_factory):
     dataset = zen_image_dataset(8)
     out = {}
     try:
-        for name, cls, metrics in [("stock", GRPOTrainer, None), ("metrics_off", MDIGRPOTrainer, False),
+        for name, cls, metrics in [("stock", PromptFixedGRPOTrainer, None), ("metrics_off", MDIGRPOTrainer, False),
                                    ("metrics_on", MDIGRPOTrainer, True)]:
             tmp = tmp_path_factory.mktemp(name)
             args = GRPOConfig(**common_args(tmp)) if metrics is None else mdi_args(
@@ -176,10 +193,10 @@ def runs(qwen25_dir, tmp_path_factory):
     return out
 
 
-# |policy log-prob - vLLM sampling log-prob| per completion token of a text-only row, both in float32 (the harness
-# builds the engine in float32): different kernels, same computation (seen: 5e-7). In vLLM's default bfloat16 it is
-# about 0.1. Rows with an image differ by up to about 0.16 whatever the dtype: vLLM 0.31's Qwen2.5-VL vision tower
-# gives other image features than transformers' on the tiny models (see docs/training.md), so they are not compared.
+# |policy log-prob - vLLM sampling log-prob| per completion token, both in float32 (the harness builds the engine in
+# float32): different kernels, same computation (seen: 5e-7 on text-only rows, 9.5e-7 on image rows once the engine
+# gets one placeholder per image). In vLLM's default bfloat16 it is about 0.1. Without the prompt fix, image rows
+# differed by up to 0.16 whatever the dtype: the engine ran a corrupted prompt (huggingface/trl#6294).
 LOGP_TOL = 1e-4
 
 
@@ -198,27 +215,36 @@ def test_vllm_generated_every_batch_from_the_synced_weights(runs):
             assert torch.equal(engine, synced[policy_name].to(engine.dtype)), f"{name}: engine {key} is stale"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "TRL 1.16 hands vLLM processor-expanded prompt ids (a run of image placeholders per image); vLLM expands the "
-    "first placeholder again and keeps the rest as text (huggingface/trl#6294, fix proposed in #6718): the engine "
-    "generates from a corrupted prompt. Needs the trainer to send one placeholder per image; then drop this mark."))
 def test_the_engine_generates_from_the_trainers_prompt(runs):
     """Each row vLLM generated from is the prompt the trainer scores (same ids, same image tokens), and so its
-    sampling log-probs equal the policy's on every completion token, image rows included (float32 engine)."""
-    rec = runs["metrics_on"]
+    sampling log-probs equal the policy's on every completion token, image rows included (float32 engine).
+
+    TRL 1.16 alone fails this (huggingface/trl#6294): it hands vLLM the processor's expanded image tokens, which
+    vLLM expands again (31 prompt tokens sent, 34 run, 7 image tokens for 4; log-probs off by up to 0.16). The
+    trainer hands the engine one placeholder per image (``trl_mdi.vllm_prompts``), and stock TRL with the same fix
+    (the ``stock`` run) passes too."""
+    for name in ("stock", "metrics_on"):
+        assert_engine_ran_the_scored_prompt(runs[name], name)
+
+
+def assert_engine_ran_the_scored_prompt(rec: Recorded, name: str) -> None:
+    assert rec.engine_prompts and all(len(sent) < len(seen) for sent, seen in rec.engine_prompts), \
+        f"{name}: the engine was not handed collapsed placeholders (every row here has an image)"
     for batch, (sampled, policy, fwd) in enumerate(zip(rec.sampling_logps, rec.policy_logps, rec.first_forward)):
         n = fwd["logits_to_keep"]
         for i, (_, seen) in enumerate(rec.engine_prompts[4 * batch: 4 * batch + 4]):
             # The prompt as the trainer scores it: TRL's forward left-pads the prompts (mask 0 there).
             scored = [t for t, m in zip(fwd["input_ids"][i, :-n].tolist(), fwd["attention_mask"][i, :-n].tolist()) if m]
-            assert seen == scored, f"batch {batch} row {i}: the engine ran on {len(seen)} prompt tokens, not the " \
+            assert seen == scored, f"{name}: batch {batch} row {i}: the engine ran on {len(seen)} prompt tokens, not the " \
                                    f"{len(scored)} the trainer scores"
             diff = (torch.tensor(sampled[i]) - policy[i, :len(sampled[i])]).abs().max().item()
-            assert diff < LOGP_TOL, f"batch {batch} row {i}: |vLLM - policy| log-prob = {diff:.2e}"
+            assert diff < LOGP_TOL, f"{name}: batch {batch} row {i}: |vLLM - policy| log-prob = {diff:.2e}"
 
 
 def test_parameters_after_two_steps_equal_stock_grpo(runs):
-    """Observing changes nothing: the same parameters after 2 steps with metrics on, off, and under stock TRL."""
+    """Observing changes nothing: the same parameters after 2 steps with metrics on, off, and under stock TRL with
+    the same prompt fix (``PromptFixedGRPOTrainer``). Against stock TRL 1.16 as shipped they differ, as they should:
+    its engine samples from a corrupted prompt (huggingface/trl#6294), ours from the one it scores."""
     stock = runs["stock"].params
     changed = [n for n, p in stock.items() if not torch.equal(p, runs["stock"].first_forward[0]["state"][n])]
     assert changed, "stock training changed no parameter: the comparison would be vacuous"
@@ -281,10 +307,11 @@ def assert_probe_equals_eager(rec: Recorded, model_dir) -> list[list[int]]:
 
 def test_qwen2_vl_trains_under_vllm_and_its_probe_equals_eager(tiny_vlm_dir, tmp_path, monkeypatch):
     """The other Qwen family vLLM's CPU build runs: Qwen2-VL (its own vision tower and processor) generates under
-    vLLM, adds no policy forward, and its probe equals eager attention on vLLM's rollouts within 1e-5."""
+    vLLM from the prompt the trainer scores, adds no policy forward, and its probe equals eager attention on vLLM's rollouts within 1e-5."""
     model_dir = tiny_vlm_dir("qwen2_vl")
     rec = record_run(monkeypatch, MDIGRPOTrainer, model_dir, mdi_args(tmp_path), zen_image_dataset(8))
     assert rec.generations == 2 and rec.forwards == [1, 1]
+    assert_engine_ran_the_scored_prompt(rec, "qwen2_vl")
     n_image = assert_probe_equals_eager(rec, model_dir)
     assert all(n > 0 for batch in n_image for n in batch)
 
@@ -331,8 +358,10 @@ def mixed_image_dataset():
 def test_images_of_different_sizes_several_per_row_and_text_only_rows_in_one_batch(tiny_vlm_dir, tmp_path,
                                                                                    monkeypatch):
     """One batch mixes a one-image row, a two-image row (two sizes), a text-only row and a larger image: vLLM
-    generates without error, the text-only rows' sampling log-probs equal the policy's (their prompts reached the
-    engine intact beside the image rows), every row holds the image tokens of its images, and the probe equals eager
+    generates without error, every row's sampling log-probs equal the policy's in both batches (each prompt, one image
+    placeholder per image, reached the engine as the trainer scores it, text-only rows beside image rows of several
+    sizes; the second batch reuses the first one's images after a weight sync: without the trainer dropping vLLM's
+    cached image features before each sync, its image rows differ by up to 0.19), every row holds the image tokens of its images, and the probe equals eager
     attention on each row."""
     from transformers import AutoConfig
 
@@ -344,9 +373,11 @@ def test_images_of_different_sizes_several_per_row_and_text_only_rows_in_one_bat
     for sampled, policy, fwd in zip(rec.sampling_logps, rec.policy_logps, rec.first_forward):
         text_only = [i for i in range(len(sampled)) if not torch.isin(fwd["input_ids"][i], image_ids).any()]
         assert len(text_only) == 2  # the text-only prompt's 2 rollouts
-        for i in text_only:  # a text-only row beside image rows of several sizes: exactly what the policy computes
-            diff = (torch.tensor(sampled[i]) - policy[i, :len(sampled[i])]).abs().max().item()
-            assert diff < LOGP_TOL, f"row {i}: |vLLM - policy| log-prob = {diff:.2e}"
+        diffs = [(torch.tensor(sampled[i]) - policy[i, :len(sampled[i])]).abs().max().item()
+                 for i in range(len(sampled))]
+        n_img = torch.isin(fwd["input_ids"], image_ids).sum(1).tolist()
+        # every row, with 0, 1 or 2 images: exactly what the policy computes
+        assert max(diffs) < LOGP_TOL, f"|vLLM - policy| log-prob per row: {diffs}, image tokens per row {n_img}"
     n_image = assert_probe_equals_eager(rec, model_dir)
     # 4 image tokens for 56 px, 9 for 84, 16 for 112 (patch 14, merge 2); none on the text-only row (in each batch, 2 rollouts
     # per prompt, in the sampler's order).

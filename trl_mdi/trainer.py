@@ -21,6 +21,9 @@ interception):
    only: a dummy vision pass (``trl_mdi.vision_pass``).
 8. **Live diagnostics** (``trl_mdi.diagnostics``): Markdown logs, attention maps, console summary; ``perf/*``.
 9. **Observing changes nothing**: the extra forwards run no-grad in a forked RNG, on every process.
+10. **vLLM colocate** (``trl_mdi.vllm_prompts``): the engine gets one placeholder per image (TRL 1.16 hands it the
+    processor's expanded ids, which vLLM expands again), and its cached image features are dropped before each
+    weight sync.
 
 TRL offers no channel between its stages (its old-log-prob forward, ``_calculate_rewards``, the advantages), so the
 trainer holds exactly two per-batch records, each set and cleared in ``try/finally``: ``_record`` while a generation
@@ -54,7 +57,14 @@ from .config import MDIGRPOConfig
 from .counterfactual import NO_IMAGE, check_counterfactual_encodes, counterfactual_prompts
 from .data.columns import check_choice_counts
 from .data.images import decode_row_images, lazy_images, report_bad_images, row_images
-from .diagnostics import BatchLog, ConsoleSummaryCallback, LiveDiagnostics, perception_strips, write_batch
+from .diagnostics import (
+    BatchLog,
+    ConsoleSummaryCallback,
+    LiveDiagnostics,
+    image_evidence,
+    perception_strips,
+    write_batch,
+)
 from .filtering import apply_group_filter, group_filter_keep
 from .rewards import ThinkFormatReward, zero_spread_fraction
 from .rewards.inputs import dataset_columns
@@ -70,6 +80,7 @@ from .run_plan import (
 )
 from .tprl import apply_tprl, perturbation_signal, signal_rank_corr
 from .vision_pass import drop_empty_image_inputs, images_on_some_processes_only, vision_pass_for_run
+from .vllm_prompts import check_vllm_prompts, colocated_vlm, drop_stale_image_features, engine_prompt_ids
 
 logger = logging.get_logger(__name__)
 
@@ -283,6 +294,7 @@ class MDIGRPOTrainer(GRPOTrainer):
                         environment_rewards=kwargs.get("environment_factory") is not None,
                         processing_class=kwargs["processing_class"])
         config = effective_config(config, plan)
+        check_vllm_prompts(config, kwargs["processing_class"], plan.facts)  # before vLLM's engine starts
         self._record: BatchRecord | None = None
         self._pending: PendingMeasurement | None = None
         # The format check the rewards, the clean-format metric and the logs share (one definition everywhere).
@@ -389,6 +401,16 @@ class MDIGRPOTrainer(GRPOTrainer):
             # image column gets the same fix in _prepare_batch, for batches in which TRL sees no image at all.)
             images = [imgs if imgs is not None else [] for imgs in images]
         return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        # vLLM's colocated engine expands image placeholders itself: hand it one per image; and it would reuse image
+        # features computed before the weight sync TRL is about to run (trl_mdi.vllm_prompts says why for both). TRL
+        # keeps, returns and scores its own expanded prompt_ids; only the engine's copy changes.
+        if colocated_vlm(self.args, self.run_plan.facts):
+            prompt_ids = engine_prompt_ids(prompt_ids, self.run_plan.facts.image_token_ids[0])
+            if self.state.global_step != self._last_loaded_step:  # TRL's own condition for the sync
+                drop_stale_image_features(self.vllm_generation)
+        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         # The probe rides on the TRL forward the plan puts it in (``_rides_here``); any other call is TRL's forward
@@ -714,13 +736,19 @@ class MDIGRPOTrainer(GRPOTrainer):
             strips = perception_strips(scores, out["completion_ids"], out["completion_mask"], self._tokenizer,
                                        top_p=self.args.top_p_perception_tokens, signal=self.args.perception_signal,
                                        rows=self.args.log_full_rollouts_per_step)
+        evidence = None
+        if record.counterfactual is not None and self.accelerator.process_index == 0:
+            gains = S.CounterfactualInputs.of(forward.logps, record.counterfactual.logps, record.completion_mask,
+                                              record.counterfactual.answers, None, record.has_image).token_gain
+            evidence = image_evidence(gains, out["completion_ids"], out["completion_mask"], self._tokenizer,
+                                      rows=self.args.log_full_rollouts_per_step)
         scored = record.scored
         log = BatchLog(step=record.step, epoch=float(self.state.epoch or 0.0), rows=inputs, prompts=scored.prompts,
                          completions=scored.completions, completion_lengths=scored.lengths, rewards=scored.rewards,
                          advantages=self.accelerator.gather(out["advantages"]), reward_names=self.reward_func_names,
                          reward_weights=self.reward_weights,
                          signals=record.signals.local if record.signals is not None else None, attention=attention,
-                         map_rows=record.map_rows, strips=strips)
+                         map_rows=record.map_rows, strips=strips, evidence=evidence)
         write_batch(self.live_logs, log, processing_class=self.processing_class, answer_format=self.answer_format)
 
 

@@ -54,6 +54,7 @@ from .writers import AttentionLogWriter, RolloutLogWriter, prompt_text
 
 # trainer-side name -> its module (loaded on first use)
 _LAZY = {"BatchLog": "batch_log", "rollout_records": "batch_log", "perception_strips": "batch_log",
+         "image_evidence": "batch_log",
          "LiveDiagnostics": "live", "write_batch": "live", "ConsoleSummaryCallback": "live",
          "accuracy_rewards": "answers", "answer_fields": "answers", "console_reward_keys": "answers",
          "gold_answer": "answers"}
@@ -62,7 +63,7 @@ __all__ = [
     "AttentionLogWriter", "BatchLog", "ConsoleSummaryCallback", "LiveDiagnostics", "LogPathError", "RolloutLogWriter",
     "StepLogFile", "accuracy_rewards", "answer_fields", "attention_map_records", "clean", "console_reward_keys",
     "default_log_paths", "escape_inline", "fence", "format_step_summary", "format_value", "gold_answer",
-    "image_token_grids", "md_table", "perception_strips", "plot_mass_by_layer", "plot_mdi_by_layer",
+    "image_evidence", "image_token_grids", "md_table", "perception_strips", "plot_mass_by_layer", "plot_mdi_by_layer",
     "print_step_summary", "prompt_text", "render_attention_map", "render_image_maps", "render_segment_maps",
     "rollout_records", "sanitize_run_name", "sparkline", "split_per_image", "token_grid_hw", "trend_line", "use_color",
     "write_batch",
@@ -77,5 +78,5 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time these load lazily
     from .answers import accuracy_rewards, answer_fields, console_reward_keys, gold_answer
-    from .batch_log import BatchLog, perception_strips, rollout_records
+    from .batch_log import BatchLog, image_evidence, perception_strips, rollout_records
     from .live import ConsoleSummaryCallback, LiveDiagnostics, write_batch

@@ -43,6 +43,7 @@ class BatchLog:
     attention: ModalityAttention | None = None  # the probe's local result, None: metrics off
     map_rows: Sequence[int] = ()  # local rows that get an attention map (their per-image-token masses were kept)
     strips: Sequence[dict | None] | None = None  # local perception strips (:func:`perception_strips`)
+    evidence: Sequence[dict | None] | None = None  # local image evidence (:func:`image_evidence`)
 
 
 def rollout_records(batch: BatchLog, *, offset: int = 0, answer_format: Callable[..., list[float]] | None = None
@@ -68,6 +69,7 @@ def rollout_records(batch: BatchLog, *, offset: int = 0, answer_format: Callable
     reliance = signals.rollout_rows({k: table[k] for k in signals.reliance_names() if k in table}) or [{}] * n
     attention = signals.rollout_rows({k: v for k, v in table.items() if _source(k) == signals.PROBE}) or [None] * n
     strips = list(batch.strips or []) + [None] * n
+    evidence = list(batch.evidence or []) + [None] * n
     records = []
     for i, (row, prompt, completion, length) in enumerate(zip(batch.rows, batch.prompts, batch.completions,
                                                               batch.completion_lengths)):
@@ -84,6 +86,7 @@ def rollout_records(batch: BatchLog, *, offset: int = 0, answer_format: Callable
             "completion_length": length,
             **reliance[i],
             **({"perception": strips[i]} if strips[i] is not None else {}),
+            **({"image_evidence": evidence[i]} if evidence[i] is not None else {}),
         }
         records.append({"rollout": rollout,
                         "attention": None if attention[i] is None else {**attention[i], "index": index}})
@@ -138,3 +141,48 @@ def perception_strips(scores: torch.Tensor, completion_ids: torch.Tensor, comple
         strips.append({"signal": signal, "top_p": top_p, "tokens": [tokenizer.decode([t]) for t in ids],
                        "scores": scores[i][mask[i]].tolist(), "kept": kept[i][mask[i]].tolist()})
     return strips
+
+
+EVIDENCE_MIN_GAIN = 1.0
+"""A token is image evidence when the image made it at least this many nats likelier than the counterfactual did
+(g_t >= 1: about 2.7 times as likely): a colour read off the image, not the drift of a token that barely depends on
+it (the tiny look-or-guess model's non-perception tokens move by about 0.001)."""
+
+EVIDENCE_TOP_K = 3
+"""At most this many tokens are marked per rollout: the few where the image entered most."""
+
+
+def image_evidence(token_gain: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor, tokenizer,
+                   *, rows: int, min_gain: float = EVIDENCE_MIN_GAIN, top_k: int = EVIDENCE_TOP_K
+                   ) -> list[dict | None]:
+    """For the first ``rows`` local rollouts, the completion's tokens (their text, as TRL decodes the completion) and
+    the ones whose log-probability the counterfactual image changes most: the ``top_k`` largest per-token gains
+    ``g_t = log p(y_t | I) - log p(y_t | I')`` (``token_gain``, (B, C), NaN where undefined) that reach ``min_gain``;
+    None for the other rows. A guessing rollout, whose tokens do not depend on the image, gets none marked.
+
+    >>> class Tok:
+    ...     def decode(self, ids, **kwargs):
+    ...         return "".join({1: " the", 2: " shape", 3: " is", 4: " red"}[i] for i in ids)
+    >>> gain = torch.tensor([[0.0, 0.01, -0.02, 4.4], [0.0, 0.0, 0.001, float("nan")]])
+    >>> ev = image_evidence(gain, torch.tensor([[1, 2, 3, 4], [1, 2, 3, 0]]), torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),
+    ...                     Tok(), rows=2)
+    >>> ev[0]["marked"], ev[1]["marked"], ev[0]["tokens"]
+    ([3], [], [' the', ' shape', ' is', ' red'])
+    """
+    from ..answer_tokens import completion_token_texts
+    from ..batch import fit_width
+
+    mask = completion_mask.bool().cpu()
+    gains = fit_width(token_gain.float().cpu(), mask.shape[1])
+    out: list[dict | None] = []
+    for i in range(len(mask)):
+        if i >= rows:
+            out.append(None)
+            continue
+        ids = completion_ids[i].cpu()[mask[i]]
+        g = gains[i][mask[i]]
+        order = [t for t in torch.argsort(g.nan_to_num(nan=-math.inf), descending=True).tolist()
+                 if math.isfinite(float(g[t])) and float(g[t]) >= min_gain][:top_k]
+        out.append({"tokens": completion_token_texts(tokenizer, ids), "marked": sorted(order),
+                    "gains": [float(g[t]) for t in sorted(order)], "min_gain": min_gain})
+    return out

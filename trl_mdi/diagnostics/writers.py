@@ -269,6 +269,8 @@ class RolloutLogWriter(StepLogFile):
             out += [" · ".join(answer), ""]
         if any(name in r for name in _table().reliance_names()):
             out += [self._reliance_line(r), ""]
+        if r.get("image_evidence") is not None:
+            out += [image_evidence_line(r["image_evidence"]), ""]
         out += [md_table(["reward", "value"], table)]
         if r.get("perception"):
             out += ["", *perception_strip_lines(r["perception"])]
@@ -377,6 +379,30 @@ def __getattr__(name: str) -> Any:
                       "signal is summary_label(trl_mdi.signals.signal_of(name))", FutureWarning, stacklevel=2)
         return summary_label(_table().signal_of("blind_agrees"))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def image_evidence_line(evidence: dict) -> str:
+    """A rollout's completion on one line with the tokens the image made likeliest in **bold**
+    (``trl_mdi.diagnostics.batch_log.image_evidence``), each with its gain; or a line saying that no token reached
+    the threshold (the answer was written the same without the image).
+
+    >>> image_evidence_line({"tokens": [" the", " shape", " is", " red"], "marked": [3], "gains": [4.41],
+    ...                      "min_gain": 1.0})
+    '**Image evidence** (tokens at least 1 nat likelier with the image): the shape is **red** · `red` +4.41'
+    >>> image_evidence_line({"tokens": [" a", " tomato"], "marked": [], "gains": [], "min_gain": 1.0})
+    '**Image evidence:** none (no completion token is 1 nat likelier with the image than without)'
+    """
+    nats = f"{evidence['min_gain']:g} nat" + ("" if evidence["min_gain"] == 1 else "s")
+    if not evidence["marked"]:
+        return f"**Image evidence:** none (no completion token is {nats} likelier with the image than without)"
+    marked = set(evidence["marked"])
+    # keep the space before a marked word outside the bold, as Markdown needs
+    text = "".join(f" **{escape_inline(t.strip())}**" if i in marked and t.startswith(" ") and t.strip()
+                   else (f"**{escape_inline(t.strip())}**" if i in marked and t.strip() else escape_inline(t))
+                   for i, t in enumerate(evidence["tokens"]))
+    gains = " · ".join(f"`{escape_inline(evidence['tokens'][i]).strip()}` {g:+.3g}"
+                       for i, g in zip(evidence["marked"], evidence["gains"]))
+    return f"**Image evidence** (tokens at least {nats} likelier with the image): {text.strip()} · {gains}"
 
 
 def perception_strip_lines(strip: dict, top: int = 5) -> list[str]:
