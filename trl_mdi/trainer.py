@@ -402,7 +402,7 @@ class MDIGRPOTrainer(GRPOTrainer):
             images = [imgs if imgs is not None else [] for imgs in images]
         return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
         # vLLM's colocated engine expands image placeholders itself: hand it one per image; and it would reuse image
         # features computed before the weight sync TRL is about to run (trl_mdi.vllm_prompts says why for both). TRL
         # keeps, returns and scores its own expanded prompt_ids; only the engine's copy changes.
@@ -410,7 +410,7 @@ class MDIGRPOTrainer(GRPOTrainer):
             prompt_ids = engine_prompt_ids(prompt_ids, self.run_plan.facts.image_token_ids[0])
             if self.state.global_step != self._last_loaded_step:  # TRL's own condition for the sync
                 drop_stale_image_features(self.vllm_generation)
-        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         # The probe rides on the TRL forward the plan puts it in (``_rides_here``); any other call is TRL's forward
