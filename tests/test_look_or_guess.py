@@ -304,3 +304,213 @@ def test_short_warmup_writes_both_styles(bench):
     for r in clean:
         assert sum(r["gains"]) / len(r["gains"]) == pytest.approx(r["visual_gain"], abs=1e-4)
         assert r["gains"][-2] == pytest.approx(r["answer_visual_gain"], abs=1e-4)
+
+
+# ------------------------------------------------------------------- the shortcut experiment (issue 30 items 2-3)
+
+
+def test_style_loggers_read_each_rollouts_text():
+    from fixtures.synthetic.look_or_guess import guess_rate, look_rate
+
+    texts = ["<think> the shape in the image is green</think>\nAnswer: B",
+             [{"role": "assistant", "content": "<think> a banana is yellow</think>\nAnswer: D"}],
+             "Answer: A", "<think> a banana is tasty</think>"]
+    assert look_rate(texts) == [1.0, 0.0, 0.0, 0.0]
+    assert guess_rate(texts) == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_every_variant_logs_the_style_with_weight_zero_and_the_trainer_resolves_the_loggers(bench):
+    from trl_mdi.rewards.registry import resolve_rewards
+
+    for form in ("visual_gain", "visual_gain_sum"):
+        variants = bench.experiment_variants(form)
+        assert tuple(variants) == bench.ALL_VARIANTS
+        for name, v in variants.items():
+            weights = dict(zip(v.rewards, v.weights))
+            assert weights[bench.STYLE_LOGGERS[0]] == 0.0 and weights[bench.STYLE_LOGGERS[1]] == 0.0, name
+            assert v.rewards[:2] == ("mc_idx", "think_format") and v.weights[:2] == (4.0, 1.0)
+        assert variants[bench.RELIANCE].rewards[2] == form and variants[bench.RELIANCE].weights[2] == 1.0
+        other = "visual_gain_sum" if form == "visual_gain" else "visual_gain"
+        assert variants[bench.OTHER_FORM].rewards[2] == other  # the form the development split did not choose
+        assert variants["tprl_counterfactual"].tprl == "perturbation"
+    funcs, _ = resolve_rewards(list(bench.STYLE_LOGGERS), [0.0, 0.0])
+    assert [f.__name__ for f in funcs] == ["look_rate", "guess_rate"]  # logged as rewards/look_rate/mean
+    with pytest.raises(ValueError, match="gain_form"):
+        bench.experiment_variants("answer_visual_gain")
+
+
+def test_step_logger_keeps_each_steps_look_rate(bench):
+    run = {"steps": [], "step_seconds": []}
+    log = bench._step_logger_class()(run, evaluate=None, mid=None)
+
+    class State:
+        global_step = 1
+
+    log.on_train_begin(None, State, None)
+    for step, rate in ((1, 0.25), (2, 0.5)):
+        State.global_step = step
+        log.on_step_end(None, State, None)
+        log.on_log(None, State, None, logs={"reward": 4.0, "rewards/look_rate/mean": rate, "loss": 0.1,
+                                            "rewards/visual_gain_reward/zero_spread_frac": 0.0})
+    log.on_log(None, State, None, logs={"train_runtime": 3.0})  # the closing log has no reward: not a step
+    assert [s["rewards/look_rate/mean"] for s in run["steps"]] == [0.25, 0.5]
+    assert "loss" not in run["steps"][0] and len(run["step_seconds"]) == 2
+
+
+def test_trajectory_averages_windows_of_steps_over_seeds(bench):
+    runs = [{"steps": [{"rewards/look_rate/mean": x} for x in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)]},
+            {"steps": [{"rewards/look_rate/mean": x} for x in (1.0, 1.0, 1.0, 1.0, 1.0, 1.0)]}]
+    t = bench.trajectory(runs, window=4)
+    assert [e for e, _ in t] == [4, 6]
+    assert t[0][1] == pytest.approx((0.0 + 0.2 + 0.4 + 0.6 + 4.0) / 8) and t[1][1] == pytest.approx((1.8 + 2.0) / 4)
+
+
+def _scored(prompt, style, gains):
+    return {"prompt": prompt, "sample": 1, "style": style, "gains": gains, "visual_gain": sum(gains) / len(gains)}
+
+
+def test_gain_form_choice_on_handmade_rollouts(bench):
+    rs = [
+        # prompt 0: two looks (mean 0.3 -> reward 0.6, sum 4.5 -> 1.0; mean 0.1 -> 0.2, sum 1.5 -> 0.375), two guesses
+        _scored(0, LOOK, [0.0] * 14 + [4.5]), _scored(0, LOOK, [0.0] * 14 + [1.5]),
+        _scored(0, GUESS, [0.0] * 15), _scored(0, GUESS, [-0.15] + [0.0] * 14),
+        # prompt 1: a look that gained nothing ties with the guess (reward 0 both: the group has zero spread)
+        _scored(1, LOOK, [0.0] * 15), _scored(1, GUESS, [0.0] * 15), _scored(1, OTHER, [-1.0] * 15),
+    ]
+    t = bench.gain_form_table(rs, n_boot=50)
+    # 5 look-guess pairs inside prompts: 4 wins in prompt 0, one tie (1/2) in prompt 1.
+    for form in ("visual_gain", "visual_gain_sum"):
+        assert t[form]["within_auroc"] == pytest.approx(4.5 / 5) and t[form]["pairs"] == 5
+        assert t[form]["zero_spread"] == 0.5
+        assert t[form]["reward_guess"] == 0.0
+    assert t["visual_gain"]["reward_look"] == pytest.approx((0.6 + 0.2 + 0.0) / 3)
+    assert t["visual_gain_sum"]["reward_look"] == pytest.approx((1.0 + 0.375 + 0.0) / 3)
+    assert t["visual_gain_sum"]["saturated_look"] == pytest.approx(1 / 3)
+    form, why = bench.pick_gain_form(t)
+    assert form == "visual_gain" and "tied" in why
+    assert bench.zero_spread_share([0.2, 0.2, 0.0, 0.0, 0.1], [0, 0, 1, 1, 1]) == 0.5
+
+
+def _final(conflict, plain=0.99, clean=0.95, look=0.5):
+    return {"conflict": conflict, "plain": plain, "clean": clean, "look_rate": look, "look_rate_conflict": look,
+            "look_acc_conflict": 0.97, "guess_rate_conflict": 1 - look, "guess_acc_conflict": 0.0,
+            "other_rate_conflict": 0.0, "greedy_conflict": 1.0, "greedy_plain": 1.0, "greedy_look_rate": 1.0}
+
+
+def _runs(name, conflicts, **kw):
+    return [{"variant": name, "seed": seed, "final": _final(c, **kw), "step_seconds": [1.0, 1.2],
+             "steps": [{"rewards/look_rate/mean": 0.5}, {"rewards/look_rate/mean": 0.7}],
+             "code": {"commit": "abcdef123456", "dirty": False, "diff": None}} for seed, c in enumerate(conflicts)]
+
+
+BASE = [0.50, 0.52, 0.48, 0.50, 0.55]
+
+
+def test_verdicts_pair_seeds_with_the_baseline(bench):
+    import statistics
+
+    push = [0.90, 0.88, 0.95, 0.92, 0.90]
+    groups = bench.by_variant(_runs("answer_format", BASE) + _runs("visual_gain", push)
+                              + _runs("answer_visual_gain", [0.51, 0.50, 0.49, 0.52, 0.54])
+                              + _runs("mdi_balance", push, plain=0.90))
+    v = bench.variant_verdicts(groups)
+    assert set(v) == {"visual_gain", "answer_visual_gain", "mdi_balance"}
+    diffs = [p - b for p, b in zip(push, BASE)]
+    half = 2.7764451052 * statistics.stdev(diffs) / 5 ** 0.5  # t(0.975, 4) sd / sqrt(n)
+    d = v["visual_gain"]["difference"]
+    assert d["mean"] == pytest.approx(statistics.fmean(diffs))
+    assert (d["low"], d["high"]) == (pytest.approx(d["mean"] - half), pytest.approx(d["mean"] + half))
+    assert v["visual_gain"]["verdict"]["text"] == "shown"
+    assert "includes 0" in v["answer_visual_gain"]["verdict"]["text"]
+    assert "non-conflict 0.900 < 0.98" in v["mdi_balance"]["verdict"]["text"]  # the interval alone is not enough
+
+
+def _records(n_prompts, conflict):
+    """Per prompt two looks (gain 0.3, 0.4) and two guesses (gain 0.0, -0.01) and one rollout in neither style; MDI
+    higher on the guesses in every prompt but shifted per prompt; blind_agrees 1 everywhere."""
+    out = []
+    for p in range(n_prompts):
+        for style, gain, mdi in ((LOOK, 0.3, 0.8), (LOOK, 0.4, 0.85), (GUESS, 0.0, 0.9), (GUESS, -0.01, 0.95),
+                                 (OTHER, 0.0, 2.0)):
+            rec = {"prompt": p + (100 if conflict else 0), "conflict": conflict, "style": style,
+                   "answers_prior": style == GUESS}
+            rec.update({n: 0.0 for n in ("mdi_late", "answer_image_attention", "visual_gain_max",
+                                          "answer_visual_gain", "answer_logprob")})
+            rec.update(mdi=mdi + 0.5 * p, visual_gain=gain, visual_gain_sum=15 * gain, blind_agrees=1.0)
+            out.append(rec)
+    return out
+
+
+def test_detection_tables_on_handmade_records(bench):
+    t = bench.detection_tables(_records(4, False) + _records(3, True), n_boot=50)
+    assert set(t) == {"plain", "conflict", "conflict_answer"}
+    rows = {r["signal"]: r for r in t["plain"]}
+    assert list(rows) == list(bench.DETECTION_SIGNALS)
+    assert rows["visual_gain"]["n"] == 16 and rows["visual_gain"]["n_prior"] == 8  # the 'other' rollouts left out
+    assert rows["visual_gain"]["within_auroc"] == 1.0 and rows["visual_gain"]["auroc"] == 1.0
+    assert rows["visual_gain"]["within_pairs"] == 16  # 2 x 2 pairs in each of 4 prompts
+    # MDI: higher on guesses inside every prompt (within 1.0), but the prompts' shifts mix them when pooled:
+    # guesses of prompt p (0.9 + 0.5p, 0.95 + 0.5p) against looks of prompt q (0.8 + 0.5q, 0.85 + 0.5q) win for
+    # p >= q: 10 of the 16 prompt pairs, 4 wins each: 40 of 64.
+    assert rows["mdi"]["within_auroc"] == 1.0 and rows["mdi"]["auroc"] == pytest.approx(40 / 64)
+    assert rows["blind_agrees"]["within_auroc"] == 0.5  # constant: every pair a tie
+    assert {r["signal"]: r["n"] for r in t["conflict"]}["visual_gain"] == 12
+    assert bench.best_within(t["plain"])[1] == 1.0
+    assert bench.steadiest_signal({"a": t["plain"], "b": [{"signal": "mdi", "within_auroc": 0.7},
+                                                          {"signal": "visual_gain", "within_auroc": 0.96}]}) == (
+        "visual_gain", 0.96)
+
+
+def test_report_from_stored_records(bench):
+    from trl_mdi.reliance import format_paired_difference, paired_seed_difference
+
+    s = bench.ExperimentSettings(steps=2, detect_prompts=7)
+    recipe = bench.look_or_guess_recipe()
+    push = [0.90, 0.88, 0.95, 0.92, 0.90]
+    runs = _runs("answer_format", BASE) + _runs("visual_gain", push)
+    runs[0]["detection"] = {"records": _records(4, False) + _records(3, True)}
+    row = {"clip": 1.0, "within_auroc": 0.9, "low": 0.8, "high": 1.0, "pairs": 5, "raw_within_auroc": 0.9,
+           "zero_spread": 0.5, "reward_look": 0.3, "reward_guess": 0.0, "saturated_look": 0.1}
+    tables = {"black": {f: row for f in bench.GAIN_FORMS}, "none": {f: {**row, "within_auroc": 0.99}
+                                                                     for f in bench.GAIN_FORMS}}
+    kind, why_kind = bench.pick_kind(tables, ("black", "none"))
+    assert kind == "none" and why_kind.startswith("within-prompt AUROC of its reward 0.990 (others: black 0.900)")
+    choice = {"form": "visual_gain", "why": "tied", "rollouts": 16, "prompts": 2, "look_rate": 0.5,
+              "both_styles": 1.0, "tables": tables, "kind": kind, "why_kind": why_kind, "tprl_perturbation": "black",
+              "where": {LOOK: {"colour_word": 4.4, "elsewhere": 0.001}, GUESS: {"colour_word": 0.0, "elsewhere": 0.0}}}
+    body = bench.report(choice=choice, warm=None, runs=runs, s=s, recipe=recipe, argv=["experiment", "--steps", "2",
+                        "--work_dir", "/tmp/x"], missing=["warmup", "mdi_balance-s0"], failed=[],
+                        code={"commit": "abcdef123456", "dirty": True, "diff": "0123456789"}, minutes=None, workers=2,
+                        threads=1)
+    assert body.startswith(bench.SECTION + "\n")
+    assert "`python benchmarks/look_or_guess.py experiment --steps 2`" in body  # output-only flags dropped
+    assert "`abcdef123456`" in body and "this report: `abcdef123456+dirty(diff 0123456789)`" in body
+    expected = format_paired_difference(paired_seed_difference(dict(enumerate(push)), dict(enumerate(BASE))))
+    row = next(line for line in body.splitlines() if line.startswith("| + visual_gain (4:1:1) | 5 |"))
+    assert expected in row and row.endswith("| shown |")
+    assert "| answer + format only | 0.60 |" in body  # the look-rate trajectory: one window (of 5) holds 2 steps
+    assert "Not finished (rerun the command above to finish them): warmup, mdi_balance-s0." in body
+    assert "**shown**" in body  # the training goal
+    assert "Detection, answer + format only, seed 0: best within-prompt AUROC on non-conflict rows 1.000" in body
+    assert "look 4.400, guess 0.000 nats" in body
+    for name in bench.VARIANT_NAMES:  # every expected outcome stated, whatever ran
+        assert bench.EXPECTED[name][:40] in body
+    assert "| none | visual_gain | 1 | 0.990 [0.800, 1.000] (5) |" in body
+    assert "Chosen: counterfactual `none`: within-prompt AUROC of its reward 0.990" in body
+    assert "TPRL's perturbation: `black`" in body
+    # Nothing finished yet: the section says so.
+    empty = bench.report(choice=None, warm=None, runs=[], s=s, recipe=recipe, argv=["report", "--work_dir", "/w"],
+                         missing=["warmup"], failed=[], code={"commit": "abcdef123456", "dirty": False}, minutes=None,
+                         workers=2, threads=1)
+    assert "Detection table: not finished." in empty and "Runs finished: 0 of 25." in empty
+    assert "Reproduce: `python benchmarks/look_or_guess.py experiment` (" in empty  # the command behind the records
+
+
+def test_code_version_names_the_commit_and_the_dirty_tree(bench):
+    import re
+
+    code = bench.code_version()
+    assert re.fullmatch(r"[0-9a-f]{12}", code["commit"]) and isinstance(code["dirty"], bool)
+    assert bench.code_label({"commit": "abc", "dirty": False, "diff": None}) == "abc"
+    assert bench.code_label({"commit": "abc", "dirty": True, "diff": "d1"}) == "abc+dirty(diff d1)"
+    assert bench.code_label(None) == "unknown"

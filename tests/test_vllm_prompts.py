@@ -142,6 +142,6 @@ def test_the_trainer_hands_the_engine_collapsed_ids_and_keeps_its_own(processors
         with mock.patch.object(GRPOTrainer, "_generate_single_turn", return_value=("c", "l")) as trl:
             out = MDIGRPOTrainer._generate_single_turn(trainer, ids, ["imgs"], {"f": 1}, 4)
         assert out == ("c", "l")
-        assert trl.call_args.args == (sent, ["imgs"], {"f": 1}, 4, False)
+        assert trl.call_args.args == (sent, ["imgs"], {"f": 1}, 4)  # the rest as TRL passed it
         assert trainer.vllm_generation.llm.llm_engine.reset_encoder_cache.call_count == resets, (args, step)
     assert ids == [[1, token, token, token, 2], [3, 4]]  # TRL's own list untouched
