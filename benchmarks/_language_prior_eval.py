@@ -58,10 +58,11 @@ class HeldOut:
         scored with the real image and each counterfactual ``kind``, and ``summarize_reliance``'s tables over the
         SAMPLED rollouts: per kind every signal's AUROC against the data's own label (a conflict rollout answering
         the object's usual colour is prior-following, one answering the drawn colour image-following, any other
-        left out), with bootstrap interval and within-group variance share, and the general rule's agreement with
-        that label. Returns a JSON-ready dict (see :func:`compact_summary`)."""
+        left out), pooled and within-prompt, with intervals from a bootstrap over prompts, every signal on the rollouts
+        where all are defined, its within-group variance share, and the general rule's agreement with that label.
+        Returns a JSON-ready dict (see :func:`compact_summary`) with the per-rollout ``records`` beside the tables
+        (:func:`rollout_records`; :func:`recompute` rebuilds the tables from them)."""
         from trl_mdi.profile.reliance import measure_reliance
-        from trl_mdi.profile.reliance_report import summarize_reliance
 
         was_training = model.training
         model.eval()
@@ -71,8 +72,53 @@ class HeldOut:
         finally:
             model.train(was_training)
         sampled = dataclasses.replace(m, rollouts=[r for r in m.rollouts if r["sample"] > 0])
-        summary = summarize_reliance(sampled, n_boot=n_boot, seed=seed)
-        return compact_summary(summary, sampled)
+        return summarize(sampled, n_boot=n_boot, seed=seed)
+
+
+def summarize(m, *, n_boot: int, seed: int) -> dict:
+    """``summarize_reliance``'s tables of a measurement, compacted, with its per-rollout records beside them."""
+    from trl_mdi.profile.reliance_report import summarize_reliance
+
+    return {**compact_summary(summarize_reliance(m, n_boot=n_boot, seed=seed), m),
+            "records": rollout_records(m), "n_boot": n_boot, "seed": seed}
+
+
+def rollout_records(m) -> dict:
+    """What the statistics are computed from, kept so that they can be recomputed (another bootstrap, another
+    signal set, a within-prompt statistic added later) without measuring again: the measured rows (``prompts``:
+    gold, prior, conflict flag, greedy answer and blind answer per kind) and every scored rollout (``rollouts``:
+    its prompt index into ``prompts``, sample number, completion, answer, MDI values and per kind every
+    counterfactual signal), as ``measure_reliance`` returned them (NaN written as null); the data's label of a
+    rollout follows from its answer and its prompt (``data_prior_label``). :func:`recompute` reads them back."""
+    return _clean({"kinds": list(m.kinds), "samples": m.samples, "seconds": m.seconds, "data_labels": m.data_labels,
+                   "skipped": {str(k): v for k, v in m.skipped.items()}, "prompts": m.prompts,
+                   "rollouts": m.rollouts})
+
+
+def recompute(summary: dict, *, n_boot: int | None = None, seed: int | None = None) -> dict:
+    """:func:`summarize` again from a stored summary's ``records`` (the same ``n_boot`` and ``seed`` unless given):
+    the tables a current ``summarize_reliance`` makes of the same rollouts."""
+    from trl_mdi.profile.reliance import RelianceMeasurement
+
+    rec = summary.get("records")
+    if not rec:
+        raise ValueError("this reliance summary has no per-rollout records (measured before they were stored): "
+                         "rerun its job to recompute its statistics")
+
+    def nan(x):
+        if x is None:
+            return math.nan
+        if isinstance(x, dict):
+            return {k: nan(v) for k, v in x.items()}
+        return x
+
+    rollouts = [{k: (nan(v) if k == "signals" or k.startswith("mdi") else v) for k, v in r.items()}
+                for r in rec["rollouts"]]
+    m = RelianceMeasurement(kinds=rec["kinds"], prompts=rec["prompts"], rollouts=rollouts,
+                            skipped={int(k): v for k, v in rec["skipped"].items()}, samples=rec["samples"],
+                            seconds=rec["seconds"], data_labels=rec["data_labels"])
+    return summarize(m, n_boot=summary.get("n_boot", 1000) if n_boot is None else n_boot,
+                     seed=summary.get("seed", 0) if seed is None else seed)
 
 
 def _clean(x):
@@ -88,11 +134,13 @@ def _clean(x):
 
 def compact_summary(summary: dict, m) -> dict:
     """What the report keeps of ``summarize_reliance``'s summary: counts, seconds, the kind-independent signals'
-    means and, per kind, the accuracies, the signal means, the AUROC table against the data's label (rows of
-    ``SIGNALS`` only, by name) and the rule's agreement with it; plus the rollout count per class."""
+    means and, per kind, the accuracies, the signal means, the AUROC table against the data's label (every signal
+    ``summarize_reliance`` scored, by name: pooled and within-prompt AUROC with prompt-bootstrap intervals, on the
+    rollouts where every one of them is defined, ``n_defined`` before that) and the rule's agreement with it; plus
+    the rollout count per class."""
     kinds = {}
     for kind, k in summary["kinds"].items():
-        table = {r["signal"]: r for r in (k["data_table"] or []) if r["signal"] in SIGNALS}
+        table = {r["signal"]: r for r in (k["data_table"] or [])}
         kinds[kind] = {"accuracy_image": k["accuracy_image"], "accuracy_counterfactual": k["accuracy_counterfactual"],
                        "same_answer_rate": k["same_answer_rate"], "means": k["means"], "table": table,
                        "agreement": k["agreement"]}

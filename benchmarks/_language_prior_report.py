@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 import transformers
 from _language_prior_eval import KIND_SIGNALS, SIGNALS
-from _results import result_args
+from _results import describe_version, result_args
 
 from trl_mdi.config import MDIGRPOConfig
+from trl_mdi.reliance import format_paired_difference, paired_seed_difference
+from trl_mdi.reliance import verdict as paired_verdict
 
 SECTION = "## Language prior"
 CHANCE = 0.25
@@ -88,22 +90,27 @@ def paired(groups: dict[str, list[dict]], name: str, key: str) -> list[float]:
     return [final(r)[key] - base[r["seed"]] for r in groups.get(name, []) if r["seed"] in base]
 
 
+def paired_difference(groups: dict[str, list[dict]], name: str, key: str) -> dict:
+    """``trl_mdi.reliance.paired_seed_difference`` of a variant's final held-out ``key`` against the baseline's,
+    seed by seed: the mean difference with its 95% t interval over the paired seeds."""
+    return paired_seed_difference({r["seed"]: final(r)[key] for r in groups.get(name, [])},
+                                  {r["seed"]: final(r)[key] for r in groups.get(BASELINE, [])})
+
+
 def training_goal(groups: dict[str, list[dict]], name: str) -> tuple[bool, str] | None:
-    """Issue 25's training goal for a variant: paired conflict gain >= 0.10 over the baseline, non-conflict >= 0.98,
-    clean format >= 0.9 (means over seeds). None for the baseline or without paired seeds."""
-    d = paired(groups, name, "conflict")
-    if name == BASELINE or not d:
+    """Issue 25's training goal for a variant, as ``trl_mdi.reliance.verdict`` reads it: "shown" only when the
+    paired conflict-accuracy difference to the baseline has its 95% interval above 0 and its mean >= +0.10, and the
+    variant's non-conflict accuracy >= 0.98 and clean format >= 0.9 (means over its seeds); otherwise "not shown"
+    with every failed condition (a mean that reaches +0.10 with an interval that includes 0 is not shown: over 3 to
+    5 seeds it is as likely seed noise). None for the baseline or without paired seeds."""
+    d = paired_difference(groups, name, "conflict")
+    if name == BASELINE or not d["n"]:
         return None
     plain = _mean(final(r)["plain"] for r in groups[name])
     clean = _mean(final(r)["clean"] for r in groups[name])
-    misses = []
-    if not statistics.fmean(d) >= GOAL_CONFLICT_GAIN:
-        misses.append(f"Δ conflict {statistics.fmean(d):+.3f} < +{GOAL_CONFLICT_GAIN:.2f}")
-    if not plain >= GOAL_PLAIN:
-        misses.append(f"non-conflict {plain:.3f} < {GOAL_PLAIN}")
-    if not clean >= GOAL_CLEAN:
-        misses.append(f"clean {clean:.3f} < {GOAL_CLEAN}")
-    return not misses, "met" if not misses else "not met: " + ", ".join(misses)
+    v = paired_verdict(d, min_effect=GOAL_CONFLICT_GAIN, goals=[("non-conflict", plain, ">=", GOAL_PLAIN),
+                                                                ("clean", clean, ">=", GOAL_CLEAN)])
+    return v["shown"], v["text"]
 
 
 def warmup_lines(warm: dict) -> list[str]:
@@ -121,18 +128,19 @@ def warmup_lines(warm: dict) -> list[str]:
 
 def accuracy_table(groups: dict[str, list[dict]], variants: dict) -> list[str]:
     """Issue 25's training numbers: conflict, non-conflict and clean-format rates at the end, each with its paired
-    difference from the baseline, and the goal."""
+    difference from the baseline (mean [95% t interval] over the paired seeds), and the verdict."""
     lines = [
         "| variant | seeds | conflict acc. | Δ conflict vs baseline (paired) | non-conflict acc. | Δ non-conflict "
-        "(paired) | clean format | Δ clean (paired) | goal: Δ conflict ≥ +0.10, non-conflict ≥ 0.98, clean ≥ 0.9 |",
+        "(paired) | clean format | Δ clean (paired) | verdict: Δ conflict ≥ +0.10 with its interval above 0, "
+        "non-conflict ≥ 0.98, clean ≥ 0.9 |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, rs in groups.items():
         fin = [final(r) for r in rs]
         cells = []
         for key in ("conflict", "plain", "clean"):
-            d = paired(groups, name, key)
-            cells += [spread([e[key] for e in fin]), "—" if name == BASELINE or not d else spread(d, "+.3f")]
+            d = paired_difference(groups, name, key)
+            cells += [spread([e[key] for e in fin]), "—" if name == BASELINE else format_paired_difference(d)]
         goal = training_goal(groups, name)
         lines.append(f"| {variants[name].label} | {','.join(str(r['seed']) for r in rs)} | " + " | ".join(cells)
                      + f" | {'(baseline)' if name == BASELINE else '—' if goal is None else goal[1]} |")
@@ -214,6 +222,23 @@ def _auc(row: dict | None) -> str:
     return f"{row['auroc']:.3f} [{_f(row.get('low'))}, {_f(row.get('high'))}]"
 
 
+def _within(row: dict | None) -> str:
+    """The within-prompt AUROC with its prompt-bootstrap interval (rows measured before it existed: "—")."""
+    if not row or row.get("within_auroc") is None:
+        return "—"
+    return f"{row['within_auroc']:.3f} [{_f(row.get('within_low'))}, {_f(row.get('within_high'))}]"
+
+
+def _n(row: dict) -> str:
+    """``n (prior-following)``, with ``of n_defined`` where the common set left some of the signal's rollouts out."""
+    text = f"{row['n']} ({row['n_prior']})"
+    return text + (f" of {row['n_defined']}" if row.get("n_defined", row["n"]) != row["n"] else "")
+
+
+EXTRA_SIGNALS = ("visual_gain_sum", "visual_gain_max", "answer_logprob")
+"""Signals of the table the report shows with the runs' counterfactual only (the warm-up's full table)."""
+
+
 def _agreement(a: dict | None) -> str:
     if not a or not a.get("n"):
         return "—"
@@ -232,20 +257,25 @@ def warm_reliance_lines(rel: dict | None, s) -> list[str]:
         f"{s.max_completion_length} tokens, as GRPO samples) = {rel['rollouts']} rollouts, "
         f"{lab.get('rollouts', 0)} labelled by the data ({lab.get('prior_following', 0)} prior-following: they answer "
         "the object's usual colour; the others answer the drawn colour; other answers and no answer are left out); "
-        f"measured in {rel['seconds']:.0f} s. AUROC: how well the signal ranks prior-following above image-following "
-        "rollouts (1 perfect, 0.5 blind, < 0.5 the other way), with its 95% bootstrap interval; within-group share: "
-        "the part of the signal's variance between rollouts of one prompt, all GRPO can use. Signals that do not "
-        "depend on the counterfactual:",
+        f"measured in {rel['seconds']:.0f} s. Every signal is scored on one common set of rollouts, those on which "
+        "every signal of the table is defined (the answer-span signals need a strict answer line; n: the common set "
+        "(of it prior-following), 'of N': the rollouts on which that signal alone was defined and labelled). AUROC: "
+        "how well the signal ranks prior-following above image-following rollouts (1 perfect, 0.5 blind, < 0.5 the "
+        "other way), pooled over prompts; within-prompt AUROC: the same over pairs of rollouts of one prompt only "
+        "(what GRPO's group-relative advantage can see; pairs, prompts with a pair); both with a 95% interval from a "
+        f"bootstrap over prompts ({rel.get('n_boot', s.n_boot)} resamples drawing the prompts with replacement, "
+        "every rollout of a drawn prompt coming along: the rollouts of a prompt are not independent). Within-group share: the part of the "
+        "signal's variance between rollouts of one prompt. Signals that do not depend on the counterfactual:",
         "",
-        "| signal | prior-following when | n (prior-following) | AUROC [95% CI] | within-group variance share | mean, "
-        "prior-following | mean, image-following |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| signal | prior-following when | n (prior-following) | AUROC [95% CI] | within-prompt AUROC [95% CI] | "
+        "within-group variance share | mean, prior-following | mean, image-following |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name in SIGNALS:
         r = first["table"].get(name)
         if name in KIND_SIGNALS or r is None:
             continue
-        lines.append(f"| {SIGNAL_LABELS[name]} | {r['direction']} | {r['n']} ({r['n_prior']}) | {_auc(r)} | "
+        lines.append(f"| {SIGNAL_LABELS[name]} | {r['direction']} | {_n(r)} | {_auc(r)} | {_within(r)} | "
                      f"{_f(r['within_group_share'])} | {_f(r['mean_prior'])} | {_f(r['mean_other'])} |")
     lines += [
         "",
@@ -255,9 +285,9 @@ def warm_reliance_lines(rel: dict | None, s) -> list[str]:
         "Cohen's κ; means: prior-following / image-following rollouts):",
         "",
         "| counterfactual | blind acc. | same answer | rule vs data label | visual_gain AUROC | answer_visual_gain "
-        "AUROC | blind_agrees AUROC | within-group share (vg / avg / ba) | visual_gain means | answer_visual_gain "
-        "means | blind_agrees means |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "AUROC | blind_agrees AUROC | within-prompt AUROC (vg / avg / ba) | within-group share (vg / avg / ba) | "
+        "visual_gain means | answer_visual_gain means | blind_agrees means |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for kind, k in kinds.items():
         t = k["table"]
@@ -266,12 +296,33 @@ def warm_reliance_lines(rel: dict | None, s) -> list[str]:
         means = [f"{_f((t.get(n) or {}).get('mean_prior'), fmt[n])} / {_f((t.get(n) or {}).get('mean_other'), fmt[n])}"
                  for n in KIND_SIGNALS]
         mark = " (the runs')" if kind == s.counterfactual else ""
+        within = " / ".join(_f((t.get(n) or {}).get("within_auroc")) for n in KIND_SIGNALS)
         lines.append(f"| `{kind}`{mark} | {_f(k['accuracy_counterfactual'])} | {_f(k['same_answer_rate'])} | "
                      f"{_agreement(k['agreement'])} | " + " | ".join(_auc(t.get(n)) for n in KIND_SIGNALS)
-                     + f" | {shares} | " + " | ".join(means) + " |")
+                     + f" | {within} | {shares} | " + " | ".join(means) + " |")
     if rel.get("unusable"):
         lines += ["", "Left out (the processor cannot encode them): "
                   + "; ".join(f"`{k}`: {e}" for k, e in rel["unusable"].items())]
+    runs_kind = kinds.get(s.counterfactual)
+    if runs_kind:
+        t = runs_kind["table"]
+        names = [n for n in (*KIND_SIGNALS, *EXTRA_SIGNALS) if n in t]
+        lines += [
+            "",
+            f"The counterfactual signals with the runs' counterfactual `{s.counterfactual}` in full, on the same "
+            "common set (the MDI rows above are on it too; visual_gain_sum: the completion's summed gain; "
+            "visual_gain_max: its largest per-token gain; answer_logprob: the answer's log-probability with the image, a confidence baseline a reliance signal "
+            "must beat):",
+            "",
+            "| signal (runs' counterfactual) | prior-following when | n (prior-following) | AUROC [95% CI] | "
+            "within-prompt AUROC [95% CI] | within-prompt pairs, prompts | within-group variance share | mean, "
+            "prior-following | mean, image-following |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+            *(f"| {SIGNAL_LABELS.get(n, n)} | {t[n]['direction']} | {_n(t[n])} | {_auc(t[n])} | {_within(t[n])} | "
+              f"{t[n].get('within_pairs', '—')}, {t[n].get('within_prompts', '—')} | "
+              f"{_f(t[n]['within_group_share'])} | {_f(t[n]['mean_prior'])} | {_f(t[n]['mean_other'])} |"
+              for n in names),
+        ]
     return lines + [""]
 
 
@@ -285,20 +336,24 @@ def end_reliance_lines(groups: dict[str, list[dict]], variants: dict, s) -> list
     lines = [
         f"At the end of every run, with the runs' counterfactual `{s.counterfactual}` only: {ex['prompts']} held-out "
         f"conflict prompts x {ex['samples']} sampled completions per run; AUROC against the data's label, mean ± sd "
-        "over seeds (each run's own 95% interval is in its JSON record); n: labelled rollouts per run (of them "
-        "prior-following), mean over seeds.",
+        "over seeds (each run's own 95% prompt-bootstrap interval is in its JSON record, with its per-rollout "
+        "records); every signal on the run's common set of rollouts; n: that set per run (of it prior-following), "
+        "mean over seeds.",
         "",
         "| variant | n (prior-following) | " + " | ".join(f"{SIGNAL_LABELS[n]} AUROC" for n in SIGNALS)
-        + " | rule vs data label | visual_gain mean | answer_visual_gain mean | blind_agrees mean |",
-        "|---|---:|" + "---:|" * (len(SIGNALS) + 4),
+        + " | answer_visual_gain within-prompt AUROC | rule vs data label | visual_gain mean | answer_visual_gain "
+        "mean | blind_agrees mean |",
+        "|---|---:|" + "---:|" * (len(SIGNALS) + 5),
     ]
     for name, ms in rows.items():
         if not ms:
             continue
         ks = [m["kinds"][s.counterfactual] for m in ms]
-        n = _mean((m.get("labelled") or {}).get("rollouts") for m in ms)
-        n_prior = _mean((m.get("labelled") or {}).get("prior_following") for m in ms)
+        common = [(k["table"].get("mdi") or {}) for k in ks]
+        n = _mean(r.get("n") for r in common)
+        n_prior = _mean(r.get("n_prior") for r in common)
         aucs = [_spread_sd([(k["table"].get(sig) or {}).get("auroc") for k in ks]) for sig in SIGNALS]
+        aucs.append(_spread_sd([(k["table"].get("answer_visual_gain") or {}).get("within_auroc") for k in ks]))
         agree = _spread_sd([(k["agreement"] or {}).get("agreement") for k in ks])
         means = [_spread_sd([k["means"].get(sig) for k in ks], "+.3f" if sig != "blind_agrees" else ".3f")
                  for sig in KIND_SIGNALS]
@@ -327,7 +382,9 @@ def goal_lines(groups: dict[str, list[dict]], variants: dict, rel: dict | None, 
         row = (k or {}).get("table", {}).get(sig)
         ends = [((r.get("reliance_end") or {}).get("kinds", {}).get(kind) or {}).get("table", {}).get(sig, {})
                 .get("auroc") for rs in groups.values() for r in rs]
-        verdict = "—" if not row or row.get("auroc") is None else ("met" if row["auroc"] >= goal else "NOT met")
+        verdict = ("—" if not row or row.get("auroc") is None else "NOT met" if row["auroc"] < goal
+                   else "met" if (row.get("low") is not None and row["low"] >= goal)
+                   else "met by the point estimate only (its interval reaches below)")
         out.append(f"- {sig} AUROC ≥ {goal:.2f} with the runs' counterfactual `{kind}` ({which}): warm-up "
                    f"{_auc(row)}: {verdict}; at the end of the runs "
                    f"{_spread_sd(ends)} (mean ± sd over all runs).")
@@ -341,7 +398,8 @@ def goal_lines(groups: dict[str, list[dict]], variants: dict, rel: dict | None, 
                    f"{', '.join(f'`{kd}`' for kd in both) if both else 'none'}; highest answer_visual_gain AUROC: "
                    f"`{best}` ({_auc(rel['kinds'][best]['table'].get('answer_visual_gain'))}).")
         mdi = (next(iter(rel["kinds"].values()))["table"].get("mdi") or {})
-        out.append(f"- MDI (all layers) beside them: AUROC {_auc(mdi)} on the same rollouts.")
+        out.append(f"- MDI (all layers) beside them: AUROC {_auc(mdi)}, within-prompt {_within(mdi)}, on the same "
+                   f"common set of {mdi.get('n', '—')} rollouts.")
     for name in groups:
         goal = training_goal(groups, name)
         if goal is not None:
@@ -351,33 +409,32 @@ def goal_lines(groups: dict[str, list[dict]], variants: dict, rel: dict | None, 
     return out + [""]
 
 
-def verdict(groups: dict[str, list[dict]], variants: dict, warm: dict) -> list[str]:
-    """The comparison in words, every number computed here: each variant's paired gain on conflict rows against
-    answer + format only, set against the baseline's own seed-to-seed spread, and whether MDI saw the prior."""
+def comparison_lines(groups: dict[str, list[dict]], variants: dict, warm: dict) -> list[str]:
+    """The comparison in words, every number computed here: each variant's paired difference in final conflict-row
+    accuracy against answer + format only, with its 95% t interval over the paired seeds, which intervals exclude 0
+    (either sign), the baseline's own seed-to-seed sd beside them, and whether MDI saw the prior."""
     base = {r["seed"]: final(r)["conflict"] for r in groups.get(BASELINE, [])}
     if len(base) < 2:
         return []
     sd = statistics.stdev(base.values())
-    parts, beyond, clear = [], [], []
+    parts, excluding = [], []
     for name in groups:
-        d = paired(groups, name, "conflict") if name != BASELINE else []
-        if d:
-            parts.append(f"{variants[name].label} {statistics.fmean(d):+.3f} (better on {sum(x > 0 for x in d)}/"
-                         f"{len(d)} seeds)")
-            paired_sd = statistics.stdev(d) if len(d) > 1 else float("nan")
-            if abs(statistics.fmean(d)) > sd:
-                beyond.append(f"{variants[name].label} ({statistics.fmean(d):+.3f}, paired sd {paired_sd:.3f})")
-                if abs(statistics.fmean(d)) > paired_sd:
-                    clear.append(variants[name].label)
+        if name == BASELINE:
+            continue
+        d = paired_difference(groups, name, "conflict")
+        if d["n"]:
+            better = sum(x > 0 for x in d["differences"])
+            parts.append(f"{variants[name].label} {format_paired_difference(d)}, better on {better}/{d['n']}")
+            if d["n"] >= 2 and not d["low"] <= 0.0 <= d["high"]:
+                excluding.append(variants[name].label)
     w = warm["eval"]
     mdis = [e["mdi_all"] for rs in groups.values() for r in rs for e in r["evals"] if math.isfinite(e["mdi_all"])]
     return [
-        f"Paired by seed, final conflict-row accuracy minus answer + format only's: {'; '.join(parts)}. The "
-        f"baseline's own seed-to-seed sd is {sd:.3f}: "
-        + (f"mean differences (either sign) beyond it: {', '.join(beyond)}" if beyond
-           else "no variant's mean difference exceeds it")
-        + (f"; beyond their own paired sd too: {', '.join(clear)}." if clear
-           else "; none exceeds its own paired sd, so none is shown at this scale." if beyond else "."),
+        f"Paired by seed, final conflict-row accuracy minus answer + format only's (mean [95% t interval] over the "
+        f"paired seeds): {'; '.join(parts)}. "
+        + (f"Intervals that exclude 0: {', '.join(excluding)}." if excluding
+           else "Every interval includes 0: no variant is shown to change conflict accuracy at this scale.")
+        + f" The baseline's own seed-to-seed sd is {sd:.3f}.",
         "",
         f"Held-out MDI (all layers) of every evaluation of every run lies in {min(mdis):.3f}–{max(mdis):.3f}; the "
         f"warm-up's is {w['mdi_all_conflict']:.3f} on conflict rows and {w['mdi_all_plain']:.3f} on non-conflict "
@@ -419,8 +476,28 @@ def budget_line(s, span_minutes: float | None, runs: list[dict], workers: int) -
             "issue's asks: " + "; ".join(cuts) + ".")
 
 
+def code_lines(runs: list[dict], warm: dict, warm_rel: dict | None, version: dict | None) -> list[str]:
+    """The code version every result came from (``_results.code_version`` of the files that decide a result), and
+    the jobs that came from another one (reused with --reuse_other_code) by name."""
+    jobs = [("warm-up", warm), *((["warm-up reliance", warm_rel],) if warm_rel else ()),
+            *((r.get("key") or f"{r['variant']}-s{r['seed']}", r) for r in runs)]
+    other: dict[str, list[str]] = {}
+    for label, record in jobs:
+        stored = record.get("code_version")
+        if stored != version:
+            other.setdefault(describe_version(stored) if stored else "an unrecorded code version (measured "
+                             "before the version was stored)", []).append(label)
+    line = (f"- Code: {describe_version(version)} (git; uncommitted changes counted in trl_mdi/, fixtures/, the "
+            "benchmark's own files and pyproject.toml), part of every job's fingerprint: a stored job from other "
+            "code is rerun unless --reuse_other_code")
+    if not other:
+        return [line + "; every figure below came from this version."]
+    return [line + ". Reused from another version (--reuse_other_code): "
+            + "; ".join(f"{', '.join(labels)}: {v}" for v, labels in other.items()) + "."]
+
+
 def report(runs: list[dict], warm: dict, warm_rel: dict | None, s, recipe, variants: dict, argv: list[str],
-           started: float, failed: list, load_end: float, workers: int) -> str:
+           started: float, failed: list, load_end: float, workers: int, version: dict | None = None) -> str:
     """The section "## Language prior" of RESULTS.md, every number from ``runs``, ``warm`` and ``warm_rel``."""
     groups = by_variant(runs, variants)
     size = ", ".join(f"{k}={v}" for k, v in recipe.model_size.items())
@@ -449,9 +526,11 @@ def report(runs: list[dict], warm: dict, warm_rel: dict | None, s, recipe, varia
         f"- Date (the last job's end): {datetime.datetime.fromtimestamp(last, datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, `torch.set_num_threads({torch.get_num_threads()})`, Python "
-        f"{platform.python_version()}; {workers} job(s) at a time, each in its own process. Load average (1 min) over "
+        f"{platform.python_version()}; "
+        + f"{workers} job(s) at a time, each in its own process. Load average (1 min) over "
         f"the runs {_f(min(loads, default=math.nan), '.2f')}–{_f(max(loads, default=math.nan), '.2f')}, "
         f"{load_end:.2f} at the end: the machine is shared.",
+        *code_lines(runs, warm, warm_rel, version),
         f"- Model: `fixtures.tiny` {recipe.arch}, seed {recipe.model_seed}, {size}; {warm.get('num_params', 0):,} "
         f"parameters, float32, 4 image tokens per {recipe.image_size}x{recipe.image_size} image.",
         f"- Task: `fixtures.synthetic` kind prior_color, option_order {recipe.option_order} (A. red B. green C. blue "
@@ -490,7 +569,8 @@ def report(runs: list[dict], warm: dict, warm_rel: dict | None, s, recipe, varia
         "(none more for the counterfactual-as-perturbation variant: it shares the reliance forward).",
         f"- Reliance: `trl_mdi.profile.reliance.measure_reliance` (plain no-grad forwards, real and counterfactual "
         "image, on the held-out conflict rows) summarised by `trl_mdi.profile.reliance_report.summarize_reliance` "
-        f"(`trl_mdi.reliance.signal_table`, {s.n_boot} stratified bootstrap resamples, and `label_agreement`), over "
+        f"(`trl_mdi.reliance.signal_table`: every signal on one common set of rollouts, pooled and "
+        f"within-prompt AUROC, {s.n_boot} bootstrap resamples over prompts; and `label_agreement`), over "
         "the sampled rollouts only (the greedy one gives each prompt's answer for the blind-answer rule).",
         "",
         "Prior reliance of the shared warm-up (chance 0.25):",
@@ -526,7 +606,7 @@ def report(runs: list[dict], warm: dict, warm_rel: dict | None, s, recipe, varia
         *curve_lines(groups, variants),
         "",
         *goal_lines(groups, variants, warm_rel, s),
-        *verdict(groups, variants, warm),
+        *comparison_lines(groups, variants, warm),
     ]
     if failed:
         lines += ["Failed jobs (not in the tables): " + "; ".join(f"{k}: {e}" for k, e in failed), ""]
@@ -585,7 +665,7 @@ def projection_lines(runs: list[dict], warm: dict, warm_rel: dict | None, s, ful
         for name in full.variants:
             if seed in full.seeds_for(name) and name in per_run:
                 jobs.append(per_run[name])
-    free = [0.0] * workers
+    free = [0.0] * max(1, workers)
     for d in jobs:
         i = free.index(min(free))
         free[i] += d

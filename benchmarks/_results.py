@@ -55,3 +55,58 @@ def result_args(argv: list[str], output_only_flags: tuple[str, ...]) -> list[str
         elif not arg.startswith(tuple(f + "=" for f in output_only_flags)):
             out.append(arg)
     return out
+
+
+
+def code_version(paths: tuple[str, ...] = (), root: Path = RESULTS.parent.parent) -> dict:
+    """The code a result came from, read with git in ``root`` (the repository holding this folder)::
+
+        {"commit": <HEAD's full hash>, "dirty": <bool>, "diff": <16 hex digits or None>}
+
+    ``dirty``: the working tree differs from that commit (a tracked file changed, staged or not, or an untracked,
+    not ignored file exists), so the commit alone does not say what ran. ``diff``: a hash of those differences
+    (``git diff HEAD`` plus the untracked files' names and bytes), None when clean: two dirty trees on one commit
+    with the same ``diff`` ran the same code. ``paths`` (e.g. ``("trl_mdi", "fixtures")``) limits both to the files
+    that decide a result, so an edit elsewhere (a doc) does not count; empty = the whole tree. Outside a git
+    checkout (an unpacked archive) every value is None: unknown, which a comparison treats as different from any
+    known version.
+    """
+    import hashlib
+    import subprocess
+
+    def git(*args: str) -> bytes | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=root, capture_output=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    unknown = {"commit": None, "dirty": None, "diff": None}
+    commit = git("rev-parse", "HEAD")
+    if commit is None:
+        return unknown
+    scope = ("--", *paths) if paths else ()
+    diff = git("diff", "HEAD", "--binary", *scope)
+    untracked = git("ls-files", "--others", "--exclude-standard", "-z", *scope)
+    if diff is None or untracked is None:
+        return {**unknown, "commit": commit.decode().strip()}
+    h = hashlib.sha256(diff)
+    for name in sorted(n for n in untracked.split(b"\0") if n):
+        h.update(b"\0" + name + b"\0")
+        try:
+            h.update((root / name.decode()).read_bytes())
+        except OSError:  # removed or unreadable since ls-files listed it
+            pass
+    dirty = bool(diff.strip() or untracked.strip())
+    return {"commit": commit.decode().strip(), "dirty": dirty, "diff": h.hexdigest()[:16] if dirty else None}
+
+
+def describe_version(version: dict | None) -> str:
+    """``code_version``'s dict in words for a RESULTS.md line: ``commit 8ce988e`` or ``commit 8ce988e + uncommitted
+    changes (diff 1a2b3c4d5e6f7a8b)``; ``unknown code version`` without git."""
+    if not version or not version.get("commit"):
+        return "unknown code version (not a git checkout)"
+    text = f"commit {version['commit'][:7]}"
+    if version.get("dirty"):
+        text += f" + uncommitted changes (diff {version.get('diff')})"
+    return text

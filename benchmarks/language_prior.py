@@ -19,10 +19,15 @@ Reliance (issue 25): rollouts sampled at temperature 1 on the held-out conflict 
 scored by `trl_mdi.profile.reliance.measure_reliance` with the real image and a counterfactual one, and every
 per-rollout signal (MDI all / late, answer_image_attention, visual_gain, answer_visual_gain, blind_agrees) gets its
 AUROC at separating prior-following rollouts (they answer the object's usual colour: the data's own label) from
-image-following ones (the drawn colour), with a bootstrap interval and its within-group variance share
+image-following ones (the drawn colour), pooled and within prompts (pairs of rollouts of one prompt: what GRPO's
+group-relative advantage sees), each with a 95% interval from a bootstrap over prompts, every signal on one common
+set of rollouts (those where all are defined; n per signal beside it), and its within-group variance share
 (`trl_mdi.reliance.signal_table`, through `trl_mdi.profile.reliance_report.summarize_reliance`), and the general
 rule's agreement with that label (`label_agreement`). Under every counterfactual kind for the warm-up model (a job
-of its own, beside the runs); with the runs' counterfactual kind only at the end of every run.
+of its own, beside the runs); with the runs' counterfactual kind only at the end of every run. Training verdicts:
+each variant's final accuracy minus the baseline's on the same seed, with a 95% t interval over the paired seeds
+(`trl_mdi.reliance.paired_seed_difference`); "shown" only when that interval excludes 0 and the other goals hold
+(`trl_mdi.reliance.verdict`).
 
 GRPO (`MDIGRPOTrainer`) from that warm-up on a 2000-row pool with conflict rate 0.5 (trials, answer + format only,
 120 steps: conflict accuracy 0.36 -> 0.41 with pool conflict rate 0.2, too little signal to tell variants apart;
@@ -45,7 +50,14 @@ answers (`evaluate_accuracy(measure_attention=True)`); the same rows blank at th
 
 Resumable: every finished (variant, seed) is a JSON file in --work_dir (default: a fixed folder under the system
 temp dir), the warm-up a model folder there, its reliance measurement a JSON file; a rerun with the same settings
-skips what is done. Outputs: benchmarks/language_prior.png and the section "## Language prior" of
+and the same code version skips what is done. The code version (git commit, dirty flag and a hash of the
+uncommitted changes of the files that decide a result, `CODE_PATHS`) is part of every job's fingerprint: a stored
+result from other code is rerun, not reused (the reported figures must come from the code the section names: a
+stale one once stood in RESULTS.md, answer_visual_gain seed 0 at 0.430 / 0.580, which the commit it was recorded
+at gives as 0.505 / 0.710), unless --reuse_other_code, which reuses it and makes the section list the jobs that came
+from another version. Every reliance measurement keeps its per-rollout records (prompt, answer, every signal per
+counterfactual kind) beside its tables, so its statistics can be recomputed without measuring again
+(`_language_prior_eval.recompute`). Outputs: benchmarks/language_prior.png and the section "## Language prior" of
 benchmarks/RESULTS.md (only when every job finished; --quick prints only unless --write). --quick also prints the
 projected time of the full benchmark, from its own per-step and per-row timings.
 """
@@ -64,7 +76,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from _results import replace_section, set_offline_env
+from _results import code_version, describe_version, replace_section, set_offline_env
 
 set_offline_env()
 # fixtures/ (tiny models, synthetic data, warm-up) is a folder of the checkout, not an installed package.
@@ -91,6 +103,10 @@ LOGGED = ("reward", "rewards/", "attention/mdi", "tprl/", "reliance/", "completi
           "completions/mean_length", "entropy")
 COUNTERFACTUAL = "counterfactual"
 """``Variant.perturbation`` value: TPRL's perturbed image is the runs' counterfactual kind (``--counterfactual``)."""
+CODE_PATHS = ("trl_mdi", "fixtures", "benchmarks/language_prior.py", "benchmarks/_language_prior_eval.py",
+              "benchmarks/_results.py", "pyproject.toml")
+"""The files whose code decides a stored result (the report's file only formats it): their uncommitted changes
+count in the code version."""
 RELIANCE_REWARDS = frozenset({"answer_visual_gain", "answer_visual_gain_group"})
 """Rewards that read the reliance signals (they turn the counterfactual forward on whatever the flag says)."""
 
@@ -176,6 +192,26 @@ def fingerprint(*parts) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def reusable(path: Path, settings_key: str, version: dict, reuse_other_code: bool = False) -> tuple[dict | None, str]:
+    """The stored result at ``path`` if it may stand for this job, and a note for the log.
+
+    The job's fingerprint is ``fingerprint(settings_key, version)``: the settings' hash and the code version. A
+    record with that fingerprint is reused. One with the same settings from another code version (or from before
+    the version was stored: its ``fingerprint`` is then the settings' hash itself) is rerun, since the reported
+    figures must come from the code the section names, unless ``reuse_other_code``: then it is reused and the note
+    (and the section, from its ``code_version``) says which version it came from. Anything else: rerun."""
+    stored = json.loads(path.read_text()) if path.exists() else {}
+    if stored and stored.get("fingerprint") == fingerprint(settings_key, version):
+        return stored, ""
+    if not stored or settings_key not in (stored.get("settings_key"), stored.get("fingerprint")):
+        return None, ""
+    other = describe_version(stored.get("code_version")) if stored.get("code_version") else \
+        "an unrecorded code version"
+    if reuse_other_code:
+        return stored, f" (from {other}, --reuse_other_code)"
+    return None, f"the stored result came from {other}, this is {describe_version(version)}: rerunning it"
+
+
 def write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str))
@@ -185,17 +221,26 @@ def write_json(path: Path, data: dict) -> None:
 # ------------------------------------------------------------------------------------------------ evaluation
 
 
-def shared_warmup(recipe: WarmupRecipe, held: HeldOut, work: Path, log) -> tuple[Path, dict]:
-    """The warm-up model and its held-out scores, trained once and reused by every run (and every rerun)."""
+def shared_warmup(recipe: WarmupRecipe, held: HeldOut, work: Path, version: dict, log,
+                  reuse_other_code: bool = False) -> tuple[Path, dict]:
+    """The warm-up model and its held-out scores, trained once and reused by every run (and every rerun on the same
+    code version; on another one it is trained again unless ``reuse_other_code``)."""
     key = fingerprint(dataclasses.asdict(recipe), torch.get_num_threads())
     model_dir, done = work / f"warmup-{key}", work / f"warmup-{key}.json"
     if done.exists():
-        log(f"warm-up: reusing {model_dir}")
-        return model_dir, {**json.loads(done.read_text()), "key": key}
+        info = json.loads(done.read_text())
+        stored = info.get("code_version")
+        if stored == version or reuse_other_code:
+            log(f"warm-up: reusing {model_dir}" + ("" if stored == version else
+                f" (from {describe_version(stored)}, --reuse_other_code)"))
+            return model_dir, {**info, "key": key}
+        log(f"warm-up: the stored one came from {describe_version(stored)}, this is {describe_version(version)}: "
+            "training it again")
     started_at = time.time()
     model, processor, info = warm_start(recipe, model_dir, overwrite=True, log=lambda m: log(f"  {m}"))
     info["started_at"] = started_at
     info["key"] = key
+    info["code_version"] = version
     info["eval"] = held.evaluate(model, processor)
     info["eval_blank"] = held.evaluate(model, processor, blank=True)
     write_json(done, info)
@@ -357,7 +402,9 @@ def execute(job: dict) -> tuple[dict | None, str | None]:
     except Exception as err:  # noqa: BLE001 - one job failing must not lose the others
         log(f"  [{job['label']}] FAILED: {type(err).__name__}: {err}")
         return None, f"{type(err).__name__}: {err}"
-    result["fingerprint"] = job["key"]
+    result["fingerprint"] = job["key"]  # the settings and the code version
+    result["settings_key"] = job["settings_key"]  # the settings alone: --reuse_other_code matches on it
+    result["code_version"] = job["version"]
     write_json(job["path"], result)
     return result, None
 
@@ -392,6 +439,9 @@ def parse_settings(argv: list[str]) -> tuple[argparse.Namespace, Settings]:
     p.add_argument("--workers", type=int, default=2, help="jobs at a time, each in its own process (default 2: one "
                    "per core of the 2-core target machine; 1: one after the other, in this process)")
     p.add_argument("--work_dir", help=f"finished runs and the warm-up, for resuming (default {DEFAULT_WORK})")
+    p.add_argument("--reuse_other_code", action="store_true", help="reuse stored results measured with another "
+                   "code version (commit, uncommitted changes) instead of rerunning them; the section then lists "
+                   "which jobs came from which version")
     p.add_argument("--png", default=str(ROOT / "benchmarks" / "language_prior.png"))
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     g = p.add_mutually_exclusive_group()
@@ -444,20 +494,27 @@ def main(argv: list[str] | None = None) -> int:
         (work / "runs").mkdir(parents=True, exist_ok=True)
         log(f"work dir {work}")
         held = _DATA["held"] = HeldOut(s, recipe)  # reused by runs in this process (--workers 1)
-        model_dir, warm = shared_warmup(recipe, held, work, log)
+        version = code_version(CODE_PATHS)
+        log(f"code version: {describe_version(version)}")
+        model_dir, warm = shared_warmup(recipe, held, work, version, log, a.reuse_other_code)
         w, b = warm["eval"], warm["eval_blank"]
         log(f"warm-up: conflict {w['conflict']:.3f}, non-conflict {w['plain']:.3f}, conflict rows answered with the "
             f"prior {w['prior_follow']:.3f}; blank images: non-conflict {b['plain']:.3f}; MDI all {w['mdi_all']:.3f}, "
             f"late {w['mdi_late']:.3f}")
-        common = dict(settings=s, recipe=recipe, work=work, threads=a.threads, started=started, model_dir=model_dir)
+        common = dict(settings=s, recipe=recipe, work=work, threads=a.threads, started=started, model_dir=model_dir,
+                      version=version)
         jobs, done = [], {}
 
-        def plan(label: str, path: Path, key: str, **job) -> None:
-            if path.exists() and json.loads(path.read_text()).get("fingerprint") == key:
-                log(f"== {label}: done earlier, {path}")
-                done[label] = (json.loads(path.read_text()), None)
+        def plan(label: str, path: Path, settings_key: str, **job) -> None:
+            stored, note = reusable(path, settings_key, version, a.reuse_other_code)
+            if stored is not None:
+                log(f"== {label}: done earlier, {path}{note}")
+                done[label] = (stored, None)
             else:
-                jobs.append({**common, **job, "label": label, "path": path, "key": key})
+                if note:
+                    log(f"== {label}: {note}")
+                jobs.append({**common, **job, "label": label, "path": path, "key": fingerprint(settings_key, version),
+                             "settings_key": settings_key})
 
         if s.reliance_prompts and s.warmup_samples and s.kinds:  # first: it runs beside the first runs
             key = fingerprint(warm["key"], {k: getattr(s, k) for k in (
@@ -473,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
                 plan(f"{name}-s{seed}", work / "runs" / f"{name}-s{seed}.json", key, what="run", name=name, seed=seed,
                      warm=warm)
         if a.workers > 1 and len(jobs) > 1:
+            # A job's result does not depend on the jobs run before it in its process: answer_visual_gain seed 0
+            # after the warm-up's reliance job and four GRPO jobs of other variants, in one process, logged the
+            # same values at every step as run alone (20-step runs, checked for issue 30).
             ctx = multiprocessing.get_context("spawn")  # a fresh interpreter per worker: no forked torch state
             with ProcessPoolExecutor(min(a.workers, len(jobs)), mp_context=ctx) as ex:
                 done |= dict(zip([j["label"] for j in jobs], ex.map(execute, jobs)))
@@ -483,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [(k, done[k][1]) for k in [*order, "warmup_reliance"] if k in done and done[k][0] is None]
     warm_rel = done.get("warmup_reliance", (None, None))[0]
     load = os.getloadavg()[0]
-    body = report(runs, warm, warm_rel, s, recipe, VARIANTS, argv, started, failed, load, a.workers)
+    body = report(runs, warm, warm_rel, s, recipe, VARIANTS, argv, started, failed, load, a.workers, version)
     print("\n" + body)
     if a.quick:
         print("\n" + "\n".join(projection_lines(runs, warm, warm_rel, s, Settings(), recipe, prior_recipe(False),

@@ -580,34 +580,18 @@ RUN_INDEPENDENT = ("seeds", "variants", "detect_seeds", "gain_form")
 
 
 def code_version(root: Path = ROOT) -> dict:
-    """The code a result came from: ``commit`` (git HEAD), ``dirty`` (tracked or untracked changes under the paths
-    that decide a result: trl_mdi/, fixtures/, benchmarks/, pyproject.toml) and ``diff`` (a short hash of those
-    changes, so two dirty trees can be told apart). Unknown fields are None outside a git checkout."""
-    import subprocess
+    """The code a result came from (``_results.code_version``: ``commit``, ``dirty``, ``diff``) over the paths that
+    decide a result here: trl_mdi/, fixtures/, benchmarks/, pyproject.toml."""
+    from _results import code_version as version
 
-    paths = ["trl_mdi", "fixtures", "benchmarks", "pyproject.toml"]
-
-    def git(*args) -> str | None:
-        try:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True,
-                                  timeout=30).stdout
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--", *paths)
-    diff = git("diff", "HEAD", "--", *paths)
-    untracked = [line[3:] for line in (status or "").splitlines() if line.startswith("??")]
-    blob = (diff or "") + "".join(sorted(untracked))
-    return {"commit": commit.strip()[:12] if commit else None, "dirty": bool(status) if status is not None else None,
-            "diff": hashlib.sha256(blob.encode()).hexdigest()[:10] if status else None}
+    return version(paths=("trl_mdi", "fixtures", "benchmarks", "pyproject.toml"), root=root)
 
 
 def code_label(code: dict | None) -> str:
     """``abc123def456`` or ``abc123def456+dirty(diff 1a2b3c)``."""
     if not code or not code.get("commit"):
         return "unknown"
-    return code["commit"] + (f"+dirty(diff {code['diff']})" if code.get("dirty") else "")
+    return code["commit"][:12] + (f"+dirty(diff {code['diff']})" if code.get("dirty") else "")
 
 
 def write_json(path: Path, data: dict) -> None:

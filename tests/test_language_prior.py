@@ -201,8 +201,11 @@ def _run(variant, seed, conflict, plain, clean, auroc=None):
 
 
 def test_benchmark_report_pairs_by_seed_and_states_the_goals():
-    """The training goal is the paired conflict gain over the baseline (>= +0.10) with non-conflict >= 0.98 and clean
-    format >= 0.9; the AUROC goals are read with the runs' counterfactual; every number is the records'."""
+    """The training goal is the paired conflict gain over the baseline (>= +0.10, its 95% t interval above 0) with
+    non-conflict >= 0.98 and clean format >= 0.9; the AUROC goals are read with the runs' counterfactual; every
+    number is the records'."""
+    import math
+
     lp = _benchmark()
     import _language_prior_report as rep
 
@@ -211,27 +214,196 @@ def test_benchmark_report_pairs_by_seed_and_states_the_goals():
             _run("mdi_group", 0, 0.9, 0.9, 1.0)]
     groups = rep.by_variant(runs, lp.VARIANTS)
     assert rep.paired(groups, "answer_visual_gain", "conflict") == pytest.approx([0.2, 0.15])
-    assert rep.training_goal(groups, "answer_visual_gain") == (True, "met")
+    # Mean +0.175 >= +0.10 over 2 seeds, but the t interval (df 1: t = tan(0.475 pi) = 12.706, the Cauchy
+    # quantile) is 0.175 -+ 12.706 * 0.0354 / sqrt(2): it includes 0, so the goal is not shown (was "met").
+    half = math.tan(0.475 * math.pi) * math.sqrt(((0.2 - 0.175) ** 2 + (0.15 - 0.175) ** 2) / 1) / math.sqrt(2)
+    low, high = 0.175 - half, 0.175 + half
+    assert rep.training_goal(groups, "answer_visual_gain") == (
+        False, f"not shown: interval [{low:.3f}, {high:.3f}] includes 0")
     ok, why = rep.training_goal(groups, "mdi_group")
-    assert not ok and "non-conflict 0.900 < 0.98" in why and "conflict" not in why.replace("non-conflict", "")
+    assert not ok and why == "not shown: 1 paired seed: no interval (needs 2 or more); non-conflict 0.900 < 0.98"
     assert rep.training_goal(groups, "answer_format") is None
     table = "\n".join(rep.accuracy_table(groups, lp.VARIANTS))
-    assert "+0.175 ± 0.035 [+0.150–+0.200]" in table and "(baseline)" in table
+    assert f"+0.175 [{low:+.3f}, {high:+.3f}] (2 seeds)" in table and "(baseline)" in table
+    assert "| not shown: interval" in table and "| met" not in table
+    assert "+0.400 (1 seed, no interval)" in table  # mdi_group, seed 0: 0.9 - 0.5
 
     _, s = lp.parse_settings([])
     rel = {"kinds": {k: {"table": {"answer_visual_gain": {"auroc": a, "low": a - 0.02, "high": min(1.0, a + 0.02)},
                                    "blind_agrees": {"auroc": b, "low": b - 0.05, "high": min(1.0, b + 0.05)},
-                                   "mdi": {"auroc": 0.7, "low": 0.6, "high": 0.8}}}
+                                   "mdi": {"auroc": 0.7, "low": 0.6, "high": 0.8, "n": 12}}}
                      for k, a, b in (("black", 0.7, 0.6), ("grey", 0.99, 0.95), ("none", 0.97, 0.85))}}
     goals = "\n".join(rep.goal_lines(groups, lp.VARIANTS, rel, s))
     assert "answer_visual_gain AUROC ≥ 0.95 with the runs' counterfactual `black` (the trainer's default): warm-up " \
            "0.700 [0.680, 0.720]: NOT met; at the end of the runs 0.925 ± 0.096" in goals
     assert "Kinds meeting both AUROC goals on the warm-up model: `grey`; highest answer_visual_gain AUROC: `grey`" \
            in goals
-    assert "MDI (all layers) beside them: AUROC 0.700" in goals
+    assert "MDI (all layers) beside them: AUROC 0.700 [0.600, 0.800], within-prompt —, on the same common set of " \
+           "12 rollouts" in goals
+    # An AUROC whose point estimate meets the goal while its interval reaches below it says so.
+    rel["kinds"]["black"]["table"]["answer_visual_gain"] = {"auroc": 0.96, "low": 0.94, "high": 0.98}
+    assert "0.960 [0.940, 0.980]: met by the point estimate only (its interval reaches below)" in \
+           "\n".join(rep.goal_lines(groups, lp.VARIANTS, rel, s))
     budget = rep.budget_line(s, 61.0, runs, 2)
     assert "OVER it" in budget and "200 prompts x 4 samples at the end of each run" in budget
     assert "(8 samples would have added about 0.1 min of wall time here)" in budget
+
+
+def test_benchmark_verdict_is_shown_only_with_an_interval_above_zero():
+    """Three seeds whose paired differences agree (+0.20, +0.21, +0.22: t interval 0.21 -+ 4.303 * 0.01 / sqrt(3))
+    are "shown"; the same mean with differences of both signs is not, and neither is a variant that breaks the
+    non-conflict rows; the comparison paragraph names only the interval that excludes 0."""
+    lp = _benchmark()
+    import _language_prior_report as rep
+
+    base = [_run("answer_format", s, c, 1.0, 1.0) for s, c in ((0, 0.5), (1, 0.6), (2, 0.4))]
+    good = [_run("answer_visual_gain", s, c, 0.99, 1.0) for s, c in ((0, 0.70), (1, 0.81), (2, 0.62))]
+    mixed = [_run("mdi_balance", s, c, 1.0, 1.0) for s, c in ((0, 0.95), (1, 0.50), (2, 0.68))]
+    broken = [_run("mdi_group", s, c, 0.9, 1.0) for s, c in ((0, 0.70), (1, 0.81), (2, 0.62))]
+    groups = rep.by_variant(base + good + mixed + broken, lp.VARIANTS)
+    t_975_df2 = 4.302652729911275  # Student t, 2 degrees of freedom (sqrt(2) * 0.975-quantile identity, tables)
+    half = t_975_df2 * 0.01 / 3 ** 0.5
+    assert rep.training_goal(groups, "answer_visual_gain") == (True, "shown")
+    assert f"+0.210 [{0.21 - half:+.3f}, {0.21 + half:+.3f}] (3 seeds)" in "\n".join(
+        rep.accuracy_table(groups, lp.VARIANTS))
+    # mdi_balance: differences +0.45, -0.10, +0.28 (mean +0.21, sd 0.2816): the interval includes 0.
+    ok, why = rep.training_goal(groups, "mdi_balance")
+    assert not ok and why.startswith("not shown: interval [") and why.endswith("] includes 0")
+    ok, why = rep.training_goal(groups, "mdi_group")
+    assert not ok and why == "not shown: non-conflict 0.900 < 0.98"
+    warm = {"eval": {"mdi_all_conflict": 1.0, "mdi_all_plain": 1.0, "conflict": 0.5, "plain": 1.0}}
+    text = "\n".join(rep.comparison_lines(groups, lp.VARIANTS, warm))
+    assert "Intervals that exclude 0: + mdi_group (4:1:1), + answer_visual_gain (4:1:1)." in text
+    assert "better on 2/3" in text and "The baseline's own seed-to-seed sd is 0.100." in text
+
+
+def test_code_version_reads_commit_dirty_flag_and_a_diff_hash(tmp_path):
+    """``code_version``: the commit; clean -> dirty False, diff None; an edited tracked file or a new untracked one
+    -> dirty with a diff hash that changes with the edit; ``paths`` limits both; outside git every value None."""
+    root, tmp_path = tmp_path, tmp_path / "repo"
+    tmp_path.mkdir()
+    _benchmark()
+    import _results
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "a.py").write_text("x = 1\n")
+    (tmp_path / "notes.md").write_text("hello\n")
+    git("add", ".")
+    git("commit", "-q", "-m", "one")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    assert _results.code_version(root=tmp_path) == {"commit": head, "dirty": False, "diff": None}
+    (tmp_path / "notes.md").write_text("changed\n")
+    whole = _results.code_version(root=tmp_path)
+    assert whole["commit"] == head and whole["dirty"] is True and len(whole["diff"]) == 16
+    # Only the code's folder counts: the doc edit leaves it clean.
+    assert _results.code_version(("code",), root=tmp_path) == {"commit": head, "dirty": False, "diff": None}
+    (tmp_path / "code" / "a.py").write_text("x = 2\n")
+    first = _results.code_version(("code",), root=tmp_path)
+    (tmp_path / "code" / "a.py").write_text("x = 3\n")
+    second = _results.code_version(("code",), root=tmp_path)
+    assert first["dirty"] and second["dirty"] and first["diff"] != second["diff"]
+    (tmp_path / "code" / "a.py").write_text("x = 1\n")
+    (tmp_path / "code" / "new.py").write_text("y = 1\n")  # untracked, not ignored: it can change what runs
+    assert _results.code_version(("code",), root=tmp_path)["dirty"] is True
+    assert _results.describe_version(first) == f"commit {head[:7]} + uncommitted changes (diff {first['diff']})"
+    assert _results.describe_version({"commit": head, "dirty": False, "diff": None}) == f"commit {head[:7]}"
+    outside = root / "plain"
+    outside.mkdir()
+    env_ceiling = subprocess.run(["git", "rev-parse", "HEAD"], cwd=outside, capture_output=True).returncode
+    if env_ceiling != 0:  # the temp dir is in no checkout (the usual case): unknown
+        assert _results.code_version(root=outside) == {"commit": None, "dirty": None, "diff": None}
+
+
+def test_benchmark_reruns_a_result_from_another_code_version(tmp_path):
+    """A stored job is reused only when its fingerprint (settings and code version) matches; the same settings from
+    another version, or from before the version was stored, are rerun, or with reuse_other_code reused with a note;
+    the section names the jobs that came from another version."""
+    lp = _benchmark()
+    import _language_prior_report as rep
+
+    now = {"commit": "a" * 40, "dirty": True, "diff": "0123456789abcdef"}
+    old = {"commit": "b" * 40, "dirty": False, "diff": None}
+    path = tmp_path / "run.json"
+    assert lp.reusable(path, "k1", now) == (None, "")  # nothing stored
+    lp.write_json(path, {"fingerprint": lp.fingerprint("k1", now), "settings_key": "k1", "code_version": now})
+    stored, note = lp.reusable(path, "k1", now)
+    assert stored["code_version"] == now and note == ""
+    assert lp.reusable(path, "k2", now) == (None, "")  # other settings: rerun, nothing to say
+    lp.write_json(path, {"fingerprint": lp.fingerprint("k1", old), "settings_key": "k1", "code_version": old})
+    stored, note = lp.reusable(path, "k1", now)
+    assert stored is None and note == ("the stored result came from commit bbbbbbb, this is commit aaaaaaa + "
+                                       "uncommitted changes (diff 0123456789abcdef): rerunning it")
+    stored, note = lp.reusable(path, "k1", now, reuse_other_code=True)
+    assert stored["code_version"] == old and note == " (from commit bbbbbbb, --reuse_other_code)"
+    lp.write_json(path, {"fingerprint": "k1"})  # written before the code version was stored
+    assert lp.reusable(path, "k1", now)[0] is None
+    assert lp.reusable(path, "k1", now, reuse_other_code=True)[1] == " (from an unrecorded code version, " \
+                                                                       "--reuse_other_code)"
+
+    warm = {"code_version": now}
+    runs = [{**_run("answer_format", 0, 0.5, 1.0, 1.0), "key": "answer_format-s0", "code_version": now},
+            {**_run("answer_format", 1, 0.5, 1.0, 1.0), "key": "answer_format-s1", "code_version": old},
+            {**_run("mdi_balance", 0, 0.5, 1.0, 1.0), "key": "mdi_balance-s0"}]
+    [line] = rep.code_lines(runs, warm, None, now)
+    assert line.startswith("- Code: commit aaaaaaa + uncommitted changes (diff 0123456789abcdef)")
+    assert line.endswith("Reused from another version (--reuse_other_code): answer_format-s1: commit bbbbbbb; "
+                         "mdi_balance-s0: an unrecorded code version (measured before the version was stored).")
+    [line] = rep.code_lines(runs[:1], warm, None, now)
+    assert line.endswith("every figure below came from this version.")
+
+
+def _measurement():
+    """A hand-made RelianceMeasurement: 3 conflict prompts x 4 sampled rollouts, one kind, every signal known."""
+    from trl_mdi.profile.reliance import RelianceMeasurement
+
+    prompts = [{"row": j, "has_image": True, "gold": "A", "answer": "A", "blind": {"black": "D"}, "conflict": True,
+                "prior": "D"} for j in range(3)]
+    answers = ["A", "D", "A", "D", "A", "A", "D", "B", "D", "D", "A", None]
+    gains = [2.0, -0.1, 1.5, 0.2, 3.0, 2.5, 0.1, 0.0, -0.3, 0.4, 1.0, None]
+    rollouts = []
+    for i, (ans, g) in enumerate(zip(answers, gains)):
+        nan = float("nan")
+        rollouts.append({"prompt": i // 4, "sample": 1 + i % 4, "completion": f"Answer: {ans}", "answer": ans,
+                         "correct": ans == "A", "mdi": 0.9 + 0.01 * i, "mdi_late": 0.8 + 0.02 * (i % 3),
+                         "signals": {"black": {"visual_gain": 0.1 * (g or 0.0),
+                                               "answer_visual_gain": nan if g is None else g,
+                                               "blind_agrees": float(ans == "D")}}})
+    return RelianceMeasurement(kinds=["black"], prompts=prompts, rollouts=rollouts, skipped={}, samples=4,
+                               seconds=1.5, data_labels=True)
+
+
+def test_reliance_records_recompute_the_tables_and_use_prompts(tmp_path):
+    """The stored per-rollout records rebuild the stored tables exactly (JSON round trip); the table scores every
+    signal on the rollouts where all are defined (n 10 of 11 labelled: one has no answer_visual_gain), with the
+    within-prompt AUROC computed here by hand over same-prompt pairs."""
+    import json as _json
+
+    _benchmark()
+    import _language_prior_eval as ev
+
+    summary = ev.summarize(_measurement(), n_boot=200, seed=3)
+    stored = _json.loads(_json.dumps(summary))
+    assert stored["records"]["rollouts"][11]["signals"]["black"]["answer_visual_gain"] is None
+    again = ev.recompute(stored)
+    assert _json.loads(_json.dumps(again)) == stored
+    row = stored["kinds"]["black"]["table"]["answer_visual_gain"]
+    # Labelled: answers A (image-following) or D (prior-following); "B" and None are left out -> 10 labelled, and
+    # every signal is defined on them (the None answer is also the one without a gain).
+    assert (row["n"], row["n_defined"], row["n_prior"]) == (10, 10, 5)
+    mdi = stored["kinds"]["black"]["table"]["mdi"]
+    assert mdi["n"] == 10 and mdi["n_defined"] == 10 and mdi["resample"] == "prompts"
+    # Within-prompt AUROC of answer_visual_gain (prior-following when LOW): per prompt, pairs (prior, image) with
+    # the prior one lower win. Prompt 0: prior gains {-0.1, 0.2}, image {2.0, 1.5}: 4/4. Prompt 1: prior {0.1},
+    # image {3.0, 2.5}: 2/2. Prompt 2: prior {-0.3, 0.4}, image {1.0}: 2/2 -> 8/8.
+    assert row["within_auroc"] == 1.0 and row["within_pairs"] == 8 and row["within_prompts"] == 3
+    assert ev.recompute(stored, n_boot=50)["kinds"]["black"]["table"]["mdi"]["auroc"] == mdi["auroc"]
+    with pytest.raises(ValueError, match="no per-rollout records"):
+        ev.recompute({k: v for k, v in stored.items() if k != "records"})
 
 
 @pytest.mark.slow
@@ -261,12 +433,14 @@ def test_benchmark_quick_mode_runs_end_to_end_and_resumes(tmp_path):
         assert "reliance/blind_agree_rate" in run["steps"][0] and len(run["step_seconds"]) == 4
         end = run["reliance_end"]
         assert (end["prompts"], end["samples"], end["rollouts"]) == (8, 2, 16) and list(end["kinds"]) == ["black"]
-        assert set(end["kinds"]["black"]["table"]) == signals and end["labelled"]["rollouts"] > 0
+        assert signals <= set(end["kinds"]["black"]["table"]) and end["labelled"]["rollouts"] > 0
+        assert len(end["records"]["rollouts"]) == 16 and run["code_version"]["commit"]
     [warm_file] = work.glob("warmup-reliance-*.json")
     warm = json.loads(warm_file.read_text())
     assert list(warm["kinds"]) == list(counterfactual_kinds()) and warm["rollouts"] == 16
+    assert len(warm["records"]["rollouts"]) == 16 and warm["records"]["kinds"] == list(counterfactual_kinds())
     for kind in warm["kinds"].values():
-        assert set(kind["table"]) == signals and kind["agreement"]["n"] > 0
+        assert signals <= set(kind["table"]) and kind["agreement"]["n"] > 0
         assert all({"auroc", "low", "high", "within_group_share", "mean_prior", "mean_other"} <= set(row)
                    for row in kind["table"].values())
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)

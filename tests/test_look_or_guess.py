@@ -510,7 +510,7 @@ def test_code_version_names_the_commit_and_the_dirty_tree(bench):
     import re
 
     code = bench.code_version()
-    assert re.fullmatch(r"[0-9a-f]{12}", code["commit"]) and isinstance(code["dirty"], bool)
+    assert re.fullmatch(r"[0-9a-f]{40}", code["commit"]) and isinstance(code["dirty"], bool)
     assert bench.code_label({"commit": "abc", "dirty": False, "diff": None}) == "abc"
     assert bench.code_label({"commit": "abc", "dirty": True, "diff": "d1"}) == "abc+dirty(diff d1)"
     assert bench.code_label(None) == "unknown"
