@@ -247,6 +247,17 @@ def _counterfactual_reward_check(ns, request):
     assert reward(["a", "b"], gain_token_share=[0.75, None]) == [0.25, None]
 
 
+def _reliance_statistics_check(ns, request):
+    """The prose: the within-prompt AUROC of a signal that is lower on wording-following rollouts, and the verdict on a
+    paired effect. By hand: prompt p1's two positives (0.1, 0.0) lie below both negatives (4 of 4 pairs), prompt p2's
+    0.05 below 0.4 and 0.3 and 0.35 below 0.4 only (3 of 4): 7 of 8. The paired differences (+0.05, -0.01, +0.15)
+    have a mean of +0.063 and an interval that includes 0: not shown."""
+    assert ns["within"]["auroc"] == 7 / 8 and ns["within"]["pairs"] == 8
+    assert ns["effect"]["differences"] == pytest.approx([0.05, -0.01, 0.15])
+    text = ns["verdict"](ns["effect"], min_effect=0.10)["text"]
+    assert text.startswith("not shown: interval [") and "includes 0" in text and "< +0.1" in text, text
+
+
 BLOCKS: tuple[DocBlock, ...] = (
     DocBlock("readme-training-script", "README.md", "MDIGRPOTrainer(model=", RUN, setup=_readme_setup, check=_readme_check),
     DocBlock("concepts-probe-call", "docs/concepts.md", "measure_modality_attention(model", RUN, setup=_probe_setup, check=_probe_check),
@@ -264,6 +275,7 @@ BLOCKS: tuple[DocBlock, ...] = (
              check=_counterfactual_entry_check),
     DocBlock("signals-counterfactual-reward", "docs/signals.md", "gain_share_reward", RUN,
              check=_counterfactual_reward_check),
+    DocBlock("reliance-statistics", "docs/reliance.md", "within_prompt_auroc(gains", RUN, check=_reliance_statistics_check),
 )
 BLOCKS_BY_MARKER = {b.marker: b for b in BLOCKS}
 

@@ -10,6 +10,8 @@ comment the Markdown renderer hides, written right after the figure:
   cell) and whose column has that header. Labels and headers are compared with backticks and ``**`` stripped and
   spaces collapsed; exactly one table of the section must have both, else the citation is an error. Where the first
   cell does not single a row out, ``a & b`` names the row by its first two cells (``2048 & 151,936``).
+- ``Section > "caption start" > row > column``: the same, in the table whose caption (the last prose line above
+  it) starts with that text: for sections where several tables share row labels and headers.
 - ``Section > "line start"``: a prose line (a bullet or paragraph line, not a table row) of the section that starts
   with that text (after a leading ``- `` and ``**``); exactly one line must. ``Section > "line start" > after
   "phrase"`` reads the line from the end of the phrase's first occurrence on (``Demo > "Date:" > after "at the
@@ -105,6 +107,7 @@ def _cells(row: str) -> list[str]:
 class Table:
     header: list[str]
     rows: list[list[str]]
+    caption: str = ""  # the prose line right above the table (its caption); "" when a table is right above
 
 
 @dataclass
@@ -121,19 +124,23 @@ def parse_results(text: str) -> dict[str, Section]:
         title, _, body = chunk.partition("\n")
         section = Section(title.strip(), [], [])
         lines = body.splitlines()
-        i = 0
+        i, after_table = 0, False
         while i < len(lines):
             line = lines[i]
             if line.startswith("|") and i + 1 < len(lines) and re.match(r"^\|[\s:|-]+\|$", lines[i + 1].strip()):
-                table = Table([_norm(c) for c in _cells(line)], [])
+                # Its caption: the prose line right above it; none when another table came since that line.
+                caption = section.lines[-1] if section.lines and not after_table else ""
+                table = Table([_norm(c) for c in _cells(line)], [], caption)
                 i += 2
                 while i < len(lines) and lines[i].startswith("|"):
                     table.rows.append(_cells(lines[i]))
                     i += 1
                 section.tables.append(table)
+                after_table = True
                 continue
             if line.strip():
                 section.lines.append(line.strip())
+                after_table = False
             i += 1
         if section.title in sections:
             raise ValueError(f"RESULTS.md has two sections '## {section.title}'")
@@ -152,14 +159,18 @@ def resolve(citation: str, sections: dict[str, Section]) -> tuple[list[str], str
     if m:
         k, citation = int(m.group(1)), citation[: m.start()]
     parts = [p.strip() for p in citation.split(" > ")]
-    line_form = len(parts) >= 2 and parts[1].startswith('"')
+    caption = None
+    if len(parts) == 4 and len(parts[1]) > 2 and parts[1].startswith('"') and parts[1].endswith('"'):
+        caption, parts = _norm(parts[1][1:-1]), [parts[0], parts[2], parts[3]]
+    line_form = caption is None and len(parts) >= 2 and parts[1].startswith('"')
     after = None
     if line_form and len(parts) == 3:
         m = re.fullmatch(r'after "(.+)"', parts[2])
         after = m.group(1) if m else None
     if len(parts) not in (2, 3) or not all(parts) or (line_form and len(parts) == 3 and after is None):
-        raise CitationError(f"a citation is 'Section > row > column' or 'Section > \"line start\"' (optionally "
-                            f"'> after \"phrase\"'), then optionally '#k', not {citation!r}")
+        raise CitationError(f"a citation is 'Section > row > column', 'Section > \"caption start\" > row > column' "
+                            f"or 'Section > \"line start\"' (optionally '> after \"phrase\"'), then optionally "
+                            f"'#k', not {citation!r}")
     title = parts[0]
     if title not in sections:
         raise CitationError(f"RESULTS.md has no section '## {title}' (sections: {', '.join(sections)})")
@@ -182,6 +193,8 @@ def resolve(citation: str, sections: dict[str, Section]) -> tuple[list[str], str
         keys = [_norm(k) for k in parts[1].split(" & ")]
         hits = []
         for table in section.tables:
+            if caption is not None and not _norm(table.caption).startswith(caption):
+                continue
             if column not in table.header:
                 continue
             rows = [r for r in table.rows if [_norm(c) for c in r[: len(keys)]] == keys]
@@ -190,10 +203,12 @@ def resolve(citation: str, sections: dict[str, Section]) -> tuple[list[str], str
             if rows:
                 j = table.header.index(column)
                 hits.append(rows[0][j] if j < len(rows[0]) else "")
+        captioned = "" if caption is None else f" captioned {caption!r}..."
         if len(hits) != 1:
-            raise CitationError(f"{len(hits)} tables of '## {title}' have a row {row_label!r} and a column "
-                                f"{column!r} (need exactly one)")
-        where, cell = f"'## {title}', row {row_label!r}, column {column!r}", hits[0]
+            raise CitationError(f"{len(hits)} tables of '## {title}'{captioned} have a row {row_label!r} and a column "
+                                f"{column!r} (need exactly one; several tables share them: name the table by its "
+                                "caption, 'Section > \"caption start\" > row > column')")
+        where, cell = f"'## {title}'{captioned}, row {row_label!r}, column {column!r}", hits[0]
     found_numbers = numbers(cell)
     if len(found_numbers) < k:
         raise CitationError(f"{where} holds {len(found_numbers)} number(s) ({cell!r}), the citation asks for #{k}")
@@ -475,7 +490,8 @@ def test_tables_under_a_benchmark_caption_are_checked(tmp_path):
     ("Language prior > MDI all > AUROC", "column 'AUROC'"),
     ("Language prior > MDI all > AUROC [95% CI] #4", "holds 3 number(s)"),
     ("Language prior > Goal:", "quotes the line's start"),
-    ("Demo > \"Wall\" > x > y", "a citation is"),
+    ("Demo > \"Wall\" > x > y", "0 tables of '## Demo' captioned 'Wall'"),
+    ("Demo > \"Wall\" > x > y > z", "a citation is"),
     ("Demo > \"Wall\" > x", "a citation is"),
     ("Demo > \"Wall\" > after \"on CPU\"", "does not contain 'on CPU'"),
 ])
@@ -498,6 +514,21 @@ def test_sections_and_tables_are_parsed_by_heading_row_and_column():
         "0.981", "1.057", "-0.052", "+0.033", "0.94", "1,311", "1.26"]
     assert same_figure("0.73", "0.734") and same_figure("0.75", "0.745") and same_figure("0.74", "0.745")
     assert not same_figure("0.72", "0.734") and not same_figure("0.7340", "0.734")
+
+
+def test_tables_sharing_rows_and_columns_are_told_apart_by_their_caption(tmp_path):
+    """Two detection tables of one section (warm-up and conflict rows) have the same rows and headers: the plain
+    citation is ambiguous, the caption form names each."""
+    results = ("## Look\n\nwarm-up, non-conflict rows (the goal):\n\n| signal | AUROC |\n|---|---:|\n| mdi | 0.628 |\n\n"
+               "warm-up, conflict rows:\n\n| signal | AUROC |\n|---|---:|\n| mdi | 0.615 |\n")
+    sections = parse_results(results)
+    assert resolve('Look > "warm-up, non-conflict" > mdi > AUROC', sections)[0] == ["0.628"]
+    assert resolve('Look > "warm-up, conflict rows" > mdi > AUROC', sections)[0] == ["0.615"]
+    with pytest.raises(CitationError, match="2 tables of '## Look' have a row 'mdi'.*caption"):
+        resolve("Look > mdi > AUROC", sections)
+    doc = "# p\n\nSee RESULTS.md: 0.615<!-- RESULTS: Look > \"warm-up, non-conflict\" > mdi > AUROC -->.\n"
+    problems = _write(tmp_path, doc=doc, results=results)
+    assert len(problems) == 1 and "records 0.628" in problems[0], problems
 
 
 def _bump_last_digit(text: str, end: int) -> tuple[str, int]:
