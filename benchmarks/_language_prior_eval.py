@@ -4,6 +4,7 @@ reliance experiment's measurement (``trl_mdi.profile.reliance.measure_reliance``
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 
 from fixtures.warmup import WarmupRecipe, evaluate_accuracy, synthetic_dataset
@@ -16,13 +17,25 @@ KIND_SIGNALS = ("visual_gain", "answer_visual_gain", "blind_agrees")
 
 
 class HeldOut:
-    """The held-out rows (with images and blank) and scoring split by conflict / non-conflict rows."""
+    """Held-out rows (with images and, for the accuracy evaluation, blank) and scoring split by conflict /
+    non-conflict rows. The default is the test rows (split validation, the recipe's data seed, ``s.n_eval`` rows):
+    every reported figure. ``split``, ``n`` and ``exclude`` make another split of the same generator (the
+    development split, where the counterfactual kind is chosen): ``exclude`` holds image keys (:func:`image_keys`)
+    of rows the split must not share, and rows with such an image are dropped (``self.excluded`` counts them)."""
 
-    def __init__(self, s, recipe: WarmupRecipe):
-        data = dict(split="validation", seed=recipe.data_seed, kinds=recipe.kinds, option_order=recipe.option_order,
+    def __init__(self, s, recipe: WarmupRecipe, *, split: str = "validation", n: int | None = None,
+                 blank: bool = True, exclude: frozenset[str] = frozenset()):
+        data = dict(split=split, seed=recipe.data_seed, kinds=recipe.kinds, option_order=recipe.option_order,
                     image_size=recipe.image_size, conflict_rate=s.eval_conflict_rate)
-        self.ds = synthetic_dataset(s.n_eval, **data)
-        self.blank = synthetic_dataset(s.n_eval, blank_images=True, **data)
+        n = s.n_eval if n is None else n
+        self.split = split
+        self.ds = synthetic_dataset(n, **data)
+        keep = [i for i, key in enumerate(image_keys(self.ds)) if key not in exclude]
+        self.excluded = n - len(keep)
+        self.blank = synthetic_dataset(n, blank_images=True, **data) if blank else None
+        if self.excluded:
+            self.ds = self.ds.select(keep)
+            self.blank = None if self.blank is None else self.blank.select(keep)
         self.s = s
         flags = self.ds["conflict"]
         self.rows = {"conflict": [i for i, c in enumerate(flags) if c], "plain": [i for i, c in enumerate(flags) if not c]}
@@ -31,6 +44,8 @@ class HeldOut:
     def evaluate(self, model, processor, *, blank: bool = False) -> dict:
         """Greedy accuracy on conflict / non-conflict rows, how often conflict rows got the prior's answer, and
         the mean MDI (all layers, late segment) of the greedy answers."""
+        if blank and self.blank is None:
+            raise ValueError(f"the {self.split} rows were built without their blank copies (blank=False)")
         r = evaluate_accuracy(model, processor, self.blank if blank else self.ds,
                               max_new_tokens=self.s.eval_max_new_tokens, measure_attention=True)
 
@@ -73,6 +88,14 @@ class HeldOut:
             model.train(was_training)
         sampled = dataclasses.replace(m, rollouts=[r for r in m.rollouts if r["sample"] > 0])
         return summarize(sampled, n_boot=n_boot, seed=seed)
+
+
+def image_keys(ds) -> list[str]:
+    """Per row, the SHA-256 of its image file's bytes (the PNG the generator drew): equal keys, equal images. What a
+    split's rows are checked against another's with (``HeldOut(exclude=...)``)."""
+    from datasets import Image
+
+    return [hashlib.sha256(img["bytes"]).hexdigest() for img in ds.cast_column("image", Image(decode=False))["image"]]
 
 
 def summarize(m, *, n_boot: int, seed: int) -> dict:

@@ -245,33 +245,86 @@ def _agreement(a: dict | None) -> str:
     return f"{_f(a['agreement'])} (κ {_f(a['kappa'], '.2f')}, n {a['n']})"
 
 
-def warm_reliance_lines(rel: dict | None, s) -> list[str]:
-    """The warm-up model's AUROC tables: the kind-independent signals once, then one row per counterfactual kind."""
+PICK_SIGNAL = "answer_visual_gain"
+"""The signal whose within-prompt AUROC ranks the counterfactual kinds on the development split: the one a reward
+reads (``answer_visual_gain_reward``), within prompts since GRPO's group-relative advantage compares rollouts of one
+prompt only."""
+PICK_RULE = (f"the highest within-prompt AUROC of {PICK_SIGNAL} on the development split, at the 3 decimals shown; "
+             "ties go to the trainer's default kind, then to the higher pooled AUROC, then to the earlier kind in "
+             "the table; a kind without a within-prompt AUROC is never picked")
+
+
+def pick_kind(dev: dict | None, default: str) -> tuple[str | None, list[tuple[str, float, float]]]:
+    """The counterfactual kind the development split picks by ``PICK_RULE``, and every kind's
+    ``(kind, within-prompt AUROC, pooled AUROC)`` of ``PICK_SIGNAL`` in rank order (NaN where undefined). ``None``
+    (and an empty ranking) without a development measurement, None also when no kind has a within-prompt AUROC.
+
+    >>> dev = {"kinds": {"grey": {"table": {"answer_visual_gain": {"within_auroc": 0.9104, "auroc": 0.95}}},
+    ...                  "black": {"table": {"answer_visual_gain": {"within_auroc": 0.9096, "auroc": 0.90}}},
+    ...                  "none": {"table": {}}}}
+    >>> pick_kind(dev, "black")[0]  # 0.910 and 0.910 at 3 decimals: the default wins the tie
+    'black'
+    >>> pick_kind(dev, "none")[0]
+    'grey'
+    """
+    if not dev or not dev.get("kinds"):
+        return None, []
+
+    def value(kind: str, key: str) -> float:
+        x = ((dev["kinds"][kind].get("table") or {}).get(PICK_SIGNAL) or {}).get(key)
+        return math.nan if x is None else float(x)
+
+    order = list(dev["kinds"])
+    rows = [(kind, value(kind, "within_auroc"), value(kind, "auroc")) for kind in order]
+
+    def key(row):
+        kind, within, pooled = row
+        return (not math.isnan(within), round(within, 3) if not math.isnan(within) else -1.0, kind == default,
+                round(pooled, 3) if not math.isnan(pooled) else -1.0, -order.index(kind))
+
+    ranked = sorted(rows, key=key, reverse=True)
+    return (ranked[0][0] if not math.isnan(ranked[0][1]) else None), ranked
+
+
+def warm_reliance_lines(rel: dict | None, s, *, pick: str | None = None, dev: bool = False) -> list[str]:
+    """The warm-up model's AUROC tables on one split: the kind-independent signals once, then one row per
+    counterfactual kind (the runs' kind and the development split's ``pick`` marked), then, on the test rows, every
+    counterfactual signal in full for the pick and for the runs' kind. ``dev``: the development split's
+    measurement, where the kind is chosen (its per-kind table only; the signals are reported on the test rows)."""
+    split = "development split" if dev else "test rows"
     if not rel:
-        return ["No reliance measurement of the warm-up model in this invocation.", ""]
+        return [f"No reliance measurement of the warm-up model on the {split} in this invocation.", ""]
     lab = rel.get("labelled") or {}
     kinds = rel["kinds"]
     first = next(iter(kinds.values()), {"table": {}})
-    lines = [
-        f"{rel['prompts']} held-out conflict prompts x {rel['samples']} completions sampled at temperature 1 (up to "
-        f"{s.max_completion_length} tokens, as GRPO samples) = {rel['rollouts']} rollouts, "
-        f"{lab.get('rollouts', 0)} labelled by the data ({lab.get('prior_following', 0)} prior-following: they answer "
-        "the object's usual colour; the others answer the drawn colour; other answers and no answer are left out); "
-        f"measured in {rel['seconds']:.0f} s. Every signal is scored on one common set of rollouts, those on which "
-        "every signal of the table is defined (the answer-span signals need a strict answer line; n: the common set "
-        "(of it prior-following), 'of N': the rollouts on which that signal alone was defined and labelled). AUROC: "
-        "how well the signal ranks prior-following above image-following rollouts (1 perfect, 0.5 blind, < 0.5 the "
-        "other way), pooled over prompts; within-prompt AUROC: the same over pairs of rollouts of one prompt only "
-        "(what GRPO's group-relative advantage can see; pairs, prompts with a pair); both with a 95% interval from a "
-        f"bootstrap over prompts ({rel.get('n_boot', s.n_boot)} resamples drawing the prompts with replacement, "
-        "every rollout of a drawn prompt coming along: the rollouts of a prompt are not independent). Within-group share: the part of the "
-        "signal's variance between rollouts of one prompt. Signals that do not depend on the counterfactual:",
-        "",
-        "| signal | prior-following when | n (prior-following) | AUROC [95% CI] | within-prompt AUROC [95% CI] | "
-        "within-group variance share | mean, prior-following | mean, image-following |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name in SIGNALS:
+    if dev:
+        lines = [
+            f"{rel['prompts']} conflict prompts of the development split x {rel['samples']} sampled completions = "
+            f"{rel['rollouts']} rollouts, {lab.get('rollouts', 0)} labelled by the data "
+            f"({lab.get('prior_following', 0)} prior-following); measured in {rel['seconds']:.0f} s, scored as on "
+            "the test rows below.",
+        ]
+    else:
+        lines = [
+            f"{rel['prompts']} held-out conflict prompts x {rel['samples']} completions sampled at temperature 1 (up to "
+            f"{s.max_completion_length} tokens, as GRPO samples) = {rel['rollouts']} rollouts, "
+            f"{lab.get('rollouts', 0)} labelled by the data ({lab.get('prior_following', 0)} prior-following: they answer "
+            "the object's usual colour; the others answer the drawn colour; other answers and no answer are left out); "
+            f"measured in {rel['seconds']:.0f} s. Every signal is scored on one common set of rollouts, those on which "
+            "every signal of the table is defined (the answer-span signals need a strict answer line; n: the common set "
+            "(of it prior-following), 'of N': the rollouts on which that signal alone was defined and labelled). AUROC: "
+            "how well the signal ranks prior-following above image-following rollouts (1 perfect, 0.5 blind, < 0.5 the "
+            "other way), pooled over prompts; within-prompt AUROC: the same over pairs of rollouts of one prompt only "
+            "(what GRPO's group-relative advantage can see; pairs, prompts with a pair); both with a 95% interval from a "
+            f"bootstrap over prompts ({rel.get('n_boot', s.n_boot)} resamples drawing the prompts with replacement, "
+            "every rollout of a drawn prompt coming along: the rollouts of a prompt are not independent). Within-group share: the part of the "
+            "signal's variance between rollouts of one prompt. Signals that do not depend on the counterfactual:",
+            "",
+            "| signal | prior-following when | n (prior-following) | AUROC [95% CI] | within-prompt AUROC [95% CI] | "
+            "within-group variance share | mean, prior-following | mean, image-following |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
+    for name in () if dev else SIGNALS:  # the kind-independent signals: reported on the test rows
         r = first["table"].get(name)
         if name in KIND_SIGNALS or r is None:
             continue
@@ -279,7 +332,7 @@ def warm_reliance_lines(rel: dict | None, s) -> list[str]:
                      f"{_f(r['within_group_share'])} | {_f(r['mean_prior'])} | {_f(r['mean_other'])} |")
     lines += [
         "",
-        "Per counterfactual kind (blind acc.: the greedy answer with the counterfactual image against the gold one; "
+        f"Per counterfactual kind, {split} (blind acc.: the greedy answer with the counterfactual image against the gold one; "
         "same answer: the share of prompts whose greedy answer the blind one repeats; rule vs data: how often the "
         "general rule, prior-following = the blind answer and not the gold one, agrees with the data's label, with "
         "Cohen's κ; means: prior-following / image-following rollouts):",
@@ -295,7 +348,8 @@ def warm_reliance_lines(rel: dict | None, s) -> list[str]:
         fmt = {n: ".3f" if n == "blind_agrees" else "+.3f" for n in KIND_SIGNALS}
         means = [f"{_f((t.get(n) or {}).get('mean_prior'), fmt[n])} / {_f((t.get(n) or {}).get('mean_other'), fmt[n])}"
                  for n in KIND_SIGNALS]
-        mark = " (the runs')" if kind == s.counterfactual else ""
+        marks = [m for m, on in (("the runs'", kind == s.counterfactual), ("the dev pick", kind == pick)) if on]
+        mark = f" ({', '.join(marks)})" if marks else ""
         within = " / ".join(_f((t.get(n) or {}).get("within_auroc")) for n in KIND_SIGNALS)
         lines.append(f"| `{kind}`{mark} | {_f(k['accuracy_counterfactual'])} | {_f(k['same_answer_rate'])} | "
                      f"{_agreement(k['agreement'])} | " + " | ".join(_auc(t.get(n)) for n in KIND_SIGNALS)
@@ -303,18 +357,19 @@ def warm_reliance_lines(rel: dict | None, s) -> list[str]:
     if rel.get("unusable"):
         lines += ["", "Left out (the processor cannot encode them): "
                   + "; ".join(f"`{k}`: {e}" for k, e in rel["unusable"].items())]
-    runs_kind = kinds.get(s.counterfactual)
-    if runs_kind:
-        t = runs_kind["table"]
+    for kind in [] if dev else dict.fromkeys(k for k in (pick, s.counterfactual) if k in kinds):
+        t = kinds[kind]["table"]
         names = [n for n in (*KIND_SIGNALS, *EXTRA_SIGNALS) if n in t]
+        who = " and ".join(w for w, on in (("the development split's pick", kind == pick),
+                                            ("the runs' counterfactual", kind == s.counterfactual)) if on)
         lines += [
             "",
-            f"The counterfactual signals with the runs' counterfactual `{s.counterfactual}` in full, on the same "
+            f"The counterfactual signals with `{kind}` ({who}) in full, test rows, on the same "
             "common set (the MDI rows above are on it too; visual_gain_sum: the completion's summed gain; "
             "visual_gain_max: its largest per-token gain; answer_logprob: the answer's log-probability with the image, a confidence baseline a reliance signal "
             "must beat):",
             "",
-            "| signal (runs' counterfactual) | prior-following when | n (prior-following) | AUROC [95% CI] | "
+            f"| signal (`{kind}`) | prior-following when | n (prior-following) | AUROC [95% CI] | "
             "within-prompt AUROC [95% CI] | within-prompt pairs, prompts | within-group variance share | mean, "
             "prior-following | mean, image-following |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -324,6 +379,51 @@ def warm_reliance_lines(rel: dict | None, s) -> list[str]:
               for n in names),
         ]
     return lines + [""]
+
+
+FIXED_EARLIER = (
+    "Fixed in earlier issues, not tuned here (from the git history, `git log -S`): the reward weights 4:1:1 "
+    "(answer : format : third reward, the brief's stack, the trainer's default since d4e031a, never changed); "
+    "answer_visual_gain's clip `ANSWER_GAIN_CLIP` = 4 nats (1c6c0f4, issue 25: set with the reward, as a cap on "
+    "what a counterfactual gap can earn against gap hacking as PAPO describes; never changed since); 120 GRPO steps "
+    "per run (36af564, issue 15, never changed; set with the pool's conflict rate 0.5, lr 3e-4 and the warm-up's "
+    "conflict rate 0.05 in trials of the answer + format baseline alone, which read its held-out conflict accuracy "
+    "on the validation rows of that time, the same generator arguments as these test rows, before any reliance "
+    "signal or reward existed: these rows saw the baseline's trials, no variant's and no signal's). The trainer's "
+    "default counterfactual `black` was itself chosen (c2c59ea) on this benchmark's earlier measurement over every "
+    "kind on these same test rows, so the runs' kind is not free of that selection; the development split's pick is."
+)
+"""Where the settings the test rows could have been tuned on came from (read from the git history, not measured)."""
+
+
+def selection_lines(dev: dict | None, rel: dict | None, s) -> list[str]:
+    """What was chosen on which rows: the development split (its rows, how they were made disjoint from the test
+    rows, the rule and its pick with the ranking there) and what was fixed before (``FIXED_EARLIER``)."""
+    default = _default_counterfactual()
+    pick, ranked = pick_kind(dev, default)
+    head = ("Chosen where. Two splits of the same generator: the test rows (the first "
+            f"{(rel or {}).get('prompts', s.reliance_prompts)} conflict rows of the {s.n_eval} held-out rows, split "
+            "validation), on which every figure below is reported and nothing is chosen, and a development split, "
+            "on which the counterfactual kind of the reported reliance signals is ranked")
+    if not dev:
+        return [head + ". No development-split measurement in this invocation: no kind was picked.", "",
+                FIXED_EARLIER, ""]
+    rows = (f"{head}: split `{dev.get('split', 'dev')}` (the generator's own random stream for it; question ids "
+            f"carry the split's name), {s.n_dev} rows drawn at conflict rate {s.eval_conflict_rate:g} less the "
+            f"{dev.get('excluded', '—')} whose image (its PNG bytes) also occurs in the test rows, the GRPO pool or "
+            f"the warm-up's rows ({dev.get('rows', '—')} kept); its first {dev['prompts']} conflict rows, "
+            f"{dev['samples']} sampled completions each, measured like the test rows.")
+    ranking = (f"Rule: {PICK_RULE}. Ranking (within-prompt / pooled AUROC of {PICK_SIGNAL}): "
+               + ", ".join(f"`{k}` {_f(w)} / {_f(a)}" for k, w, a in ranked) + ". ")
+    if pick is None:
+        ranking += "No kind has a within-prompt AUROC on the development split: no kind was picked."
+    else:
+        ranking += (f"The development split picks `{pick}`; the runs' counterfactual is `{s.counterfactual}`"
+                    + (" (the trainer's default)" if s.counterfactual == default else "")
+                    + f": {'it is' if pick == s.counterfactual else 'it is not'} the pick. The runs keep their "
+                    "kind (changing it would change every run); the test tables below report every kind, the "
+                    "pick's and the runs' marked.")
+    return [rows, "", ranking, "", FIXED_EARLIER, ""]
 
 
 def end_reliance_lines(groups: dict[str, list[dict]], variants: dict, s) -> list[str]:
@@ -371,34 +471,47 @@ def _spread_sd(xs, fmt: str = ".3f") -> str:
         f"{format(statistics.fmean(xs), fmt)} ± {format(statistics.stdev(xs), fmt.lstrip('+'))}"
 
 
-def goal_lines(groups: dict[str, list[dict]], variants: dict, rel: dict | None, s) -> list[str]:
-    """Issue 25's goals, each with the measured number and whether it is met."""
-    out = ["Goals (issue 25), as measured:", ""]
+def _goal_verdict(row: dict | None, goal: float) -> str:
+    return ("—" if not row or row.get("auroc") is None else "NOT met" if row["auroc"] < goal
+            else "met" if (row.get("low") is not None and row["low"] >= goal)
+            else "met by the point estimate only (its interval reaches below)")
+
+
+def _default_counterfactual() -> str:
+    return next(f.default for f in dataclasses.fields(MDIGRPOConfig) if f.name == "counterfactual_image")
+
+
+def goal_lines(groups: dict[str, list[dict]], variants: dict, rel: dict | None, s,
+               dev: dict | None = None) -> list[str]:
+    """Issue 25's goals, each with the measured number and whether it is met: the AUROCs on the test rows (``rel``)
+    with the runs' counterfactual and, where it differs, with the kind the development split (``dev``) picks; which
+    kinds meet both goals is read on the development split only (the test rows choose nothing)."""
+    out = ["Goals (issue 25), as measured (warm-up: the test rows; kinds are chosen on the development split):", ""]
     kind = s.counterfactual
-    default = next(f.default for f in dataclasses.fields(MDIGRPOConfig) if f.name == "counterfactual_image")
+    default = _default_counterfactual()
+    pick, _ = pick_kind(dev, default)
     which = "the trainer's default" if kind == default else f"--counterfactual; the trainer's default is `{default}`"
     k = (rel or {}).get("kinds", {}).get(kind)
     for sig, goal in GOAL_AUROC.items():
         row = (k or {}).get("table", {}).get(sig)
         ends = [((r.get("reliance_end") or {}).get("kinds", {}).get(kind) or {}).get("table", {}).get(sig, {})
                 .get("auroc") for rs in groups.values() for r in rs]
-        verdict = ("—" if not row or row.get("auroc") is None else "NOT met" if row["auroc"] < goal
-                   else "met" if (row.get("low") is not None and row["low"] >= goal)
-                   else "met by the point estimate only (its interval reaches below)")
         out.append(f"- {sig} AUROC ≥ {goal:.2f} with the runs' counterfactual `{kind}` ({which}): warm-up "
-                   f"{_auc(row)}: {verdict}; at the end of the runs "
+                   f"{_auc(row)}: {_goal_verdict(row, goal)}; at the end of the runs "
                    f"{_spread_sd(ends)} (mean ± sd over all runs).")
-    if rel and rel.get("kinds"):
-        both = [kd for kd, v in rel["kinds"].items()
+        if pick is not None and pick != kind:
+            row = ((rel or {}).get("kinds", {}).get(pick) or {}).get("table", {}).get(sig)
+            out.append(f"- {sig} AUROC ≥ {goal:.2f} with the development split's pick `{pick}` (not the runs'): "
+                       f"warm-up {_auc(row)}: {_goal_verdict(row, goal)}; not measured at the end of the runs.")
+    if dev and dev.get("kinds"):
+        both = [kd for kd, v in dev["kinds"].items()
                 if all((v["table"].get(sig) or {}).get("auroc") is not None and v["table"][sig]["auroc"] >= g
                        for sig, g in GOAL_AUROC.items())]
-        best = max(rel["kinds"], key=lambda kd: (rel["kinds"][kd]["table"].get("answer_visual_gain") or {})
-                   .get("auroc") or -1)
-        out.append(f"- Kinds meeting both AUROC goals on the warm-up model: "
-                   f"{', '.join(f'`{kd}`' for kd in both) if both else 'none'}; highest answer_visual_gain AUROC: "
-                   f"`{best}` ({_auc(rel['kinds'][best]['table'].get('answer_visual_gain'))}).")
+        out.append(f"- Kinds meeting both AUROC goals on the development split: "
+                   f"{', '.join(f'`{kd}`' for kd in both) if both else 'none'}.")
+    if rel and rel.get("kinds"):
         mdi = (next(iter(rel["kinds"].values()))["table"].get("mdi") or {})
-        out.append(f"- MDI (all layers) beside them: AUROC {_auc(mdi)}, within-prompt {_within(mdi)}, on the same "
+        out.append(f"- MDI (all layers) beside them, test rows: AUROC {_auc(mdi)}, within-prompt {_within(mdi)}, on the same "
                    f"common set of {mdi.get('n', '—')} rollouts.")
     for name in groups:
         goal = training_goal(groups, name)
@@ -476,10 +589,12 @@ def budget_line(s, span_minutes: float | None, runs: list[dict], workers: int) -
             "issue's asks: " + "; ".join(cuts) + ".")
 
 
-def code_lines(runs: list[dict], warm: dict, warm_rel: dict | None, version: dict | None) -> list[str]:
+def code_lines(runs: list[dict], warm: dict, warm_rel: dict | None, version: dict | None,
+               dev_rel: dict | None = None) -> list[str]:
     """The code version every result came from (``_results.code_version`` of the files that decide a result), and
     the jobs that came from another one (reused with --reuse_other_code) by name."""
-    jobs = [("warm-up", warm), *((["warm-up reliance", warm_rel],) if warm_rel else ()),
+    jobs = [("warm-up", warm), *((["warm-up reliance (test rows)", warm_rel],) if warm_rel else ()),
+            *((["warm-up reliance (development split)", dev_rel],) if dev_rel else ()),
             *((r.get("key") or f"{r['variant']}-s{r['seed']}", r) for r in runs)]
     other: dict[str, list[str]] = {}
     for label, record in jobs:
@@ -497,13 +612,17 @@ def code_lines(runs: list[dict], warm: dict, warm_rel: dict | None, version: dic
 
 
 def report(runs: list[dict], warm: dict, warm_rel: dict | None, s, recipe, variants: dict, argv: list[str],
-           started: float, failed: list, load_end: float, workers: int, version: dict | None = None) -> str:
-    """The section "## Language prior" of RESULTS.md, every number from ``runs``, ``warm`` and ``warm_rel``."""
+           started: float, failed: list, load_end: float, workers: int, version: dict | None = None,
+           dev_rel: dict | None = None) -> str:
+    """The section "## Language prior" of RESULTS.md, every number from ``runs``, ``warm``, ``warm_rel`` (the
+    warm-up's reliance on the test rows) and ``dev_rel`` (on the development split, where the kind is chosen)."""
     groups = by_variant(runs, variants)
+    pick, _ = pick_kind(dev_rel, _default_counterfactual())
     size = ", ".join(f"{k}={v}" for k, v in recipe.model_size.items())
     cmd = " ".join(["benchmarks/language_prior.py", *map(shlex.quote, result_args(argv, OUTPUT_ONLY_FLAGS))])
-    measured = warm["seconds"] + sum(r["wall_seconds"] for r in runs) + (warm_rel or {}).get("seconds", 0.0)
-    ends = [r.get("ended_at") for r in runs] + ([warm_rel.get("ended_at")] if warm_rel else [])
+    measured = warm["seconds"] + sum(r["wall_seconds"] for r in runs) + (warm_rel or {}).get("seconds", 0.0) \
+        + (dev_rel or {}).get("seconds", 0.0)
+    ends = [r.get("ended_at") for r in runs] + [m.get("ended_at") for m in (warm_rel, dev_rel) if m]
     last = max([t for t in ends if t is not None], default=time.time())
     span_minutes = ((last - warm["started_at"]) / 60 if ends and None not in ends and warm.get("started_at")
                     else None)
@@ -518,7 +637,7 @@ def report(runs: list[dict], warm: dict, warm_rel: dict | None, s, recipe, varia
         "",
         f"Reproduce: `.venv/bin/python {cmd}` (from the repository root). Wall time: {span}"
         f"this invocation {(time.time() - started) / 60:.1f} min (a resumed invocation reuses finished jobs); the "
-        f"warm-up, its reliance measurement and the runs' own times add up to {measured / 60:.1f} min. Plot: "
+        f"warm-up, its reliance measurements and the runs' own times add up to {measured / 60:.1f} min. Plot: "
         "[language_prior.png](language_prior.png).",
         "",
         budget_line(s, span_minutes, runs, workers),
@@ -530,7 +649,7 @@ def report(runs: list[dict], warm: dict, warm_rel: dict | None, s, recipe, varia
         + f"{workers} job(s) at a time, each in its own process. Load average (1 min) over "
         f"the runs {_f(min(loads, default=math.nan), '.2f')}–{_f(max(loads, default=math.nan), '.2f')}, "
         f"{load_end:.2f} at the end: the machine is shared.",
-        *code_lines(runs, warm, warm_rel, version),
+        *code_lines(runs, warm, warm_rel, version, dev_rel),
         f"- Model: `fixtures.tiny` {recipe.arch}, seed {recipe.model_seed}, {size}; {warm.get('num_params', 0):,} "
         f"parameters, float32, 4 image tokens per {recipe.image_size}x{recipe.image_size} image.",
         f"- Task: `fixtures.synthetic` kind prior_color, option_order {recipe.option_order} (A. red B. green C. blue "
@@ -579,7 +698,13 @@ def report(runs: list[dict], warm: dict, warm_rel: dict | None, s, recipe, varia
         "",
         "Which per-rollout signal sees prior-following answers: the warm-up model.",
         "",
-        *warm_reliance_lines(warm_rel, s),
+        *selection_lines(dev_rel, warm_rel, s),
+        "Development split (the choice of the counterfactual kind; nothing on it is reported as a result):",
+        "",
+        *warm_reliance_lines(dev_rel, s, pick=pick, dev=True),
+        "Test rows (the report; nothing chosen on them):",
+        "",
+        *warm_reliance_lines(warm_rel, s, pick=pick),
         "Variants at the end: accuracy and format (mean ± sd [min–max] over seeds; paired: each seed minus the "
         "baseline's same seed):",
         "",
@@ -605,7 +730,7 @@ def report(runs: list[dict], warm: dict, warm_rel: dict | None, s, recipe, varia
         "",
         *curve_lines(groups, variants),
         "",
-        *goal_lines(groups, variants, warm_rel, s),
+        *goal_lines(groups, variants, warm_rel, s, dev_rel),
         *comparison_lines(groups, variants, warm),
     ]
     if failed:
@@ -622,12 +747,13 @@ def _median(xs) -> float:
 
 
 def projection_lines(runs: list[dict], warm: dict, warm_rel: dict | None, s, full, recipe, full_recipe,
-                     variants: dict, workers: int) -> list[str]:
+                     variants: dict, workers: int, dev_rel: dict | None = None) -> list[str]:
     """The full benchmark's projected wall time from this (quick) invocation's own timings: per variant, its median
     GRPO step time (the first step left out: it pays one-off costs), its held-out evaluation time per row and its
     end-of-run reliance time per rollout, scaled to ``full``'s steps, rows and rollouts, plus its setup time
     (model load, trainer construction); the warm-up's SFT scaled by epochs; the jobs then scheduled on ``workers``
-    in the order the benchmark submits them (each to the first free worker)."""
+    in the order the benchmark submits them (each to the first free worker); the warm-up's reliance measurements
+    (test rows, development split) scaled per rollout."""
     groups = by_variant(runs, variants)
     if not groups:
         return ["Projection: no finished run to time."]
@@ -654,12 +780,13 @@ def projection_lines(runs: list[dict], warm: dict, warm_rel: dict | None, s, ful
                    / (len(r["evals"]) * s.n_eval) for r in runs)
     warm_total = sft + 2 * e_row0 * full.n_eval
     jobs = []
-    if warm_rel:
-        kinds = max(len(warm_rel["kinds"]), 1)
-        w_roll = warm_rel["seconds"] / (warm_rel["prompts"] * (warm_rel["samples"] + 1))
-        jobs.append(w_roll * full.reliance_prompts * (full.warmup_samples + 1))
-        notes.append(f"  warm-up reliance: {w_roll * 1000:.0f} ms/rollout ({kinds} kinds) x "
-                     f"{full.reliance_prompts * (full.warmup_samples + 1)} = {jobs[0] / 60:.1f} min")
+    for label, m in (("warm-up reliance, test rows", warm_rel), ("warm-up reliance, development split", dev_rel)):
+        if m:
+            kinds = max(len(m["kinds"]), 1)
+            w_roll = m["seconds"] / (m["prompts"] * (m["samples"] + 1))
+            jobs.append(w_roll * full.reliance_prompts * (full.warmup_samples + 1))
+            notes.append(f"  {label}: {w_roll * 1000:.0f} ms/rollout ({kinds} kinds) x "
+                         f"{full.reliance_prompts * (full.warmup_samples + 1)} = {jobs[-1] / 60:.1f} min")
     missing = [n for n in full.variants if n not in per_run]
     for seed in full.seeds:
         for name in full.variants:
@@ -679,11 +806,11 @@ def projection_lines(runs: list[dict], warm: dict, warm_rel: dict | None, s, ful
 # ---------------------------------------------------------------------------------------------------- plot
 
 
-def plot(runs: list[dict], warm_rel: dict | None, s, variants: dict, path: Path) -> None:
+def plot(runs: list[dict], warm_rel: dict | None, s, variants: dict, path: Path, dev_rel: dict | None = None) -> None:
     """Top: conflict-row accuracy, non-conflict accuracy and held-out MDI vs step, one line per variant (mean over
     seeds) with the min–max band. Bottom: the live reliance/blind_agree_rate and reliance/answer_visual_gain of the
     rollouts trained on (10-step running mean, mean over seeds), and the warm-up model's AUROC per signal and
-    counterfactual kind with its 95% interval."""
+    counterfactual kind with its 95% interval, on the test rows (* the runs' kind, † the development split's pick)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -731,11 +858,13 @@ def plot(runs: list[dict], warm_rel: dict | None, s, variants: dict, path: Path)
         for goal in sorted(set(GOAL_AUROC.values())):
             ax.axhline(goal, ls="--", color="0.4", lw=0.8)
         ax.axhline(0.5, ls=":", color="k", lw=1)
-        ax.set_xticks(range(len(kinds)), [f"{k}*" if k == s.counterfactual else k for k in kinds], fontsize=8,
-                      rotation=20)
+        pick, _ = pick_kind(dev_rel, _default_counterfactual())
+        ax.set_xticks(range(len(kinds)), [k + ("*" if k == s.counterfactual else "") + ("†" if k == pick else "")
+                                          for k in kinds], fontsize=8, rotation=20)
         ax.set_ylim(0, 1.05)
         ax.legend(fontsize=7, loc="lower right", ncol=2)
-    ax.set_title("warm-up model: AUROC for prior-following, by counterfactual (* the runs')", fontsize=10)
+    ax.set_title("warm-up model, test rows: AUROC for prior-following, by counterfactual (* the runs', † dev pick)",
+                 fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.suptitle("trl_mdi language-prior benchmark: tiny Qwen2-VL, prior_color questions (line: mean over seeds, "

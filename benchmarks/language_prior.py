@@ -23,8 +23,13 @@ image-following ones (the drawn colour), pooled and within prompts (pairs of rol
 group-relative advantage sees), each with a 95% interval from a bootstrap over prompts, every signal on one common
 set of rollouts (those where all are defined; n per signal beside it), and its within-group variance share
 (`trl_mdi.reliance.signal_table`, through `trl_mdi.profile.reliance_report.summarize_reliance`), and the general
-rule's agreement with that label (`label_agreement`). Under every counterfactual kind for the warm-up model (a job
-of its own, beside the runs); with the runs' counterfactual kind only at the end of every run. Training verdicts:
+rule's agreement with that label (`label_agreement`). Under every counterfactual kind for the warm-up model, twice
+(two jobs of their own, beside the runs): on a development split (`DEV_SPLIT`: the generator's own stream, rows
+sharing an image with the test rows, the GRPO pool or the warm-up's rows dropped), where the kind of the reported
+signals is ranked (`_language_prior_report.pick_kind`: the highest within-prompt AUROC of answer_visual_gain, ties to
+the trainer's default), and on the test rows (the first 200 held-out conflict rows), which report every kind and
+choose nothing. The runs keep the trainer's default counterfactual whatever the development split picks. With the
+runs' counterfactual kind only at the end of every run. Training verdicts:
 each variant's final accuracy minus the baseline's on the same seed, with a 95% t interval over the paired seeds
 (`trl_mdi.reliance.paired_seed_difference`); "shown" only when that interval excludes 0 and the other goals hold
 (`trl_mdi.reliance.verdict`).
@@ -86,7 +91,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from _language_prior_eval import HeldOut  # noqa: E402
+from _language_prior_eval import HeldOut, image_keys  # noqa: E402
 from _language_prior_report import SECTION, plot, projection_lines, report  # noqa: E402
 from transformers import AutoProcessor, TrainerCallback  # noqa: E402
 from transformers.trainer_callback import PrinterCallback, ProgressCallback  # noqa: E402
@@ -101,6 +106,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_WORK = Path(tempfile.gettempdir()) / "trl_mdi_language_prior"
 LOGGED = ("reward", "rewards/", "attention/mdi", "tprl/", "reliance/", "completions/clipped_ratio",
           "completions/mean_length", "entropy")
+DEV_SPLIT = "language_prior_dev"
+"""The development split's name: the synthetic generator's own random stream for it (rows drawn independently of
+the test rows, split validation, of the GRPO pool and of the warm-up's rows, split train). The counterfactual kind
+of the reported signals is ranked on its conflict rows (``_language_prior_report.pick_kind``), never on the test
+rows."""
 COUNTERFACTUAL = "counterfactual"
 """``Variant.perturbation`` value: TPRL's perturbed image is the runs' counterfactual kind (``--counterfactual``)."""
 CODE_PATHS = ("trl_mdi", "fixtures", "benchmarks/language_prior.py", "benchmarks/_language_prior_eval.py",
@@ -163,7 +173,10 @@ class Settings:
     counterfactual: str = _config_default("counterfactual_image")  # the runs' counterfactual image (the trainer's)
     reliance_everywhere: bool = True  # reliance_signals=True in every run, not only where a reward reads them
     kinds: tuple[str, ...] = counterfactual_kinds()  # measured on the warm-up model
-    reliance_prompts: int = 200  # held-out conflict prompts of the reliance measurements
+    reliance_prompts: int = 200  # held-out conflict prompts of the reliance measurements (dev and test alike)
+    # Development rows (DEV_SPLIT, conflict rate eval_conflict_rate): twice the test rows, so that their first
+    # reliance_prompts conflict rows remain after the rows sharing an image with another split are dropped.
+    n_dev: int = 800
     warmup_samples: int = 8  # sampled rollouts per prompt, warm-up model (every kind)
     # Sampled rollouts per prompt at the end of every run, the runs' kind only: 4, not 8, for time (8 would add
     # about 4 min of wall time to the 25 runs on 2 cores, from per-rollout timings while building this; 200 x 4
@@ -175,7 +188,7 @@ class Settings:
         return self.seeds if VARIANTS[name].all_seeds else self.seeds[: self.seeds_other]
 
 
-RUN_INDEPENDENT = ("seeds", "seeds_other", "variants", "kinds", "warmup_samples")
+RUN_INDEPENDENT = ("seeds", "seeds_other", "variants", "kinds", "warmup_samples", "n_dev")
 """Settings that decide nothing inside a run (which runs exist, the warm-up's own measurement)."""
 
 
@@ -210,6 +223,32 @@ def reusable(path: Path, settings_key: str, version: dict, reuse_other_code: boo
     if reuse_other_code:
         return stored, f" (from {other}, --reuse_other_code)"
     return None, f"the stored result came from {other}, this is {describe_version(version)}: rerunning it"
+
+
+def grpo_pool(s: Settings, recipe: WarmupRecipe):
+    """The GRPO runs' prompts: ``s.n_pool`` rows of split train, seed data_seed + 1 (the warm-up's are seed
+    data_seed), conflict rate ``s.pool_conflict_rate``."""
+    return synthetic_dataset(s.n_pool, split="train", seed=recipe.data_seed + 1, kinds=recipe.kinds,
+                             option_order=recipe.option_order, image_size=recipe.image_size,
+                             conflict_rate=s.pool_conflict_rate)
+
+
+def warmup_rows(recipe: WarmupRecipe):
+    """The warm-up's training rows, as ``fixtures.warmup.warm_start`` draws them (the same arguments)."""
+    return synthetic_dataset(recipe.n_train, split="train", seed=recipe.data_seed, kinds=recipe.kinds,
+                             option_order=recipe.option_order, image_size=recipe.image_size,
+                             blank_images=recipe.blank_images, conflict_rate=recipe.conflict_rate)
+
+
+def dev_split(s: Settings, recipe: WarmupRecipe, test: HeldOut) -> HeldOut:
+    """The development split: ``s.n_dev`` rows of ``DEV_SPLIT`` without any row whose image (its PNG bytes) also
+    occurs in the test rows, the GRPO pool or the warm-up's rows. The split's own stream already makes the rows
+    independent draws, but the image space is finite (the pool repeats 7 of its 2000 images; at the default sizes 4
+    of the split's first 200 conflict rows share an image, with another question, with the test rows or the pool):
+    dropping them makes disjointness a checked fact (tests/test_language_prior.py checks it), not a likely one."""
+    taken = frozenset(image_keys(test.ds)) | frozenset(image_keys(grpo_pool(s, recipe))) \
+        | frozenset(image_keys(warmup_rows(recipe)))
+    return HeldOut(s, recipe, split=DEV_SPLIT, n=s.n_dev, blank=False, exclude=taken)
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -249,7 +288,8 @@ def shared_warmup(recipe: WarmupRecipe, held: HeldOut, work: Path, version: dict
 
 def warmup_reliance(model_dir: Path, held: HeldOut, s: Settings, log) -> dict:
     """The reliance experiment on the warm-up model under every counterfactual kind of ``s.kinds`` (a kind the
-    processor cannot encode is left out, with the reason)."""
+    processor cannot encode is left out, with the reason), on ``held``'s conflict rows: the test rows (the reported
+    figures) or the development split (where the kind is chosen); the record names the split."""
     from transformers import AutoModelForImageTextToText
 
     from trl_mdi.data.images import row_images
@@ -268,8 +308,9 @@ def warmup_reliance(model_dir: Path, held: HeldOut, s: Settings, log) -> dict:
             unusable[kind] = str(err)
     out = held.reliance(model, processor, kinds, prompts=s.reliance_prompts, samples=s.warmup_samples,
                         max_new_tokens=s.max_completion_length, n_boot=s.n_boot)
-    out.update(unusable=unusable, started_at=started_at, ended_at=time.time())
-    log(f"  warm-up reliance: {out['rollouts']} sampled rollouts of {out['prompts']} conflict prompts, "
+    out.update(unusable=unusable, started_at=started_at, ended_at=time.time(), split=held.split,
+               rows=len(held.ds), excluded=held.excluded)
+    log(f"  warm-up reliance ({held.split}): {out['rollouts']} sampled rollouts of {out['prompts']} conflict prompts, "
         f"{len(kinds)} counterfactual kinds, {out['seconds']:.0f} s")
     return out
 
@@ -389,13 +430,14 @@ def execute(job: dict) -> tuple[dict | None, str | None]:
         _DATA["held"] = HeldOut(s, recipe)
     try:
         if job["what"] == "warmup_reliance":
-            log("== reliance of the warm-up model, every counterfactual kind")
+            log("== reliance of the warm-up model, every counterfactual kind, test rows")
             result = warmup_reliance(job["model_dir"], _DATA["held"], s, log)
+        elif job["what"] == "warmup_reliance_dev":
+            log(f"== reliance of the warm-up model, every counterfactual kind, development split ({DEV_SPLIT})")
+            result = warmup_reliance(job["model_dir"], dev_split(s, recipe, _DATA["held"]), s, log)
         else:
             if "pool" not in _DATA:
-                _DATA["pool"] = synthetic_dataset(s.n_pool, split="train", seed=recipe.data_seed + 1,
-                                                  kinds=recipe.kinds, option_order=recipe.option_order,
-                                                  image_size=recipe.image_size, conflict_rate=s.pool_conflict_rate)
+                _DATA["pool"] = grpo_pool(s, recipe)
             log(f"== {job['name']}, seed {job['seed']}")
             result = run_one(job["name"], job["seed"], job["model_dir"], job["warm"], _DATA["pool"], _DATA["held"], s,
                              work, log)
@@ -430,6 +472,8 @@ def parse_settings(argv: list[str]) -> tuple[argparse.Namespace, Settings]:
                    help="counterfactual kinds measured on the warm-up model (default: all)")
     p.add_argument("--reliance_prompts", type=int, help="held-out conflict prompts of the reliance measurements "
                    "(default 200; --quick 8; 0: no reliance measurement)")
+    p.add_argument("--n_dev", type=int, help=f"rows of the development split {DEV_SPLIT!r}, where the "
+                   "counterfactual kind is chosen (default 800, half conflict rows; --quick 80)")
     p.add_argument("--warmup_samples", type=int, help="rollouts sampled per prompt on the warm-up model (default 8)")
     p.add_argument("--end_samples", type=int, help="rollouts sampled per prompt at the end of each run (default 4; "
                    "0: no end-of-run measurement)")
@@ -451,7 +495,7 @@ def parse_settings(argv: list[str]) -> tuple[argparse.Namespace, Settings]:
     a = p.parse_args(argv)
     s = Settings()
     if a.quick:
-        s.steps, s.eval_every, s.n_eval, s.seeds, s.n_pool = 4, 2, 40, (0,), 64
+        s.steps, s.eval_every, s.n_eval, s.seeds, s.n_pool, s.n_dev = 4, 2, 40, (0,), 64, 80
         s.reliance_prompts, s.warmup_samples, s.end_samples, s.n_boot = 8, 2, 2, 200
     s.seeds = tuple(a.seeds) if a.seeds else s.seeds
     s.seeds_other = s.seeds_other if a.seeds_other is None else a.seeds_other
@@ -461,7 +505,7 @@ def parse_settings(argv: list[str]) -> tuple[argparse.Namespace, Settings]:
     s.learning_rate = a.learning_rate or s.learning_rate
     s.counterfactual = a.counterfactual or s.counterfactual
     s.kinds = tuple(a.kinds) if a.kinds else s.kinds
-    for name in ("reliance_prompts", "warmup_samples", "end_samples"):
+    for name in ("reliance_prompts", "warmup_samples", "end_samples", "n_dev"):
         if getattr(a, name) is not None:
             setattr(s, name, getattr(a, name))
     s.reliance_everywhere = not a.reliance_only_where_read
@@ -516,11 +560,14 @@ def main(argv: list[str] | None = None) -> int:
                 jobs.append({**common, **job, "label": label, "path": path, "key": fingerprint(settings_key, version),
                              "settings_key": settings_key})
 
-        if s.reliance_prompts and s.warmup_samples and s.kinds:  # first: it runs beside the first runs
-            key = fingerprint(warm["key"], {k: getattr(s, k) for k in (
-                "kinds", "reliance_prompts", "warmup_samples", "max_completion_length", "n_boot", "n_eval",
-                "eval_conflict_rate")}, a.threads)
+        if s.reliance_prompts and s.warmup_samples and s.kinds:  # first: they run beside the first runs
+            measured = {k: getattr(s, k) for k in ("kinds", "reliance_prompts", "warmup_samples",
+                                                   "max_completion_length", "n_boot", "n_eval", "eval_conflict_rate")}
+            key = fingerprint(warm["key"], measured, a.threads)
             plan("warmup_reliance", work / f"warmup-reliance-{key}.json", key, what="warmup_reliance")
+            # The development split's rows depend on the test rows, the pool and the warm-up rows it excludes.
+            key = fingerprint(warm["key"], measured, DEV_SPLIT, s.n_dev, s.n_pool, s.pool_conflict_rate, a.threads)
+            plan("warmup_reliance_dev", work / f"warmup-reliance-dev-{key}.json", key, what="warmup_reliance_dev")
         for seed in s.seeds:  # every variant of a seed before the next seed: an interrupted run is comparable
             for name in s.variants:
                 if seed not in s.seeds_for(name):
@@ -540,21 +587,24 @@ def main(argv: list[str] | None = None) -> int:
             done |= {j["label"]: execute(j) for j in jobs}
     order = [f"{n}-s{sd}" for sd in s.seeds for n in s.variants if sd in s.seeds_for(n)]
     runs = [done[k][0] for k in order if done[k][0] is not None]
-    failed = [(k, done[k][1]) for k in [*order, "warmup_reliance"] if k in done and done[k][0] is None]
+    failed = [(k, done[k][1]) for k in [*order, "warmup_reliance", "warmup_reliance_dev"]
+              if k in done and done[k][0] is None]
     warm_rel = done.get("warmup_reliance", (None, None))[0]
+    dev_rel = done.get("warmup_reliance_dev", (None, None))[0]
     load = os.getloadavg()[0]
-    body = report(runs, warm, warm_rel, s, recipe, VARIANTS, argv, started, failed, load, a.workers, version)
+    body = report(runs, warm, warm_rel, s, recipe, VARIANTS, argv, started, failed, load, a.workers, version,
+                  dev_rel=dev_rel)
     print("\n" + body)
     if a.quick:
         print("\n" + "\n".join(projection_lines(runs, warm, warm_rel, s, Settings(), recipe, prior_recipe(False),
-                                                VARIANTS, a.workers)))
+                                                VARIANTS, a.workers, dev_rel=dev_rel)))
     if failed:
         print(f"{len(failed)} job(s) failed: " + "; ".join(f"{k}: {e}" for k, e in failed))
         if write:
             print("not writing RESULTS.md or the plot: not every job finished")
         return 1
     if write:
-        plot(runs, warm_rel, s, VARIANTS, Path(a.png))
+        plot(runs, warm_rel, s, VARIANTS, Path(a.png), dev_rel=dev_rel)
         replace_section(SECTION, body, Path(a.results))
         print(f"wrote {a.png} and the section '{SECTION}' of {a.results}")
     return 0

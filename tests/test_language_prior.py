@@ -233,13 +233,26 @@ def test_benchmark_report_pairs_by_seed_and_states_the_goals():
                                    "blind_agrees": {"auroc": b, "low": b - 0.05, "high": min(1.0, b + 0.05)},
                                    "mdi": {"auroc": 0.7, "low": 0.6, "high": 0.8, "n": 12}}}
                      for k, a, b in (("black", 0.7, 0.6), ("grey", 0.99, 0.95), ("none", 0.97, 0.85))}}
-    goals = "\n".join(rep.goal_lines(groups, lp.VARIANTS, rel, s))
+    # The development split: `none` meets both goals there and has the highest within-prompt AUROC (the test rows'
+    # best, grey, is not chosen: the test rows choose nothing).
+    dev = {"kinds": {k: {"table": {"answer_visual_gain": {"auroc": a, "within_auroc": w},
+                                   "blind_agrees": {"auroc": b}}}
+                     for k, a, w, b in (("black", 0.90, 0.80, 0.80), ("grey", 0.93, 0.85, 0.95),
+                                        ("none", 0.96, 0.91, 0.92))}}
+    goals = "\n".join(rep.goal_lines(groups, lp.VARIANTS, rel, s, dev))
     assert "answer_visual_gain AUROC ≥ 0.95 with the runs' counterfactual `black` (the trainer's default): warm-up " \
            "0.700 [0.680, 0.720]: NOT met; at the end of the runs 0.925 ± 0.096" in goals
-    assert "Kinds meeting both AUROC goals on the warm-up model: `grey`; highest answer_visual_gain AUROC: `grey`" \
-           in goals
-    assert "MDI (all layers) beside them: AUROC 0.700 [0.600, 0.800], within-prompt —, on the same common set of " \
-           "12 rollouts" in goals
+    assert "answer_visual_gain AUROC ≥ 0.95 with the development split's pick `none` (not the runs'): warm-up " \
+           "0.970 [0.950, 0.990]: met; not measured at the end of the runs." in goals
+    assert "blind_agrees AUROC ≥ 0.90 with the development split's pick `none` (not the runs'): warm-up " \
+           "0.850 [0.800, 0.900]: NOT met" in goals
+    assert "Kinds meeting both AUROC goals on the development split: `none`." in goals
+    assert "grey" not in goals  # the test rows' best is named nowhere as a choice
+    assert "MDI (all layers) beside them, test rows: AUROC 0.700 [0.600, 0.800], within-prompt —, on the same " \
+           "common set of 12 rollouts" in goals
+    # Without a development measurement no kind is picked and no kind is said to meet the goals.
+    goals = "\n".join(rep.goal_lines(groups, lp.VARIANTS, rel, s))
+    assert "pick" not in goals and "Kinds meeting" not in goals
     # An AUROC whose point estimate meets the goal while its interval reaches below it says so.
     rel["kinds"]["black"]["table"]["answer_visual_gain"] = {"auroc": 0.96, "low": 0.94, "high": 0.98}
     assert "0.960 [0.940, 0.980]: met by the point estimate only (its interval reaches below)" in \
@@ -247,6 +260,82 @@ def test_benchmark_report_pairs_by_seed_and_states_the_goals():
     budget = rep.budget_line(s, 61.0, runs, 2)
     assert "OVER it" in budget and "200 prompts x 4 samples at the end of each run" in budget
     assert "(8 samples would have added about 0.1 min of wall time here)" in budget
+
+
+def test_dev_split_picks_the_kind_by_the_within_prompt_auroc_with_ties_to_the_default():
+    """The rule: the highest within-prompt AUROC of answer_visual_gain on the development split at 3 decimals; a tie
+    goes to the trainer's default, then to the higher pooled AUROC, then to the earlier kind; a kind without a
+    within-prompt AUROC is never picked. The section's choice paragraph names the split, the rule, the ranking, the
+    pick, whether the runs use it, and where the fixed settings came from."""
+    lp = _benchmark()
+    import _language_prior_report as rep
+
+    def dev(**kinds):
+        return {"kinds": {k: {"table": {"answer_visual_gain": {"within_auroc": w, "auroc": a}}}
+                          for k, (w, a) in kinds.items()}, "prompts": 200, "samples": 8, "split": lp.DEV_SPLIT,
+                "rows": 798, "excluded": 2}
+
+    assert rep.pick_kind(None, "black") == (None, [])
+    pick, ranked = rep.pick_kind(dev(grey=(0.9, 0.99), black=(0.8, 0.9), none=(0.95, 0.5)), "black")
+    assert pick == "none" and [k for k, _, _ in ranked] == ["none", "grey", "black"]
+    # 0.9004 and 0.8996 are 0.900 at 3 decimals: the default wins, whatever the pooled AUROC says.
+    assert rep.pick_kind(dev(grey=(0.9004, 0.99), black=(0.8996, 0.6)), "black")[0] == "black"
+    # Neither is the default: the pooled AUROC breaks the tie, then the table order.
+    assert rep.pick_kind(dev(grey=(0.9004, 0.7), blur=(0.8996, 0.8)), "black")[0] == "blur"
+    assert rep.pick_kind(dev(grey=(0.9, 0.7), blur=(0.9, 0.7)), "black")[0] == "grey"
+    # Undefined within-prompt AUROC (None in the JSON record) ranks last and is never the pick.
+    pick, ranked = rep.pick_kind(dev(black=(None, 0.99), grey=(0.4, 0.5)), "black")
+    assert pick == "grey" and ranked[-1][0] == "black"
+    assert rep.pick_kind(dev(black=(None, 0.99)), "black")[0] is None
+
+    _, s = lp.parse_settings([])
+    text = "\n".join(rep.selection_lines(dev(grey=(0.9, 0.99), black=(0.8, 0.9)), {"prompts": 200}, s))
+    assert f"split `{lp.DEV_SPLIT}`" in text and "800 rows drawn at conflict rate 0.5 less the 2 whose image" in text
+    assert "(798 kept)" in text
+    assert "Ranking (within-prompt / pooled AUROC of answer_visual_gain): `grey` 0.900 / 0.990, `black` 0.800 / " \
+           "0.900." in text
+    assert "The development split picks `grey`" in text and "`black` (the trainer's default): it is not the pick" \
+           in text
+    assert "4:1:1" in text and "ANSWER_GAIN_CLIP` = 4 nats" in text and "120 GRPO steps" in text
+    text = "\n".join(rep.selection_lines(dev(grey=(0.8, 0.99), black=(0.9, 0.9)), {"prompts": 200}, s))
+    assert "picks `black`" in text and ": it is the pick" in text
+    assert "no kind was picked" in "\n".join(rep.selection_lines(None, None, s))
+
+
+def test_dev_split_shares_no_image_with_the_test_rows_the_pool_or_the_warmup_rows():
+    """The development split at the benchmark's full size: no row's image (PNG bytes, hashed here independently of
+    the benchmark's `image_keys`) or question id occurs in the 400 test rows, the 2000-row GRPO pool or the 200
+    warm-up rows; the rows it dropped are exactly those whose image does; 200 conflict prompts remain."""
+    import hashlib
+
+    lp = _benchmark()
+    _, s = lp.parse_settings([])
+    recipe = lp.prior_recipe()
+    kw = dict(kinds=recipe.kinds, option_order=recipe.option_order, image_size=recipe.image_size)
+    others = {"test": generate_synthetic_rows(s.n_eval, split="validation", seed=recipe.data_seed,
+                                              conflict_rate=s.eval_conflict_rate, **kw),
+              "pool": generate_synthetic_rows(s.n_pool, split="train", seed=recipe.data_seed + 1,
+                                              conflict_rate=s.pool_conflict_rate, **kw),
+              "warm-up": generate_synthetic_rows(recipe.n_train, split="train", seed=recipe.data_seed,
+                                                 conflict_rate=recipe.conflict_rate, **kw)}
+
+    def key(row):
+        return hashlib.sha256(row["image"]["bytes"]).hexdigest()
+
+    taken = {key(r) for rows in others.values() for r in rows}
+    ids = {r["question_id"] for rows in others.values() for r in rows}
+    raw = generate_synthetic_rows(s.n_dev, split=lp.DEV_SPLIT, seed=recipe.data_seed,
+                                  conflict_rate=s.eval_conflict_rate, **kw)
+    kept = [r for r in raw if key(r) not in taken]
+    held = lp.HeldOut(s, recipe)
+    assert [r["question_id"] for r in others["test"]] == held.ds["question_id"]  # the test rows, as the benchmark's
+    dev = lp.dev_split(s, recipe, held)
+    assert dev.excluded == len(raw) - len(kept) and dev.ds["question_id"] == [r["question_id"] for r in kept]
+    assert not set(dev.ds["question_id"]) & ids
+    assert not {key(r) for r in kept} & taken
+    assert len(dev.rows["conflict"]) >= s.reliance_prompts
+    assert dev.conflict_rows(s.reliance_prompts)["question_id"] == \
+        [r["question_id"] for r in kept if r["conflict"]][: s.reliance_prompts]
 
 
 def test_benchmark_verdict_is_shown_only_with_an_interval_above_zero():
@@ -421,7 +510,9 @@ def test_benchmark_quick_mode_runs_end_to_end_and_resumes(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "## Language prior" in proc.stdout and not results.exists() and not png.exists()
     assert "| counterfactual | blind acc. |" in proc.stdout and "Goals (issue 25)" in proc.stdout
-    assert "Projected full benchmark (26 jobs on 2 workers" in proc.stdout
+    assert "Projected full benchmark (27 jobs on 2 workers" in proc.stdout
+    assert "Development split (the choice of the counterfactual kind" in proc.stdout
+    assert "Test rows (the report; nothing chosen on them)" in proc.stdout and "Rule: the highest" in proc.stdout
     variants = ("answer_format", "mdi_balance", "mdi_group", "tprl_perturbation", "tprl_attention",
                 "answer_visual_gain", "tprl_counterfactual")
     signals = {"mdi", "mdi_late", "answer_image_attention", "visual_gain", "answer_visual_gain", "blind_agrees"}
@@ -435,14 +526,17 @@ def test_benchmark_quick_mode_runs_end_to_end_and_resumes(tmp_path):
         assert (end["prompts"], end["samples"], end["rollouts"]) == (8, 2, 16) and list(end["kinds"]) == ["black"]
         assert signals <= set(end["kinds"]["black"]["table"]) and end["labelled"]["rollouts"] > 0
         assert len(end["records"]["rollouts"]) == 16 and run["code_version"]["commit"]
-    [warm_file] = work.glob("warmup-reliance-*.json")
-    warm = json.loads(warm_file.read_text())
+    [warm_file] = [p for p in work.glob("warmup-reliance-*.json") if not p.name.startswith("warmup-reliance-dev-")]
+    [dev_file] = work.glob("warmup-reliance-dev-*.json")
+    warm, dev = json.loads(warm_file.read_text()), json.loads(dev_file.read_text())
+    assert (warm["split"], dev["split"]) == ("validation", "language_prior_dev")
     assert list(warm["kinds"]) == list(counterfactual_kinds()) and warm["rollouts"] == 16
     assert len(warm["records"]["rollouts"]) == 16 and warm["records"]["kinds"] == list(counterfactual_kinds())
-    for kind in warm["kinds"].values():
+    assert list(dev["kinds"]) == list(counterfactual_kinds()) and dev["rollouts"] == 16
+    for kind in [*warm["kinds"].values(), *dev["kinds"].values()]:
         assert signals <= set(kind["table"]) and kind["agreement"]["n"] > 0
         assert all({"auroc", "low", "high", "within_group_share", "mean_prior", "mean_other"} <= set(row)
                    for row in kind["table"].values())
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count("done earlier") == len(variants) + 1 and "reusing" in again.stdout
+    assert again.stdout.count("done earlier") == len(variants) + 2 and "reusing" in again.stdout
