@@ -132,26 +132,6 @@ def held_out_rows(recipe: LookOrGuessRecipe, s: Settings):
 # --------------------------------------------------------------------------------------------------- rollouts
 
 
-@torch.no_grad()
-def _generate(model, processor, rows, *, max_new_tokens: int, sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Completions of ``rows`` (their image inserted), sampled at temperature 1 over the whole vocabulary (top_k 0,
-    top_p 1: GRPOConfig's defaults) or greedy, the image placeholder token suppressed as GRPOTrainer does."""
-    from trl_mdi.attention.model_facts import model_facts
-    from trl_mdi.batch import completion_mask_until_eos, encode_prompts, eos_token_ids, policy_batch
-
-    tok = processor.tokenizer
-    eos = eos_token_ids(model, tok)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-    prompt_ids, fields = encode_prompts(processor, [r["prompt"] for r in rows], images=[[r["image"]] for r in rows])
-    batch = policy_batch(prompt_ids, [[] for _ in rows], pad_token_id=pad, multimodal=fields, device=model.device)
-    how = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else \
-        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    out = model.generate(**batch.model_inputs(), max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos,
-                         suppress_tokens=list(model_facts(model.config).image_token_ids), **how)
-    ids = out[:, batch.input_ids.shape[1]:].cpu()
-    return ids, completion_mask_until_eos(ids, eos)
-
-
 def sample_rollouts(model, processor, ds, *, samples: int, max_new_tokens: int, seed: int = 0,
                     batch_size: int = 32, greedy: bool = True) -> list[dict]:
     """Per prompt of ``ds``, ``samples`` completions sampled at temperature 1 (torch seeded with ``seed`` first) and,
@@ -159,6 +139,7 @@ def sample_rollouts(model, processor, ds, *, samples: int, max_new_tokens: int, 
     index), ``sample``, ``ids`` (its tokens up to and including the end token), ``ended`` (the end token was
     generated within ``max_new_tokens``) and ``text``."""
     from trl_mdi.batch import eos_token_ids
+    from trl_mdi.profile.reliance import generate_completions
 
     tok = processor.tokenizer
     eos = set(eos_token_ids(model, tok))
@@ -168,7 +149,9 @@ def sample_rollouts(model, processor, ds, *, samples: int, max_new_tokens: int, 
         rows = [ds[i] for i in range(lo, min(lo + batch_size, len(ds)))]
         draws = ([(0, False)] if greedy else []) + [(k, True) for k in range(1, samples + 1)]
         for k, sample in draws:
-            ids, mask = _generate(model, processor, rows, max_new_tokens=max_new_tokens, sample=sample)
+            ids, mask = generate_completions(model, processor, [r["prompt"] for r in rows],
+                                             images=[[r["image"]] for r in rows], max_new_tokens=max_new_tokens,
+                                             sample=sample)
             for j in range(len(rows)):
                 kept = ids[j][mask[j].bool()].tolist()
                 out.append({"prompt": lo + j, "sample": k, "ids": kept, "ended": bool(kept) and kept[-1] in eos,

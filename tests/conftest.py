@@ -4,19 +4,9 @@ The environment variables are set at import time, before any test module imports
 because huggingface_hub and transformers read them once, when first imported.
 """
 
-import os
+from fixtures.offline import set_offline_env
 
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["HF_DATASETS_OFFLINE"] = "1"
-os.environ["TRANSFORMERS_OFFLINE"] = "1"
-os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
-os.environ["TOKENIZERS_PARALLELISM"] = "false"
-os.environ["WANDB_MODE"] = "offline"
-# Trainers built without explicit log paths write their Markdown logs here, never into the repo's training_logs/.
-if "TRL_MDI_LOG_DIR" not in os.environ:
-    import tempfile
-
-    os.environ["TRL_MDI_LOG_DIR"] = tempfile.mkdtemp(prefix="trl_mdi_test_logs_")
+set_offline_env("trl_mdi_test_logs_")
 
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -6,18 +6,9 @@ any test module imports vLLM or an HF library (both read them once, when first i
 (``fixtures.vllm_cpu.install``, why: its docstring) is installed before any engine starts.
 """
 
-import os
+from fixtures.offline import set_offline_env
 
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["HF_DATASETS_OFFLINE"] = "1"
-os.environ["TRANSFORMERS_OFFLINE"] = "1"
-os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
-os.environ["TOKENIZERS_PARALLELISM"] = "false"
-os.environ["WANDB_MODE"] = "offline"
-if "TRL_MDI_LOG_DIR" not in os.environ:
-    import tempfile
-
-    os.environ["TRL_MDI_LOG_DIR"] = tempfile.mkdtemp(prefix="trl_mdi_vllm_test_logs_")
+set_offline_env("trl_mdi_vllm_test_logs_")
 
 from fixtures import vllm_cpu  # noqa: E402
 

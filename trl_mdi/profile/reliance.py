@@ -51,8 +51,8 @@ from ..batch import (
 from ..counterfactual import check_counterfactual_encodes, counterfactual_kinds, counterfactual_prompts
 from ..signals import reliance_names, reliance_signals
 
-__all__ = ["RelianceMeasurement", "check_counterfactuals", "completion_logits", "measure_reliance",
-           "reference_signals"]
+__all__ = ["RelianceMeasurement", "check_counterfactuals", "completion_logits", "generate_completions",
+           "measure_reliance", "reference_signals"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -285,16 +285,18 @@ def _letter(index, choices) -> str | None:
 
 
 @torch.no_grad()
-def _generate(model, processor, prompts: list[list[dict]], *, max_new_tokens: int, sample: bool
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Completions of the prompts (images inserted): greedy, or sampled at temperature 1 over the whole vocabulary
-    (top_k 0, top_p 1, as GRPOConfig's defaults); image tokens suppressed, as the attention profile generates."""
+def generate_completions(model, processor, prompts: list[list[dict]], *, images: list[list] | None = None,
+                         max_new_tokens: int, sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(completion_ids, completion_mask)`` of the prompts: greedy, or sampled at temperature 1 over the whole
+    vocabulary (top_k 0, top_p 1, as GRPOConfig's defaults); image tokens suppressed, as GRPOTrainer generates.
+    ``prompts`` are chat messages with their images inserted, or plain ones with ``images`` (one list per prompt,
+    inserted as GRPOTrainer inserts them). The mask ends each completion at its first end token."""
     from ..attention.model_facts import model_facts
 
     tok = getattr(processor, "tokenizer", processor)
     eos = eos_token_ids(model, tok)
     pad = _pad_id(model, tok)
-    prompt_ids, fields = encode_prompts(processor, prompts)
+    prompt_ids, fields = encode_prompts(processor, prompts, images=images)
     prompt = policy_batch(prompt_ids, [[] for _ in prompts], pad_token_id=pad, multimodal=fields, device=model.device)
     how = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else \
         dict(do_sample=False, temperature=None, top_p=None, top_k=None)
@@ -360,15 +362,15 @@ def measure_reliance(model, processor, dataset, kinds: Sequence[str] = ("black",
             given = [tok(r[completion_column] or "", add_special_tokens=False)["input_ids"] for r in rows]
             first = pad_rows(given, pad, "right")
         else:
-            first = _generate(model, processor, prompts, max_new_tokens=max_new_tokens, sample=False)
-        drawn = [first] + [_generate(model, processor, prompts, max_new_tokens=max_new_tokens, sample=True)
+            first = generate_completions(model, processor, prompts, max_new_tokens=max_new_tokens, sample=False)
+        drawn = [first] + [generate_completions(model, processor, prompts, max_new_tokens=max_new_tokens, sample=True)
                            for _ in range(samples)]
         rollouts = [(j, k, ids[j], mask[j]) for k, (ids, mask) in enumerate(drawn) for j in range(len(rows))]
         rollouts.sort(key=lambda r: (r[0], r[1]))
         blind = {}
         for kind in kinds:
             cf = _counterfactual(prompts, images, kind, seed=seed, step=step, rows=index, perturbation=perturbation)
-            ids, mask = _generate(model, processor, cf, max_new_tokens=max_new_tokens, sample=False)
+            ids, mask = generate_completions(model, processor, cf, max_new_tokens=max_new_tokens, sample=False)
             blind[kind] = [_answer(t, r.get("choices")) for t, r in zip(_texts(tok, ids, mask), rows)]
         base = len(prompts_out)
         for j, r in enumerate(rows):
