@@ -415,6 +415,11 @@ def test_counterfactual_forward_on_a_tiny_vlm():
 
     prompt_ids, logits, logps = teacher_forced(msgs, [img])
     grey = perturb_images([img], "grey", seed=0, step=0)[0]
+    # The grey counterfactual is a uniform mid-grey (128) RGB image of the real one's size, written here by hand;
+    # a 3:2 image too, so a swapped width and height would show
+    assert grey.size == (56, 56) and np.array_equal(np.asarray(grey), np.full((56, 56, 3), 128, dtype=np.uint8))
+    wide = perturb_images([Image.new("RGB", (6, 4), (10, 200, 30))], "grey", seed=0, step=0)[0]
+    assert wide.mode == "RGB" and np.asarray(wide).tolist() == [[[128, 128, 128]] * 6] * 4
     grey_ids, grey_logits, grey_logps = teacher_forced(msgs, [grey])
     assert torch.equal(prompt_ids, grey_ids)  # same size: same image tokens at the same positions
     text_ids, _, text_logps = teacher_forced(CF.strip_images(msgs), None)
@@ -422,14 +427,22 @@ def test_counterfactual_forward_on_a_tiny_vlm():
 
     mask = torch.ones(1, c)
     assert CF.visual_gain(logps, teacher_forced(msgs, [img])[2], mask).item() == 0.0
+    # visual_gain against the per-token mean of the stored log-probs, summed here token by token: over the whole
+    # completion, and over its last 4 tokens only (a partial mask)
+    tail = torch.zeros(1, c)
+    tail[0, -4:] = 1
     for cf in (grey_logps, text_logps):
-        gain = CF.visual_gain(logps, cf, mask)
-        assert torch.isfinite(gain).all() and gain.item() != 0.0
+        diffs = [logps[0, t].item() - cf[0, t].item() for t in range(c)]
+        assert max(abs(d) for d in diffs) > 1e-3  # the image changes this model's log-probs: not vacuous
+        assert CF.visual_gain(logps, cf, mask).item() == pytest.approx(sum(diffs) / c, abs=1e-6)
+        assert CF.visual_gain(logps, cf, tail).item() == pytest.approx(sum(diffs[-4:]) / 4, abs=1e-6)
 
     span = CF.answer_span(CF.completion_token_texts(proc, completion))
     span_mask = CF.answer_span_mask([span], c)
-    assert CF.answer_visual_gain(logps, grey_logps, span_mask).item() == pytest.approx(
-        (logps - grey_logps)[0, span[0]].item())
+    assert span == (c - 1, c)  # "... Answer: B": the letter is the last token
+    for cf in (grey_logps, text_logps):  # the span's sum of the stored per-token differences
+        want = sum(logps[0, t].item() - cf[0, t].item() for t in range(*span))
+        assert CF.answer_visual_gain(logps, cf, span_mask).item() == pytest.approx(want, abs=1e-6)
     at = span[1] - 1  # the token holding the letter
     letters = CF.choice_letter_token_ids(proc, completion[at], "AB")
     choice = CF.gather_choice_logits(grey_logits, torch.tensor([at]), torch.tensor([letters]))

@@ -307,11 +307,27 @@ def test_the_default_stack_loses_mdi_balance_where_the_probe_cannot_measure(soft
     assert args.compute_attention_metrics is None  # the user's config is left as the user made it
 
 
-def test_reliance_signals_need_no_probe_on_a_model_it_cannot_measure(softmax_vlm, tmp_path):
+def test_reliance_signals_need_no_probe_on_a_model_it_cannot_measure(softmax_vlm, tmp_path, monkeypatch):
     """The reliance signals are log-probabilities, not attention: on the VLM that computes its own softmax (metrics
-    off) they are computed and logged; answer_image_attention is absent."""
+    off) they are computed and logged; answer_image_attention is absent. The first batch's visual_gain (scored before
+    any optimizer step) equals the profile's reference on a fresh copy of the checkpoint, and so does its metric."""
     from trl_mdi import MDIGRPOConfig, MDIGRPOTrainer
+    from trl_mdi.profile.reliance import reference_signals
 
+    seen = []  # per batch: the rollouts the counterfactual forward saw, then the signals computed from them
+    original_cf, original_signals = MDIGRPOTrainer._counterfactual_forward, MDIGRPOTrainer._batch_signals
+
+    def counterfactual_forward(trainer, inputs, prompts, completion_ids_list, *rest):
+        seen.append({"inputs": inputs, "prompts": prompts, "completions": [list(c) for c in completion_ids_list]})
+        return original_cf(trainer, inputs, prompts, completion_ids_list, *rest)
+
+    def batch_signals(trainer, record, mode):
+        out = original_signals(trainer, record, mode)
+        seen[-1]["signals"] = {k: v.clone() for k, v in out.local.items()}
+        return out
+
+    monkeypatch.setattr(MDIGRPOTrainer, "_counterfactual_forward", counterfactual_forward)
+    monkeypatch.setattr(MDIGRPOTrainer, "_batch_signals", batch_signals)
     args = MDIGRPOConfig.from_grpo_config(grpo_args(tmp_path))
     args.reliance_signals = True
     trainer = MDIGRPOTrainer(model=str(softmax_vlm), reward_funcs=spread_reward, args=args,
@@ -320,3 +336,11 @@ def test_reliance_signals_need_no_probe_on_a_model_it_cannot_measure(softmax_vlm
     logs = _train(trainer)
     assert all("reliance/visual_gain" in h for h in logs) and not any("reliance/answer_image_attention" in h
                                                                        for h in logs)
+    first = seen[0]
+    want = reference_signals(_load(softmax_vlm), AutoProcessor.from_pretrained(softmax_vlm, trust_remote_code=True),
+                             first["prompts"], [[row["image"]] for row in first["inputs"]], first["completions"],
+                             args.counterfactual_image, attention=False, temperature=args.temperature)
+    assert want["visual_gain"].abs().max() > 1e-4  # the image matters to this model: the comparison is not vacuous
+    torch.testing.assert_close(first["signals"]["visual_gain"].double(), want["visual_gain"].double(), atol=1e-5,
+                               rtol=0)
+    assert logs[0]["reliance/visual_gain"] == pytest.approx(want["visual_gain"].mean().item(), abs=1e-5)

@@ -141,13 +141,34 @@ def test_the_signal_tprl_ranks_by_is_the_probes_exact_per_token_mass(model_dir, 
 
 def test_compare_logs_the_rank_correlation_and_the_rollout_log_marks_kept_tokens(model_dir, grpo_train_dataset,
                                                                                  tmp_path, monkeypatch):
+    import trl_mdi.trainer as trainer_module
+
     counter = ForwardCounter(monkeypatch)
+    compared = []  # per batch: the two per-token signals, the completion mask and has_image the trainer compared
+    original = trainer_module.signal_rank_corr
+
+    def spy(perturbation, attention, completion_mask, has_image, gather):
+        compared.append([t.detach().cpu().clone() for t in (perturbation, attention, completion_mask, has_image)])
+        return original(perturbation, attention, completion_mask, has_image, gather)
+
+    monkeypatch.setattr(trainer_module, "signal_rank_corr", spy)
     args = make_args(tmp_path, perception_signal="attention", perception_signal_compare=True, **PERCEPTION)
     trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=args, train_dataset=grpo_train_dataset)
     trainer.train()
     assert set(counter.per_generation) == {2}  # comparing costs the perturbed forward, and only that
     corr = [h["tprl/signal_rank_corr"] for h in trainer.state.log_history if "tprl/signal_rank_corr" in h]
-    assert corr and all(-1.0 <= c <= 1.0 for c in corr), corr
+    assert len(corr) == len(compared) == args.max_steps
+    # Each logged value: Spearman's rho by its definition over each row's completion tokens (a signal shorter than
+    # the mask counts as 0 beyond its end, as the trainer right-pads it), averaged over the rows with an image
+    for logged, (perturbation, attention, mask, has_image) in zip(corr, compared):
+        rhos = []
+        for i in range(mask.shape[0]):
+            tokens = [t for t in range(mask.shape[1]) if mask[i, t]]
+            a = [float(perturbation[i, t]) if t < perturbation.shape[1] else 0.0 for t in tokens]
+            b = [float(attention[i, t]) if t < attention.shape[1] else 0.0 for t in tokens]
+            if has_image[i] and len(tokens) >= 2 and len(set(a)) > 1 and len(set(b)) > 1:
+                rhos.append(_brute_spearman(a, b))
+        assert rhos and logged == pytest.approx(sum(rhos) / len(rhos), abs=1e-6), (logged, rhos)
     log = (tmp_path / "logs" / "rollouts.md").read_text()
     assert log.count("**Perception (attention)**") == 2 * args.max_steps  # the two fully printed rollouts per step
     assert "of 8" in log and "⟦" in log and "Highest: `" in log

@@ -3,7 +3,7 @@ cannot change the output, their cost counted at each limit, and observing them c
 
 A random tiny model never writes an answer line by itself, so the exactness tests script the generation: every
 rollout is ``<think>look</think>\\nAnswer: X`` + end of sequence, with X the model's own most likely choice letter
-at that position under the real image (a greedy choice among the letters). The counterfactual is the grey image of
+at that position under the real image (a greedy choice among the letters). The counterfactual is the black image of
 the same size (``counterfactual_image="black"``, the default).
 """
 
@@ -126,6 +126,20 @@ def expected_signals(model_dir, batch) -> dict[str, list[float]]:
     return out
 
 
+def profile_reference(path, batch, kind: str, temperature: float, attention: bool) -> dict[str, torch.Tensor]:
+    """``trl_mdi.profile.reliance.reference_signals`` of the batch's rollouts (the prompts, images, choices and
+    completion tokens the trainer's counterfactual forward saw) on a fresh copy of the model from the checkpoint:
+    plain no-grad forwards through the project's batch builder, none of TRL's log-prob path."""
+    from trl_mdi.profile.reliance import reference_signals
+
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    images = [row["images"] if row.get("images") is not None else [row["image"]] for row in batch["inputs"]]
+    return reference_signals(model, processor, batch["prompts"], images, batch["completions"], kind,
+                             choices=[row.get("choices") for row in batch["inputs"]], attention=attention,
+                             temperature=temperature)
+
+
 RELIANCE_REWARD = dict(reward_funcs=["answer_visual_gain", spread_reward])
 
 
@@ -152,7 +166,12 @@ def test_signals_equal_two_plain_forwards(model_dir, blind_model_dir, grpo_train
         if which == "blind":
             assert got["visual_gain"].abs().max() < 1e-5 and got["answer_visual_gain"].abs().max() < 1e-5
             assert got["blind_agrees"].tolist() == [1.0] * len(got["blind_agrees"])
-        assert not got["answer_image_attention"].isnan().any()  # the probe's image mass at the letter, measured
+        # The probe's image mass at the letter: the profile's reference on a fresh copy of the checkpoint (itself
+        # checked against eager attention weights summed by hand, tests/test_profile_reliance.py)
+        attention = profile_reference(path, batch, "black", trainer.args.temperature, attention=True)
+        assert not got["answer_image_attention"].isnan().any() and got["answer_image_attention"].min() > 0
+        torch.testing.assert_close(got["answer_image_attention"].double(),
+                                   attention["answer_image_attention"].double(), atol=1e-5, rtol=0)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert all("reliance/blind_agree_rate" in h and h["reliance/answer_rate"] == 1.0 for h in logs)
     if which == "model":
@@ -226,6 +245,10 @@ def test_the_signals_need_no_probe(model_dir, grpo_train_dataset, tmp_path, monk
     trainer.train()
     got = seen[-1]["signals"]
     assert "answer_image_attention" not in got and not got["answer_visual_gain"].isnan().any()
+    want = expected_signals(model_dir, seen[-1])  # two plain forwards per rollout, written in this file
+    for name in want:
+        torch.testing.assert_close(got[name].double(), torch.tensor(want[name], dtype=torch.double), atol=1e-5,
+                                   rtol=0, msg=name)
 
 
 def test_bad_input_is_a_clear_error(model_dir, grpo_train_dataset, tmp_path, tiny_vlm_dir):
@@ -283,18 +306,39 @@ def test_every_family_gets_the_signals_at_its_answer_letter(tiny_vlm_dir, grpo_t
                                                             arch):
     """Hybrid (Qwen3.5), sliding-window (Gemma 3), any-resolution tiles (LLaVA-NeXT), image splitting (SmolVLM),
     MoE, Gemma 4: the counterfactual forward finds every rollout's answer letter and reads the choice letters'
-    logits there, with the image removed and with a black one. (The tiny Gemma 3's output does not depend on its
-    image at all: its gains are exactly 0 and the blind answer always agrees.)"""
+    logits there, with the image removed and with a black one; every per-rollout signal equals the profile's
+    reference (plain forwards of a fresh copy of the checkpoint, on the same rollouts) within 1e-5. (The tiny
+    Gemma 3's output does not depend on its image at all: its gains with a black image are exactly 0 and the blind
+    answer always agrees.)"""
     scripted_generation(monkeypatch)
     seen = capture(monkeypatch)
+    path = tiny_vlm_dir(arch)
     for kind in ("black", "none"):
-        trainer = MDIGRPOTrainer(str(tiny_vlm_dir(arch)), reward_funcs=[spread_reward],
+        trainer = MDIGRPOTrainer(str(path), reward_funcs=[spread_reward],
                                  args=make_args(tmp_path / kind, max_steps=1, reliance_signals=True,
                                                 counterfactual_image=kind),
                                  train_dataset=grpo_train_dataset)
         trainer.train()
-        got = seen[-1]["signals"]
-        for name in ("visual_gain", "answer_visual_gain", "blind_agrees"):
-            assert torch.isfinite(got[name]).all(), (arch, kind, name, got[name])
+        batch = seen[-1]
+        got = batch["signals"]
+        # max_steps=1: the one generation batch is scored before the optimizer step, so with the checkpoint's weights
+        measured = "answer_image_attention" in got
+        want = profile_reference(path, batch, kind, trainer.args.temperature, attention=measured)
+        names = ["visual_gain", "answer_visual_gain", "blind_agrees"] + (["answer_image_attention"] if measured else [])
+        for name in names:
+            assert not got[name].isnan().any(), (arch, kind, name, got[name])  # every rollout has an answer letter
+            torch.testing.assert_close(got[name].double(), want[name].double(), atol=1e-5, rtol=0,
+                                       msg=lambda m, name=name, kind=kind: f"{arch} {kind} {name}: {m}")
+        if arch == "gemma3" and kind == "black":
+            # Exactly 0, by construction: transformers initialises Gemma 3's multimodal projection
+            # (mm_input_projection_weight) to zeros, so every image embeds to zeros whatever its pixels; a black image
+            # of the same size leaves every input embedding, hence every logit, unchanged.
+            fresh = AutoModelForImageTextToText.from_pretrained(path)
+            assert not fresh.model.multi_modal_projector.mm_input_projection_weight.any()
+            assert got["visual_gain"].tolist() == [0.0] * len(got["visual_gain"])
+            assert got["answer_visual_gain"].tolist() == [0.0] * len(got["answer_visual_gain"])
+            assert got["blind_agrees"].tolist() == [1.0] * len(got["blind_agrees"])
+        else:  # the image matters to this model (removing it always does): the comparison is not vacuous
+            assert got["visual_gain"].abs().max() > 1e-4, (arch, kind, got["visual_gain"])
         logged = [h for h in trainer.state.log_history if "loss" in h][0]
         assert logged["reliance/answer_rate"] == 1.0, (arch, kind)
