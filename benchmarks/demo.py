@@ -3,11 +3,15 @@
 
     .venv/bin/python benchmarks/demo.py [--work_dir demo_bench]
 
-Recorded: the wall time of the whole demo and of its GRPO step; held-out greedy accuracy (and clean-format rate)
-after the warm-up and after GRPO; from the training's ``trainer_state.json``, the means over the first and the last
-20 steps of the weighted reward, sampled accuracy (``mc_idx``), clean format, MDI, MDI balance and the answer
-reward's zero-spread fraction; from the closing profile, all-layer and late-layer MDI of both models. One run: the
-demo is seeded, but its figures move with the thread count and the machine (tests/test_demo.py checks margins).
+Recorded: the wall time of the whole demo and of its GRPO step, the demo's CPU time and the load average (the
+machine may be shared); held-out greedy accuracy (and clean-format rate) after the warm-up and after GRPO; from the
+training's ``trainer_state.json``, the means over the first and the last 20 steps of the weighted reward, sampled
+accuracy (``mc_idx``), clean format, MDI, MDI balance, the answer reward's zero-spread fraction and the reliance
+signals (visual gain, answer visual gain, blind agreement: the demo config turns them on, with a black
+counterfactual image); from the closing profile, all-layer and late-layer MDI of both models and its reliance
+section (accuracy with the image and with the counterfactual, multimodal gain, same answer without the image, the
+signals' means). One run: the demo is seeded, but its figures move with the thread count and the machine
+(tests/test_demo.py checks margins).
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -38,7 +44,8 @@ def _mean(values: list[float]) -> float:
 
 
 def _window_means(history: list[dict], key: str) -> tuple[float, float]:
-    values = [h[key] for h in history if h.get(key) is not None]
+    # a metric undefined at a step (e.g. blind agreement with no answered rollout) is absent or NaN there
+    values = [h[key] for h in history if h.get(key) is not None and not math.isnan(h[key])]
     if len(values) < 2 * WINDOW:
         raise SystemExit(f"trainer_state.json has {len(values)} logged values of {key}: need {2 * WINDOW}")
     return _mean(values[:WINDOW]), _mean(values[-WINDOW:])
@@ -52,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     work = args.work_dir.resolve()
     env = {**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable), "TRL_MDI_LOG_DIR": str(work / "logs")}
+    load_start = os.getloadavg()[0]
     started = time.perf_counter()
     lines: list[str] = []
     with subprocess.Popen(["bash", "examples/demo.sh", str(work)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -65,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     if proc.returncode != 0:
         raise SystemExit(f"examples/demo.sh failed (exit {proc.returncode})")
     total = time.perf_counter() - started
+    # user + system seconds of every process the demo ran (waited for): unlike the wall time, barely moved by other
+    # jobs sharing the cores
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = children.ru_utime + children.ru_stime
     grpo = marks["5/6"] - marks["4/6"]
     text = "".join(lines)
     scores = SCORE.findall(text)
@@ -78,10 +90,27 @@ def main(argv: list[str] | None = None) -> int:
         ("clean format (sampled)", "completions/clean_format_frac"), ("MDI (all layers)", "attention/mdi"),
         ("MDI balance (attention/mdi_balance)", "attention/mdi_balance"),
         ("MDI balance reward", "rewards/mdi_balance_reward/mean"),
-        ("answer reward zero-spread fraction", "rewards/mc_idx_reward/zero_spread_frac"))}
+        ("answer reward zero-spread fraction", "rewards/mc_idx_reward/zero_spread_frac"),
+        ("visual gain (reliance/visual_gain, nats per token)", "reliance/visual_gain"),
+        ("answer visual gain (reliance/answer_visual_gain, nats)", "reliance/answer_visual_gain"),
+        ("blind agreement (reliance/blind_agree_rate)", "reliance/blind_agree_rate"))}
     profile = json.loads((work / "profile" / "profile.json").read_text())
     segs = [m["profile"]["segments"] for m in profile["models"]]
     rows = [f"| {label} | {a:.3f} | {b:.3f} |" for label, (a, b) in windows.items()]
+    kinds = (profile["settings"]["reliance"] or {}).get("counterfactual_image") or []
+    if len(kinds) != 1 or any(not m.get("reliance") for m in profile["models"]):
+        raise SystemExit(f"the closing profile has no reliance section with one counterfactual kind (got {kinds}): "
+                         "examples/demo.sh's trl_mdi.profile step needs --reliance")
+    kind = kinds[0]
+    reliance = [m["reliance"]["summary"]["kinds"][kind] for m in profile["models"]]
+    reliance_rows = [f"| {label} | " + " | ".join(fmt.format(get(r)) for r in reliance) + " |" for label, get, fmt in (
+        ("accuracy, image", lambda r: r["accuracy_image"], "{:.3f}"),
+        ("accuracy, counterfactual (the blind answer)", lambda r: r["accuracy_counterfactual"], "{:.3f}"),
+        ("multimodal gain", lambda r: r["multimodal_gain"], "{:+.3f}"),
+        ("same answer without the image", lambda r: r["same_answer_rate"], "{:.3f}"),
+        ("visual_gain mean (nats per token)", lambda r: r["means"]["visual_gain"], "{:+.4f}"),
+        ("answer_visual_gain mean (nats)", lambda r: r["means"]["answer_visual_gain"], "{:+.3f}"),
+        ("blind_agrees rate", lambda r: r["means"]["blind_agrees"], "{:.3f}"))]
     flags = "".join(" " + a for a in result_args(sys.argv[1:] if argv is None else list(argv),
                                                   ("--work_dir", "--results")))
     body = "\n".join([
@@ -92,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
-        f"load average (1 min) at the end {os.getloadavg()[0]:.2f}.",
+        f"load average (1 min) at the start {load_start:.2f}, at the end {os.getloadavg()[0]:.2f}.",
         f"- Wall time: {total:.0f} s for the whole demo, {grpo:.0f} s of it the GRPO step (200 steps, 2 processes, "
-        "ZeRO-3 on CPU) with its launch.",
+        f"ZeRO-3 on CPU) with its launch; {cpu:.0f} s of CPU time (user + system, all its processes).",
         f"- Held-out greedy accuracy, 200 validation questions: {warm_acc:.3f} after the warm-up (clean format "
         f"{warm_clean:.2f}), {trained_acc:.3f} after GRPO (clean format {trained_clean:.2f}).",
         f"- Closing profile, 64 held-out questions, greedy answers: all-layer MDI {segs[0]['all']['mdi']:.3f} after "
@@ -104,6 +133,14 @@ def main(argv: list[str] | None = None) -> int:
         f"| training log, mean over steps | first {WINDOW} | last {WINDOW} |",
         "|---|---:|---:|",
         *rows,
+        "",
+        # not "Closing profile...": docs cite the bullet above as the one line starting so
+        f"The closing profile's reliance section (`--reliance`, counterfactual `{kind}`), on the greedy answers to "
+        "the 64 held-out questions:",
+        "",
+        "| profile, reliance on the image | after the warm-up | after GRPO |",
+        "|---|---:|---:|",
+        *reliance_rows,
         "",
     ])
     replace_section(SECTION, body, args.results)

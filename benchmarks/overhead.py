@@ -17,18 +17,41 @@ Variants run in alternating rounds (stock, metrics_only, extra_forward, stock, .
 alike. Per round and length, each variant's median step wall time (first step of each run dropped as warm-up) is
 divided by stock's in the same round: the figure is the median of these paired ratios over rounds, with their
 min-max. The section "Trainer overhead" of benchmarks/RESULTS.md is replaced with the table.
+
+With vLLM generating (TRL's colocate mode on vLLM's CPU build, in the environment `make test-vllm` builds):
+
+    .venv-vllm/bin/python benchmarks/overhead.py --vllm          # 4 seeds, 5-7 min on 2 shared cores
+
+    stock          trl.GRPOTrainer as shipped; rewards mc_idx 4 + think_format 1
+    mdi            MDIGRPOTrainer built without reward_funcs: the default 4:1:1 stack (mc_idx, think_format,
+                   mdi_balance), attention metrics and live logs on; mdi_balance reads MDI before the loss, and the
+                   probe rides TRL's importance-sampling forward (no extra forward)
+
+One run per variant and seed, the order alternating from seed to seed (stock first on even seeds); each run starts
+its own engine (not timed) and times whole steps (from one step's start to the next one's: generation, weight sync,
+scoring, loss, backward, optimizer, logging) after warm-up steps. The rollouts are the same only up to the first
+update (mdi_balance changes the advantages). Each step is timed by the wall clock (the target's measure) and by the
+process's CPU time (the colocated engine runs in this process), which other jobs' load disturbs less. Reported: the
+ratio of the pooled median step times (and of their lower quartiles: the steps that waited least for a core) with a
+bootstrap interval (steps resampled within each run), the per-seed ratios, the policy forwards per step counted by a
+hook on the policy, and where each variant's step time goes. One torch thread (``--threads``). The section "Trainer
+overhead under vLLM" of benchmarks/RESULTS.md is replaced.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
+import math
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
 import time
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from _results import replace_section, result_args, set_offline_env
@@ -36,10 +59,17 @@ from _results import replace_section, result_args, set_offline_env
 set_offline_env()
 # fixtures/ (tiny models, synthetic data, warm-up) is a folder of the checkout, not an installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--vllm" in sys.argv[1:]:
+    # vLLM reads its environment once, at import, and TRL imports it with the trainer: set it before anything else.
+    from fixtures import vllm_cpu
+
+    vllm_cpu.set_env()
+    # One thread for vLLM's own OpenMP kernels too (torch.set_num_threads covers torch's): see --threads.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 from datasets import load_dataset  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
+from transformers import AutoConfig, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from fixtures.synthetic import write_synthetic_aokvqa  # noqa: E402
@@ -52,6 +82,7 @@ from trl_mdi.trainer import MDIGRPOTrainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Trainer overhead: MDIGRPOTrainer vs GRPOTrainer"
+VLLM_SECTION = "## Trainer overhead under vLLM: MDIGRPOTrainer vs GRPOTrainer"
 MODEL = dict(num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=4, intermediate_size=768)
 
 
@@ -98,12 +129,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Step times on this shared VM drift by tens of percent between minutes: many short alternating rounds, paired.
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--completion_lengths", type=int, nargs="+", default=[32, 128],
-                        help="max_completion_length values to measure (the random model always writes all of them)")
-    parser.add_argument("--quick", action="store_true", help="2 rounds of 5 steps")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per run (default 10, with --vllm too, after its --warmup steps)")
+    parser.add_argument("--completion_lengths", type=int, nargs="+", default=None,
+                        help="max_completion_length values to measure (the random model always writes all of them; "
+                        "default 32 128; with --vllm one length, default 32)")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 5 steps (with --vllm: 1 seed, 4 steps, prints only)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    parser.add_argument("--vllm", action="store_true",
+                        help="vLLM generating (colocate, CPU): stock GRPOTrainer vs MDIGRPOTrainer's default stack; "
+                        "run with .venv-vllm/bin/python")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3],
+                        help="with --vllm: one run per variant and seed, the order alternating")
+    parser.add_argument("--warmup", type=int, default=2, help="with --vllm: untimed steps at the start of each run "
+                        "(the first one also warms the engine up: 25-55 s on this machine)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="with --vllm: torch threads (default 1: on a loaded 2-core machine two threads made "
+                        "steps 10-20x slower, each tiny kernel waiting on a descheduled partner thread)")
     a = parser.parse_args()
+    if a.vllm:
+        return main_vllm(a)
+    a.steps = a.steps or 10
+    a.completion_lengths = a.completion_lengths or [32, 128]
     if a.quick:
         a.rounds, a.steps = 2, 5
     torch.set_num_threads(2)
@@ -175,6 +222,291 @@ def main() -> None:
     print(body)
     if not a.no_write:
         replace_section(SECTION, body)
+
+
+# ------------------------------------------------------------------------------------------------ vLLM (colocate)
+
+
+def lower_quartile(values: list[float]) -> float:
+    """The 25th percentile, interpolated between the sorted values (at position ``0.25 * (n - 1)``, counting from 0):
+    on a loaded machine, the steps that waited least for a core."""
+    values = sorted(values)
+    if not values:
+        raise ValueError("lower_quartile needs at least one value")
+    position = 0.25 * (len(values) - 1)
+    below = math.floor(position)
+    above = min(below + 1, len(values) - 1)
+    return values[below] + (position - below) * (values[above] - values[below])
+
+
+def bootstrap_ratio(num_runs: list[list[float]], den_runs: list[list[float]], stat=statistics.median,
+                    resamples: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of ``stat(pooled num) / stat(pooled den)`` (``stat``: the median by default).
+
+    Each resample draws every run's values with replacement from that run alone (as many as it has), so every run
+    keeps its share of the pool: the interval reflects the step-to-step spread inside runs, not a reshuffling of
+    runs (a slow run stays one run). The bounds are the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of
+    the resampled ratios (lower: the value at index ``floor(q * resamples)``, upper: ``ceil(q * resamples) - 1`` of
+    the sorted ratios).
+    """
+    if not num_runs or not den_runs or not all(num_runs) or not all(den_runs):
+        raise ValueError("bootstrap_ratio needs at least one run per side, each with at least one value")
+    rng = random.Random(seed)
+
+    def pooled(runs: list[list[float]]) -> float:
+        return stat([x for run in runs for x in rng.choices(run, k=len(run))])
+
+    ratios = sorted(pooled(num_runs) / pooled(den_runs) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return ratios[math.floor(tail * resamples)], ratios[math.ceil((1 - tail) * resamples) - 1]
+
+
+class StepProfile(TrainerCallback):
+    """What each training step cost. ``starts`` / ``cpu_starts``: the wall clock and the process's CPU time (all its
+    threads: the colocated engine runs in this process) when each step began; a step's time is the gap to the next
+    one's start, so it holds everything the loop does for that step (generation, weight sync, scoring, loss,
+    backward, optimizer, logging and the trainer's log files). CPU time counts the work done, wall time also the
+    waits for a core other jobs hold. ``no_grad`` / ``grad``: the policy forwards a pre-hook on the policy module saw
+    in the step, by grad mode. ``phases`` / ``cpu_phases``: wall / CPU seconds per step in the methods wrapped by
+    :meth:`time_phase` (nested phases overlap: each is its own total)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.starts: list[float] = []
+        self.cpu_starts: list[float] = []
+        self.no_grad: list[int] = []
+        self.grad: list[int] = []
+        self.phases: list[dict[str, float]] = []
+        self.cpu_phases: list[dict[str, float]] = []
+        model.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args):
+        if self.starts:  # only forwards inside the training loop
+            (self.grad if torch.is_grad_enabled() else self.no_grad)[-1] += 1
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.starts.append(time.perf_counter())
+        self.cpu_starts.append(time.process_time())
+        self.no_grad.append(0)
+        self.grad.append(0)
+        self.phases.append(defaultdict(float))
+        self.cpu_phases.append(defaultdict(float))
+
+    def time_phase(self, owner, name: str, label: str, no_grad_only: bool = False) -> None:
+        """Shadow ``owner.name`` with a wrapper adding its wall and CPU time to the current step's ``label``; with
+        ``no_grad_only``, only calls made with grad off count (TRL's scoring forward, not the loss forward)."""
+        method = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            if not self.starts or (no_grad_only and torch.is_grad_enabled()):
+                return method(*args, **kwargs)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.phases[-1][label] += time.perf_counter() - start
+                self.cpu_phases[-1][label] += time.process_time() - cpu_start
+
+        setattr(owner, name, timed)
+
+    def timed_steps(self, warmup: int) -> list[int]:
+        """Indices of the steps after ``warmup`` whose time is known (a next step started)."""
+        return list(range(warmup, len(self.starts) - 1))
+
+    def step_time(self, i: int, cpu: bool = False) -> float:
+        starts = self.cpu_starts if cpu else self.starts
+        return starts[i + 1] - starts[i]
+
+
+VLLM_VARIANTS = ("stock", "mdi")
+# Phases of a step (labels of StepProfile.time_phase); "loop rest" = step time - generate and score - loss forward.
+PHASES = ("generate and score", "  vLLM generate", "  weight sync", "  no-grad policy forward", "  rewards",
+          "loss forward", "loop rest (backward, optimizer, logging)")
+
+
+def run_vllm(variant: str, model_dir: Path, dataset, work: Path, seed: int, warmup: int, steps: int,
+             completion_length: int) -> tuple[StepProfile, float]:
+    """One run of ``warmup + steps + 1`` steps (the last one only closes the timing of the one before); returns its
+    profile and the seconds the trainer took to build (model load and engine start, not timed as steps)."""
+    # TRL keeps the image placeholder out of HF generate's samples (suppress_tokens) but not out of vLLM's; the
+    # random tiny model samples it within a few steps, and the policy forward then fails ("Image features and image
+    # tokens do not match"). Both variants get the same bias against it.
+    image_token_id = AutoConfig.from_pretrained(model_dir).image_token_id
+    common = dict(
+        output_dir=str(work / variant), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=8,
+        num_generations=4, max_completion_length=completion_length, max_steps=warmup + steps + 1, logging_steps=1,
+        save_strategy="no", seed=seed, learning_rate=1e-5, disable_tqdm=True, gradient_checkpointing=False,
+        generation_kwargs={"logit_bias": {image_token_id: -100.0}}, **vllm_cpu.VLLM_CPU_ARGS,
+    )
+    start = time.perf_counter()
+    if variant == "stock":
+        trainer = GRPOTrainer(str(model_dir), reward_funcs=[mc_idx_reward, think_format_reward],
+                              args=GRPOConfig(**common, reward_weights=[4, 1]), train_dataset=dataset)
+    else:
+        args = MDIGRPOConfig(**common, compute_attention_metrics=True, realtime_rollout_logging=True,
+                             rollout_log_path=str(work / variant / "rollouts.md"),
+                             attention_diag_log_path=str(work / variant / "attention.md"))
+        trainer = MDIGRPOTrainer(str(model_dir), args=args, train_dataset=dataset)  # no reward_funcs: the default
+        plan = trainer.run_plan
+        stack = (plan.reward_names, tuple(plan.reward_weights or ()), str(plan.placement))
+        assert stack == (("mc_idx_reward", "think_format_reward", "mdi_balance_reward"), (4.0, 1.0, 1.0),
+                         "trl_forward"), stack
+    build_s = time.perf_counter() - start
+    profile = StepProfile(trainer.model)
+    trainer.add_callback(profile)
+    profile.time_phase(trainer, "_generate_and_score_completions", "generate and score")
+    profile.time_phase(trainer.vllm_generation, "generate", "  vLLM generate")
+    profile.time_phase(trainer.vllm_generation, "sync_weights", "  weight sync")
+    profile.time_phase(trainer, "_get_per_token_logps_and_entropies", "  no-grad policy forward", no_grad_only=True)
+    profile.time_phase(trainer, "_calculate_rewards", "  rewards")
+    profile.time_phase(trainer, "compute_loss", "loss forward")
+    trainer.train()
+    del trainer  # one engine at a time: free this one before the next run builds its own
+    gc.collect()
+    return profile, build_s
+
+
+def main_vllm(a: argparse.Namespace) -> None:
+    steps = a.steps or 10
+    seeds = a.seeds
+    if a.quick:
+        steps, seeds = 4, seeds[:1]
+        a.warmup = min(a.warmup, 2)
+    if a.completion_lengths and len(a.completion_lengths) != 1:
+        raise SystemExit("--vllm measures one completion length: pass one value to --completion_lengths")
+    completion_length = (a.completion_lengths or [32])[0]
+    torch.set_num_threads(a.threads)
+    vllm_cpu.install()
+    import vllm
+
+    started, load_start = time.time(), os.getloadavg()[0]
+    runs: dict[str, list[StepProfile]] = {v: [] for v in VLLM_VARIANTS}
+    builds: dict[str, list[float]] = {v: [] for v in VLLM_VARIANTS}
+    loads: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model_dir = save_tiny_vlm("qwen2_5_vl", work / "model", **MODEL)
+        write_synthetic_aokvqa(work / "src", n_train=256, n_validation=8, n_test=8, seed=0, num_shards=1)
+        prepare_aokvqa(work / "src", work / "prepared", log=lambda *x: None)
+        dataset = load_dataset("parquet", data_files=str(work / "prepared" / "train.parquet"), split="train")
+        dataset = dataset.map(to_conversational)
+        for k, seed in enumerate(seeds):
+            for variant in VLLM_VARIANTS if k % 2 == 0 else VLLM_VARIANTS[::-1]:
+                loads.append(os.getloadavg()[0])
+                profile, build_s = run_vllm(variant, model_dir, dataset, work / f"s{seed}", seed, a.warmup, steps,
+                                            completion_length)
+                runs[variant].append(profile)
+                builds[variant].append(build_s)
+                t = [profile.step_time(i) for i in profile.timed_steps(a.warmup)]
+                c = [profile.step_time(i, cpu=True) for i in profile.timed_steps(a.warmup)]
+                every = " ".join(f"{profile.step_time(i):.2f}/{profile.step_time(i, cpu=True):.2f}"
+                                 for i in range(len(profile.starts) - 1))
+                print(f"seed {seed} {variant:5s} median step {statistics.median(t):.3f} s wall, "
+                      f"{statistics.median(c):.3f} s CPU over {len(t)} timed steps (build {build_s:.0f} s, load "
+                      f"{loads[-1]:.2f}; every step's wall/CPU s, warm-up first: {every})", flush=True)
+    load_end = os.getloadavg()[0]
+
+    def times(profile: StepProfile, cpu: bool = False) -> list[float]:
+        return [profile.step_time(i, cpu) for i in profile.timed_steps(a.warmup)]
+
+    def median_of(v: str, cpu: bool = False) -> float:
+        return statistics.median(x for p in runs[v] for x in times(p, cpu))
+
+    def ratio_row(cpu: bool, stat) -> str:
+        pooled = {v: stat([x for p in runs[v] for x in times(p, cpu)]) for v in VLLM_VARIANTS}
+        ratio = pooled["mdi"] / pooled["stock"]
+        lo, hi = bootstrap_ratio([times(p, cpu) for p in runs["mdi"]], [times(p, cpu) for p in runs["stock"]], stat)
+        per_seed = [stat(times(m, cpu)) / stat(times(s, cpu)) for m, s in zip(runs["mdi"], runs["stock"])]
+        what = {(False, statistics.median): "wall time, median (the target's measure)",
+                (False, lower_quartile): "wall time, lower quartile (the steps that waited least)",
+                (True, statistics.median): "CPU time, median",
+                (True, lower_quartile): "CPU time, lower quartile"}[(cpu, stat)]
+        return (f"| {what} | {ratio:.3f} {'✓' if ratio <= 1.05 else '✗'} | {lo:.3f} - {hi:.3f} | "
+                f"{', '.join(f'{r:.3f}' for r in per_seed)} |")
+
+    def forwards(v: str) -> str:
+        counts = Counter((p.no_grad[i], p.grad[i]) for p in runs[v] for i in p.timed_steps(a.warmup))
+        return "; ".join(f"{ng} no-grad + {g} grad in {n} steps" for (ng, g), n in sorted(counts.items()))
+
+    def phase(v: str, label: str, cpu: bool) -> float:
+        per_step = []
+        for p in runs[v]:
+            for i in p.timed_steps(a.warmup):
+                ph = (p.cpu_phases if cpu else p.phases)[i]
+                if label.startswith("loop rest"):
+                    per_step.append(p.step_time(i, cpu) - ph["generate and score"] - ph["loss forward"])
+                else:
+                    per_step.append(ph[label])
+        return statistics.median(per_step)
+
+    seeds_text = " ".join(str(s) for s in seeds)
+    rows = []
+    for v in VLLM_VARIANTS:
+        wall = [x for p in runs[v] for x in times(p)]
+        rows.append(f"| {v} | {len(wall)} | {statistics.median(wall):.3f} | {min(wall):.3f} - {max(wall):.3f} | "
+                    f"{median_of(v, cpu=True):.3f} | {statistics.median(builds[v]):.0f} | {forwards(v)} |")
+    phase_rows = [f"| {label.strip()}{' (inside the above)' if label.startswith('  ') else ''} | "
+                  f"{phase('stock', label, False):.3f} | {phase('mdi', label, False):.3f} | "
+                  f"{phase('stock', label, True):.3f} | {phase('mdi', label, True):.3f} | "
+                  f"{phase('mdi', label, True) - phase('stock', label, True):+.3f} |" for label in PHASES]
+    body = "\n".join([
+        VLLM_SECTION,
+        "",
+        f"Reproduce: `.venv-vllm/bin/python benchmarks/overhead.py{''.join(' ' + x for x in result_args(sys.argv[1:], ()))}`"
+        " (from the repository root, in the environment `make test-vllm` builds; "
+        f"{(time.time() - started) / 60:.1f} min).",
+        "",
+        f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"vLLM {vllm.__version__} (CPU build), `torch.set_num_threads({torch.get_num_threads()})`, "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, Python {platform.python_version()}; "
+        f"load average (1 min) {load_start:.2f} at the start, {min(loads):.2f} - {max(loads):.2f} at the runs' "
+        f"starts, {load_end:.2f} at the end (the machine is shared: other jobs' load is in every time).",
+        f"- Model: tiny Qwen2.5-VL built offline ({', '.join(f'{k}={v}' for k, v in MODEL.items())}), float32 in "
+        "the policy and the engine (`fixtures.vllm_cpu`: the CPU harness keeps linear weights loadable for TRL's "
+        "weight sync), CPU.",
+        f"- Run: TRL colocate mode (`{', '.join(f'{k}={v}' for k, v in vllm_cpu.VLLM_CPU_ARGS.items())}`), "
+        f"per_device_train_batch_size 8, num_generations 4, max_completion_length {completion_length}, lr 1e-5, "
+        "no gradient checkpointing, TRL's vLLM importance-sampling correction on (its default: one no-grad policy "
+        "forward per generation batch). `stock`: `trl.GRPOTrainer` as shipped, rewards mc_idx 4 + think_format 1. "
+        "`mdi`: `MDIGRPOTrainer` built without `reward_funcs` (the default stack mc_idx 4 + think_format 1 + "
+        "mdi_balance 1; probe placement `trl_forward`: it rides TRL's importance-sampling forward), attention "
+        "metrics and live Markdown logs on. Both: vLLM sampling with `logit_bias` -100 on the image placeholder "
+        "(TRL suppresses it in HF generate but not under vLLM; the random model samples it and the policy forward "
+        "then fails). One torch / OpenMP thread: with two, on this loaded machine, steps took 10-20x longer.",
+        f"- Seeds {seeds_text}: one run per variant and seed, the order alternating (stock first on even seeds). "
+        f"Each run: trainer build and engine start (not timed), {a.warmup} warm-up steps, {steps} timed steps; a "
+        "step's time runs from its start to the next step's start (generation, weight sync, scoring, loss, "
+        "backward, optimizer, logging). The rollouts agree only up to the first update (mdi_balance changes the "
+        "advantages). Target: mdi / stock <= 1.05.",
+        "",
+        "| variant | timed steps | median step s (wall) | min - max s (wall) | median step s (CPU) | build s (model + "
+        "engine, untimed) | policy forwards per step (hook on the policy) |",
+        "|---|---:|---:|---:|---:|---:|---|",
+        *rows,
+        "",
+        "mdi / stock: the ratio of the pooled step times' median (or lower quartile), with a 95% bootstrap interval "
+        f"(steps resampled within each run) and per seed (the two runs' ratio, seeds {seeds_text}); target <= 1.05:",
+        "",
+        "| measure | mdi / stock | 95% interval | per seed |",
+        "|---|---:|---:|---|",
+        *[ratio_row(cpu, stat) for cpu in (False, True) for stat in (statistics.median, lower_quartile)],
+        "",
+        "Wall time includes the waits for a core that other jobs on the machine hold, and their load moves from "
+        "minute to minute; CPU time counts the work this process did (the colocated engine included), which such "
+        "load inflates less (but still: each preemption costs the process its caches). The lower quartile keeps the "
+        "steps that were least disturbed.",
+        "",
+        "Where a step's time goes (median seconds per step over the timed steps; indented phases are parts of "
+        "'generate and score'; 'loop rest' = the step minus 'generate and score' and 'loss forward'):",
+        "",
+        "| phase | stock wall s | mdi wall s | stock CPU s | mdi CPU s | mdi - stock CPU s |",
+        "|---|---:|---:|---:|---:|---:|",
+        *phase_rows,
+        "",
+    ])
+    print(body)
+    if not a.no_write and not a.quick:
+        replace_section(VLLM_SECTION, body)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@
 #   2. write synthetic A-OKVQA-format colour questions (the image decides the answer)
 #   3. convert them with data_prep/prepare_aokvqa_for_trl.py, exactly as for the real dataset
 #   4. train with GRPO: examples/scripts/grpo_vlm.py under accelerate, 2 processes, DeepSpeed ZeRO-3 on CPU,
-#      attention metrics on, hyperparameters from examples/configs/demo.yaml; the logs show the reward rising
+#      attention metrics and reliance signals on (per rollout: did the answer come from the image? scored again with
+#      a black image), hyperparameters from examples/configs/demo.yaml; the logs show the reward rising
 #   5. score the trained model on the warm-up's 200 held-out questions (greedy), to compare with step 1
-#   6. profile the attention of both models layer by layer (python -m trl_mdi.profile) on the 64 held-out
-#      validation questions of step 3, which GRPO never trained on: tables and pictures in $OUT/profile
+#   6. profile both models (python -m trl_mdi.profile) on the 64 held-out validation questions of step 3, which GRPO
+#      never trained on: attention layer by layer, and with --reliance the same answers without the image (a black
+#      one): tables and pictures in $OUT/profile
 set -euo pipefail
 OUT="${1:-demo_run}"
 PY="${PYTHON:-.venv/bin/python}"
@@ -48,10 +50,12 @@ touch "$OUT/grpo/.started"  # files newer than this are this run's logs
 echo "== 5/6 held-out accuracy after GRPO (step 1 printed it after the warm-up)"
 "$PY" -m fixtures.warmup --evaluate "$OUT/grpo"
 
-echo "== 6/6 attention by layer before and after GRPO, on the held-out validation questions -> $OUT/profile"
+echo "== 6/6 attention by layer and reliance on the image, before and after GRPO, on the held-out validation questions -> $OUT/profile"
+# --reliance: each greedy answer scored again with a black image (the training's counterfactual, which removes the
+# colour the questions ask about), and each question asked again without its image
 "$PY" -m trl_mdi.profile --model_name_or_path "$OUT/tiny-warm" "$OUT/grpo" \
     --dataset_path "$OUT/aokvqa_trl_data_simple" --split validation --max_new_tokens 8 --batch_size 32 \
-    --threads 1 --out "$OUT/profile"
+    --threads 1 --reliance --out "$OUT/profile"
 
 CKPT=$(ls -d "$OUT"/grpo/checkpoint-* 2>/dev/null | sort -t- -k2 -n | tail -1 || true)
 LOGS=$(find "${TRL_MDI_LOG_DIR:-training_logs}" "$OUT/grpo" -name '*.md' ! -name README.md -newer "$OUT/grpo/.started" 2>/dev/null | sort || true)
@@ -62,9 +66,14 @@ echo "model:          $OUT/tiny-warm (warm-up recipe and accuracy: warmup.json)"
 echo "data:           $OUT/aokvqa_trl_data_simple"
 echo "trained model:  $OUT/grpo (final model + processor)"
 echo "checkpoint:     ${CKPT:-none}"
-echo "metrics:        ${CKPT:+$CKPT/trainer_state.json} (log_history: rewards/*, attention/* for every step)"
+echo "metrics:        ${CKPT:+$CKPT/trainer_state.json} (log_history: rewards/*, attention/*, reliance/* for every step)"
 for f in $LOGS; do echo "Markdown log:   $f   (tail -f it during a run)"; done
 for d in $MAPS; do echo "attention maps: $d/ ($(ls "$d" | wc -l) PNG files)"; done
-echo "profile:        $OUT/profile/profile.md (per-layer tables, before vs after GRPO)"
+for f in $LOGS; do
+    case "$f" in */rollout_results_*) echo "reliance:       $f (per rollout: vis gain, ans gain, blind; image evidence in bold)";; esac
+done
+echo "profile:        $OUT/profile/profile.md (per-layer tables, before vs after GRPO; at its end the section"
+echo "                \"Reliance on the image\": accuracy with the image and with a black one, per model)"
 echo "pictures:       $OUT/profile/mdi_by_layer.png, $OUT/profile/mass_by_layer.png"
+echo "                $OUT/profile/reliance_*.png (each reliance signal's distribution per model)"
 [ -n "$LOGS$MAPS" ] || echo "Markdown logs / attention maps: none written"
