@@ -34,7 +34,7 @@ from trl_mdi import trainer as trainer_module
 from trl_mdi.attention import image_token_ids, probe_attention
 from trl_mdi.config import MDIGRPOConfig
 from trl_mdi.trainer import MDIGRPOTrainer
-from trl_mdi.vllm_prompts import drop_stale_image_features, engine_prompt_ids
+from trl_mdi.vllm_prompts import drop_stale_image_features, engine_prompt_ids, suppress_image_tokens
 
 
 def spread_reward(completions, **kwargs):
@@ -70,6 +70,9 @@ class Recorded:
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     engine_weights: dict[str, tuple[torch.Tensor, str]] = field(default_factory=dict)  # engine weight, policy name
     engine_unfused: dict[str, torch.Tensor] = field(default_factory=dict)  # the engine's o_proj / down_proj weights
+    completion_ids: list[list[int]] = field(default_factory=list)  # every rollout vLLM sampled
+    engine_generation_kwargs: dict = field(default_factory=dict)  # the engine's sampling kwargs (TRL's copy)
+    user_generation_kwargs: dict | None = None  # args.generation_kwargs after the run
 
 
 UNFUSED = ("self_attn.o_proj.weight", "mlp.down_proj.weight")  # linear layers vLLM does not fuse (qkv, gate_up are)
@@ -119,6 +122,7 @@ def record_run(monkeypatch, trainer_cls, model_dir, args, dataset, peft_config=N
         rec.generations += 1
         out = vllm_generate(self, *a, **kw)
         rec.sampling_logps.append([[t[0] for t in row] for row in out[2]])  # the sampled token's log-prob
+        rec.completion_ids += [list(ids) for ids in out[1]]
         return out
 
     @contextlib.contextmanager
@@ -149,6 +153,8 @@ def record_run(monkeypatch, trainer_cls, model_dir, args, dataset, peft_config=N
     rec.logs = [h for h in trainer.state.log_history if "loss" in h]
     rec.params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     rec.engine_weights = engine_weights(trainer)
+    rec.engine_generation_kwargs = dict(trainer.vllm_generation.generation_kwargs)
+    rec.user_generation_kwargs = trainer.args.generation_kwargs
     engine = trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
     rec.engine_unfused = {n: p.detach().clone() for n, p in engine.named_parameters()
                           if "layers." in n and n.endswith(UNFUSED) and "visual" not in n}
@@ -160,9 +166,14 @@ def record_run(monkeypatch, trainer_cls, model_dir, args, dataset, peft_config=N
 
 class PromptFixedGRPOTrainer(GRPOTrainer):
     """Stock ``GRPOTrainer`` with only the engine fixes MDIGRPOTrainer applies (``trl_mdi.vllm_prompts``): the engine
-    gets one image placeholder per image, and its cached image features are dropped before each weight sync. Stock
-    TRL 1.16 alone samples from a corrupted prompt (huggingface/trl#6294), so its rollouts, and so its parameters,
-    differ from a correct run's; this is the stock run to compare against."""
+    gets one image placeholder per image, never samples one (``suppress_image_tokens``), and its cached image features
+    are dropped before each weight sync. Stock TRL 1.16 alone samples from a corrupted prompt (huggingface/trl#6294),
+    so its rollouts, and so its parameters, differ from a correct run's; this is the stock run to compare against."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.vllm_generation.generation_kwargs = suppress_image_tokens(self.vllm_generation.generation_kwargs,
+                                                                       image_token_ids(self.model.config))
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         prompt_ids = engine_prompt_ids(prompt_ids, self.model.config.image_token_id)
@@ -200,6 +211,21 @@ def runs(qwen25_dir, tmp_path_factory):
 LOGP_TOL = 1e-4
 
 
+def test_the_engine_never_samples_an_image_placeholder(runs, qwen25_dir):
+    """TRL suppresses the image token under HF generate only; a sampled placeholder makes the next policy forward
+    fail ("Image features and image tokens do not match"). MDIGRPOTrainer gives its engine's copy of the sampling
+    kwargs a -100 logit bias on every image token of the family (the user's config untouched), and none of the
+    rollouts holds one."""
+    from transformers import AutoConfig
+
+    image_token = AutoConfig.from_pretrained(qwen25_dir).image_token_id
+    for name in ("metrics_off", "metrics_on"):
+        rec = runs[name]
+        assert rec.engine_generation_kwargs["logit_bias"][image_token] == -100.0, name
+        assert rec.user_generation_kwargs is None, name  # GRPOConfig's default, not written to
+        assert all(image_token not in ids for ids in rec.completion_ids), name
+
+
 def test_vllm_generated_every_batch_from_the_synced_weights(runs):
     """vLLM (not HF generate) made every rollout, and the engine's weights after the run are the policy's (cast to
     the engine's dtype): TRL's weight sync reached it. Without the CPU harness the sync fails at the first step;
@@ -215,22 +241,49 @@ def test_vllm_generated_every_batch_from_the_synced_weights(runs):
             assert torch.equal(engine, synced[policy_name].to(engine.dtype)), f"{name}: engine {key} is stale"
 
 
-def test_the_engine_generates_from_the_trainers_prompt(runs):
+def test_the_engine_generates_from_the_trainers_prompt(runs, qwen25_dir):
     """Each row vLLM generated from is the prompt the trainer scores (same ids, same image tokens), and so its
-    sampling log-probs equal the policy's on every completion token, image rows included (float32 engine).
+    sampling log-probs equal the policy's on every completion token, image rows included (float32 engine), once
+    renormalised over the tokens the engine may sample (``suppressed_offsets``).
 
     TRL 1.16 alone fails this (huggingface/trl#6294): it hands vLLM the processor's expanded image tokens, which
     vLLM expands again (31 prompt tokens sent, 34 run, 7 image tokens for 4; log-probs off by up to 0.16). The
     trainer hands the engine one placeholder per image (``trl_mdi.vllm_prompts``), and stock TRL with the same fix
     (the ``stock`` run) passes too."""
     for name in ("stock", "metrics_on"):
-        assert_engine_ran_the_scored_prompt(runs[name], name)
+        assert_engine_ran_the_scored_prompt(runs[name], name, suppressed_offsets(runs[name], qwen25_dir))
 
 
-def assert_engine_ran_the_scored_prompt(rec: Recorded, name: str) -> None:
+def suppressed_offsets(rec: Recorded, model_dir) -> list[torch.Tensor]:
+    """Per batch, ``-log(1 - P)`` at every completion position, P the policy's probability of the image tokens the
+    engine may not sample (``suppress_image_tokens``), recomputed from the batch's first policy forward (its inputs
+    and weights as recorded). vLLM returns processed log-probs, so its log-prob of a sampled token is the policy's
+    renormalised over the tokens left: ``log p - log(1 - P)``. (The random tiny models put P ~ 0.002 to 0.005 there,
+    a trained model next to nothing.)"""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    ids_suppressed = image_token_ids(model.config)
+    offsets = []
+    for fwd in rec.first_forward:
+        model.load_state_dict(fwd["state"])
+        n = fwd["logits_to_keep"]
+        with torch.no_grad():
+            logits = model(input_ids=fwd["input_ids"], attention_mask=fwd["attention_mask"],
+                           **fwd["multimodal"]).logits[:, -n - 1:-1].double()
+        mass = logits.softmax(-1)[..., ids_suppressed].sum(-1)
+        offsets.append(-torch.log1p(-mass))
+    return offsets
+
+
+def assert_engine_ran_the_scored_prompt(rec: Recorded, name: str, offsets: list[torch.Tensor]) -> None:
+    """``offsets``: :func:`suppressed_offsets` of the run (or of a run with the same rollouts and weights)."""
     assert rec.engine_prompts and all(len(sent) < len(seen) for sent, seen in rec.engine_prompts), \
         f"{name}: the engine was not handed collapsed placeholders (every row here has an image)"
+    assert min(o.max().item() for o in offsets) > LOGP_TOL  # else the check below could not see the suppression
     for batch, (sampled, policy, fwd) in enumerate(zip(rec.sampling_logps, rec.policy_logps, rec.first_forward)):
+        policy = policy + offsets[batch].to(policy.dtype)
         n = fwd["logits_to_keep"]
         for i, (_, seen) in enumerate(rec.engine_prompts[4 * batch: 4 * batch + 4]):
             # The prompt as the trainer scores it: TRL's forward left-pads the prompts (mask 0 there).
@@ -311,7 +364,7 @@ def test_qwen2_vl_trains_under_vllm_and_its_probe_equals_eager(tiny_vlm_dir, tmp
     model_dir = tiny_vlm_dir("qwen2_vl")
     rec = record_run(monkeypatch, MDIGRPOTrainer, model_dir, mdi_args(tmp_path), zen_image_dataset(8))
     assert rec.generations == 2 and rec.forwards == [1, 1]
-    assert_engine_ran_the_scored_prompt(rec, "qwen2_vl")
+    assert_engine_ran_the_scored_prompt(rec, "qwen2_vl", suppressed_offsets(rec, model_dir))
     n_image = assert_probe_equals_eager(rec, model_dir)
     assert all(n > 0 for batch in n_image for n in batch)
 
@@ -370,7 +423,9 @@ def test_images_of_different_sizes_several_per_row_and_text_only_rows_in_one_bat
     args = mdi_args(tmp_path, per_device_train_batch_size=8, num_generations=2)
     rec = record_run(monkeypatch, MDIGRPOTrainer, model_dir, args, mixed_image_dataset())
     assert rec.generations == 2 and len(rec.logs) == 2
-    for sampled, policy, fwd in zip(rec.sampling_logps, rec.policy_logps, rec.first_forward):
+    offsets = suppressed_offsets(rec, model_dir)
+    for sampled, policy, fwd, offset in zip(rec.sampling_logps, rec.policy_logps, rec.first_forward, offsets):
+        policy = policy + offset.to(policy.dtype)
         text_only = [i for i in range(len(sampled)) if not torch.isin(fwd["input_ids"][i], image_ids).any()]
         assert len(text_only) == 2  # the text-only prompt's 2 rollouts
         diffs = [(torch.tensor(sampled[i]) - policy[i, :len(sampled[i])]).abs().max().item()

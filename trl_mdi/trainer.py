@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import textwrap
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import DistributedType, gather_object
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
@@ -80,7 +81,13 @@ from .run_plan import (
 )
 from .tprl import apply_tprl, perturbation_signal, signal_rank_corr
 from .vision_pass import drop_empty_image_inputs, images_on_some_processes_only, vision_pass_for_run
-from .vllm_prompts import check_vllm_prompts, colocated_vlm, drop_stale_image_features, engine_prompt_ids
+from .vllm_prompts import (
+    check_vllm_prompts,
+    colocated_vlm,
+    drop_stale_image_features,
+    engine_prompt_ids,
+    suppress_image_tokens,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -307,11 +314,13 @@ class MDIGRPOTrainer(GRPOTrainer):
                             segments=list(plan.segments))
             if config.realtime_rollout_logging else None
         )
+        launch_world = int(os.environ.get("WORLD_SIZE", "1"))  # TRL's colocated vLLM resets it to accelerate's view
         super().__init__(model, reward_funcs=list(plan.reward_funcs) if plan.reward_funcs else reward_funcs,
                          args=config, train_dataset=lazy_images(train_dataset), eval_dataset=lazy_images(eval_dataset),
                          **kwargs)
         check_filter_key(config, self.reward_func_names)
-        check_world_size(self.accelerator.num_processes)
+        check_world_size(self.accelerator.num_processes, self.accelerator.distributed_type != DistributedType.NO,
+                         launch_world)
         self.add_callback(ConsoleSummaryCallback(config.colorize_output, self.reward_func_names))
         if self.live_logs is not None:
             self.add_callback(self.live_logs)  # closes the log files when training ends
@@ -330,6 +339,11 @@ class MDIGRPOTrainer(GRPOTrainer):
         # ZeRO-3 / DDP image-less processes run the vision tower on a dummy, times zero.
         if plan.facts.is_vlm:
             drop_empty_image_inputs(self.model)
+        if colocated_vlm(self.args, plan.facts):
+            # TRL keeps the engine from sampling image placeholders under HF generate only (suppress_image_tokens says
+            # why); its engine's own copy of the kwargs, never the user's config.
+            self.vllm_generation.generation_kwargs = suppress_image_tokens(self.vllm_generation.generation_kwargs,
+                                                                           plan.facts.image_token_ids)
         self.vision_pass = vision_pass_for_run(self.model, self.processing_class, self.accelerator.num_processes,
                                                plan.facts.is_vlm, logger.info)
         loaded = plan.with_model(

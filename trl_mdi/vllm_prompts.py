@@ -103,6 +103,34 @@ def engine_prompt_ids(prompt_ids: Sequence[Sequence[int]], image_token_id: int) 
     return [collapse_image_runs(ids, image_token_id) for ids in prompt_ids]
 
 
+# vLLM clamps ``logit_bias`` to [-100, 100]: -100 is the most it can take away (exp(-100) ~ 4e-44 of the mass).
+IMAGE_TOKEN_BIAS = -100.0
+
+
+def suppress_image_tokens(generation_kwargs: dict | None, image_token_ids: Sequence[int]) -> dict:
+    """A copy of TRL's vLLM ``generation_kwargs`` whose ``logit_bias`` keeps the engine from sampling the image
+    placeholder tokens (:data:`IMAGE_TOKEN_BIAS` on each); a bias the user set for one of them is kept.
+
+    Why: TRL 1.16 suppresses the image token when it generates with transformers (``suppress_tokens``), not under
+    vLLM; a sampled placeholder in a completion makes the policy's next forward fail ("Image features and image
+    tokens do not match": one more image token than features), which ends the run. A trained model rarely samples it,
+    a fresh or small one does (a random tiny Qwen2.5-VL did at its second step). The sampling distribution then
+    leaves those tokens out, and vLLM's processed log-probs say so: the importance-sampling correction sees the
+    difference, as it should.
+
+    >>> suppress_image_tokens({"top_k": 5, "logit_bias": {7: 2.0}}, [7, 9])
+    {'top_k': 5, 'logit_bias': {7: 2.0, 9: -100.0}}
+    >>> suppress_image_tokens(None, [9])
+    {'logit_bias': {9: -100.0}}
+    """
+    out = dict(generation_kwargs or {})
+    bias = {int(k): float(v) for k, v in (out.get("logit_bias") or {}).items()}
+    for token in image_token_ids:
+        bias.setdefault(int(token), IMAGE_TOKEN_BIAS)
+    out["logit_bias"] = bias
+    return out
+
+
 def drop_stale_image_features(vllm_generation) -> None:
     """Drop the colocated engine's cached image encoder outputs; call before each weight sync (the module docstring
     says why). Text and prefix caches are TRL's business (it resets the prefix cache itself)."""
