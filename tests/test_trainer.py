@@ -236,6 +236,25 @@ def test_structured_outputs_with_importance_sampling_under_vllm_warns_at_constru
         MDIGRPOConfig(**kw)
 
 
+def test_a_launch_accelerate_does_not_run_as_one_is_refused(monkeypatch):
+    """WORLD_SIZE=2 but accelerate sees one process (no GPU backend found), or two with no distributed type
+    (ddp_backend='gloo' without use_cpu: its gathers return the rank's own rows, and TRL's advantages for rank 1 come
+    out empty): each rank would train alone. tests_vllm/test_two_processes.py pins accelerate's side of the second."""
+    from trl_mdi.run_plan import check_world_size
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 but accelerate sees 1 process\(es\)\. "):
+        check_world_size(1)
+    with pytest.raises(RuntimeError, match="2 process\\(es\\) with no distributed type.*use_cpu=True"):
+        check_world_size(2, distributed=False)
+    check_world_size(2, distributed=True)
+    # The launch's WORLD_SIZE read before TRL's colocated vLLM overwrites the variable with accelerate's count.
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2"):
+        check_world_size(1, world=2)
+    check_world_size(1)
+
+
 def test_trainer_input_errors(model_dir, grpo_train_dataset, tmp_path):
     with pytest.raises(ValueError, match="unknown reward 'mdi_balanse'.*Registry names"):
         MDIGRPOTrainer(str(model_dir), reward_funcs=["mdi_balanse"], args=make_args(tmp_path),

@@ -93,7 +93,7 @@ MODEL_FIELDS = ("pixel_values", "image_grid_thw", "mm_token_type_ids", "token_ty
                 "image_sizes")
 
 
-def record_run(monkeypatch, trainer_cls, model_dir, args, dataset, peft_config=None) -> Recorded:
+def record_run(monkeypatch, trainer_cls, model_dir, args, dataset, peft_config=None, reward_funcs=None) -> Recorded:
     rec = Recorded()
     gen_and_score = GRPOTrainer._generate_and_score_completions
     logps = GRPOTrainer._get_per_token_logps_and_entropies
@@ -136,7 +136,7 @@ def record_run(monkeypatch, trainer_cls, model_dir, args, dataset, peft_config=N
         m.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", fwd)
         m.setattr(VLLMGeneration, "generate", generate)
         m.setattr(trainer_module, "probe_attention", probe)
-        trainer = trainer_cls(str(model_dir), reward_funcs=[spread_reward], args=args, train_dataset=dataset,
+        trainer = trainer_cls(str(model_dir), reward_funcs=reward_funcs or [spread_reward], args=args, train_dataset=dataset,
                               peft_config=peft_config)
         assert isinstance(trainer.vllm_generation, VLLMGeneration) and trainer.vllm_generation.mode == "colocate"
         llm = trainer.vllm_generation.llm
@@ -315,6 +315,31 @@ def test_metrics_add_no_policy_forward(runs):
     assert runs["stock"].forwards == [1, 1]
     assert runs["metrics_off"].forwards == runs["stock"].forwards
     assert runs["metrics_on"].forwards == runs["stock"].forwards
+
+
+def test_the_cost_at_the_limit_under_vllm(qwen25_dir, tmp_path, monkeypatch):
+    """A reward that reads MDI needs the attention before the rewards: the probe still rides TRL's importance-sampling
+    forward (one no-grad policy forward per batch, as stock), and the reward gets the probe's values (the logged
+    attention/mdi_balance is the mean of what mdi_balance scored, 2 * balance - 1). A reward that reads a reliance
+    signal adds exactly one forward: the counterfactual (the real-image log-probs come from TRL's forward)."""
+    seen = []
+
+    def recording_mdi_balance(completions, mdi_balance, **kwargs):
+        seen.append(list(mdi_balance))
+        return [2.0 * b - 1.0 for b in mdi_balance]
+
+    def gain(completions, visual_gain, **kwargs):
+        return [0.0 if g is None else g for g in visual_gain]
+
+    rec = record_run(monkeypatch, MDIGRPOTrainer, qwen25_dir, mdi_args(tmp_path / "mdi"), zen_image_dataset(8),
+                     reward_funcs=[spread_reward, recording_mdi_balance])
+    assert rec.generations == 2 and rec.forwards == [1, 1]
+    assert len(seen) == 2 and all(len(b) == 4 and all(0.0 <= x <= 1.0 for x in b) for b in seen)
+    for step, balances in enumerate(seen):
+        assert rec.logs[step]["attention/mdi_balance"] == pytest.approx(sum(balances) / 4, abs=1e-6)
+    rec = record_run(monkeypatch, MDIGRPOTrainer, qwen25_dir, mdi_args(tmp_path / "gain"), zen_image_dataset(8),
+                     reward_funcs=[spread_reward, gain])
+    assert rec.generations == 2 and rec.forwards == [2, 2]
 
 
 def test_probe_on_vllm_rollouts_equals_eager_attention(runs, qwen25_dir):

@@ -472,13 +472,20 @@ def check_filter_key(args, reward_names: Sequence[str]) -> None:
         filter_column(args.filter_key, list(reward_names))
 
 
-def check_world_size(num_processes: int) -> None:
-    """A multi-process launch in which accelerate sees fewer processes: every rank would train alone."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and num_processes != world:
-        # Without a GPU accelerate finds no backend, reports one process per rank and every rank trains alone.
+def check_world_size(num_processes: int, distributed: bool = True, world: int | None = None) -> None:
+    """A multi-process launch that accelerate does not run as one: it sees fewer processes (every rank would train
+    alone), or all of them but no distributed type (``distributed`` False: its gathers return this process's rows).
+    ``world``: the launch's WORLD_SIZE, read before TRL's colocated vLLM overwrites it with what accelerate sees
+    (default: the environment's)."""
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
+    if world > 1 and (num_processes != world or not distributed):
+        # Without a GPU accelerate finds no backend, reports one process per rank and every rank trains alone. Given
+        # ddp_backend='gloo' but not use_cpu, it joins the processes in a gloo group yet reports DistributedType.NO,
+        # so gather() is a no-op: TRL's advantages for rank 1 come out empty (an IndexError in shuffle_sequence_dict).
+        seen = f"{num_processes} process(es)" + ("" if distributed else " with no distributed type (DistributedType.NO: "
+                                                 "its gathers return this process's rows only)")
         raise RuntimeError(
-            f"launched with WORLD_SIZE={world} but accelerate sees {num_processes} process(es). On a machine without "
+            f"launched with WORLD_SIZE={world} but accelerate sees {seen}. On a machine without "
             "a GPU set ddp_backend='gloo' (and use_cpu=True for plain DDP; use_cpu=False with DeepSpeed); "
             "the entry point (examples/scripts/grpo_vlm.py in the repository, trl_mdi.cli.main) does this for you."
         )
