@@ -97,6 +97,15 @@ class StepTimer(TrainerCallback):
         self.times.append(time.perf_counter() - self._t)
 
 
+def tiny_model_and_data(work: Path):
+    """The benchmark's tiny Qwen2.5-VL (``MODEL``) and its prepared synthetic colour questions, in chat form."""
+    model_dir = save_tiny_vlm("qwen2_5_vl", work / "model", **MODEL)
+    write_synthetic_aokvqa(work / "src", n_train=256, n_validation=8, n_test=8, seed=0, num_shards=1)
+    prepare_aokvqa(work / "src", work / "prepared", log=lambda *x: None)
+    dataset = load_dataset("parquet", data_files=str(work / "prepared" / "train.parquet"), split="train")
+    return model_dir, dataset.map(to_conversational)
+
+
 def run(variant: str, model_dir: Path, dataset, work: Path, steps: int, completion_length: int) -> list[float]:
     common = dict(
         output_dir=str(work / variant), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=8,
@@ -160,11 +169,7 @@ def main() -> None:
     ratios: dict[tuple[int, str], list[float]] = {(c, v): [] for c in a.completion_lengths for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model_dir = save_tiny_vlm("qwen2_5_vl", work / "model", **MODEL)
-        write_synthetic_aokvqa(work / "src", n_train=256, n_validation=8, n_test=8, seed=0, num_shards=1)
-        prepare_aokvqa(work / "src", work / "prepared", log=lambda *x: None)
-        dataset = load_dataset("parquet", data_files=str(work / "prepared" / "train.parquet"), split="train")
-        dataset = dataset.map(to_conversational)
+        model_dir, dataset = tiny_model_and_data(work)
         for r in range(a.rounds):
             for c in a.completion_lengths:
                 medians = {}
@@ -384,11 +389,7 @@ def main_vllm(a: argparse.Namespace) -> None:
     loads: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model_dir = save_tiny_vlm("qwen2_5_vl", work / "model", **MODEL)
-        write_synthetic_aokvqa(work / "src", n_train=256, n_validation=8, n_test=8, seed=0, num_shards=1)
-        prepare_aokvqa(work / "src", work / "prepared", log=lambda *x: None)
-        dataset = load_dataset("parquet", data_files=str(work / "prepared" / "train.parquet"), split="train")
-        dataset = dataset.map(to_conversational)
+        model_dir, dataset = tiny_model_and_data(work)
         for k, seed in enumerate(seeds):
             for variant in VLLM_VARIANTS if k % 2 == 0 else VLLM_VARIANTS[::-1]:
                 loads.append(os.getloadavg()[0])

@@ -311,23 +311,12 @@ def test_reliance_signals_need_no_probe_on_a_model_it_cannot_measure(softmax_vlm
     """The reliance signals are log-probabilities, not attention: on the VLM that computes its own softmax (metrics
     off) they are computed and logged; answer_image_attention is absent. The first batch's visual_gain (scored before
     any optimizer step) equals the profile's reference on a fresh copy of the checkpoint, and so does its metric."""
+    from test_reliance_trainer import capture
+
     from trl_mdi import MDIGRPOConfig, MDIGRPOTrainer
     from trl_mdi.profile.reliance import reference_signals
 
-    seen = []  # per batch: the rollouts the counterfactual forward saw, then the signals computed from them
-    original_cf, original_signals = MDIGRPOTrainer._counterfactual_forward, MDIGRPOTrainer._batch_signals
-
-    def counterfactual_forward(trainer, inputs, prompts, completion_ids_list, *rest):
-        seen.append({"inputs": inputs, "prompts": prompts, "completions": [list(c) for c in completion_ids_list]})
-        return original_cf(trainer, inputs, prompts, completion_ids_list, *rest)
-
-    def batch_signals(trainer, record, mode):
-        out = original_signals(trainer, record, mode)
-        seen[-1]["signals"] = {k: v.clone() for k, v in out.local.items()}
-        return out
-
-    monkeypatch.setattr(MDIGRPOTrainer, "_counterfactual_forward", counterfactual_forward)
-    monkeypatch.setattr(MDIGRPOTrainer, "_batch_signals", batch_signals)
+    seen = capture(monkeypatch)  # per batch: the rollouts the counterfactual forward saw, then their signals
     args = MDIGRPOConfig.from_grpo_config(grpo_args(tmp_path))
     args.reliance_signals = True
     trainer = MDIGRPOTrainer(model=str(softmax_vlm), reward_funcs=spread_reward, args=args,
