@@ -825,11 +825,39 @@ def detection_tables(records: list[dict], n_boot: int = 1000, seed: int = 0) -> 
 
 def best_within(table: list[dict] | None) -> tuple[str | None, float]:
     """The signal with the highest within-prompt AUROC of a ``signal_table`` (NaN rows skipped)."""
+    r = best_within_row(table)
+    return (None, math.nan) if r is None else (r["signal"], r["within_auroc"])
+
+
+def best_within_row(table: list[dict] | None) -> dict | None:
+    """The ``signal_table`` row with the highest within-prompt AUROC (NaN rows skipped), or None."""
     rows = [r for r in table or [] if r.get("within_auroc") is not None and not math.isnan(r["within_auroc"])]
-    if not rows:
-        return None, math.nan
-    r = max(rows, key=lambda r: r["within_auroc"])
-    return r["signal"], r["within_auroc"]
+    return max(rows, key=lambda r: r["within_auroc"]) if rows else None
+
+
+MIN_DETECTION_PAIRS = 20  # fewer look/guess pairs of one prompt than this: the prompt bootstrap cannot say much
+
+
+def detection_verdict(row: dict | None, goal: float = GOAL_WITHIN_AUROC) -> str:
+    """"met" only when the within-prompt AUROC's prompt-bootstrap interval lies at or above ``goal`` on at least
+    ``MIN_DETECTION_PAIRS`` pairs; "too few pairs to tell" below that (a model that keeps 2 guessing rollouts gives
+    a degenerate interval); else "not met".
+
+    >>> detection_verdict({"within_auroc": 1.0, "within_low": 1.0, "within_pairs": 6})
+    'too few pairs to tell (6 pairs)'
+    >>> detection_verdict({"within_auroc": 0.982, "within_low": 0.959, "within_pairs": 223})
+    'met'
+    >>> detection_verdict({"within_auroc": 0.96, "within_low": 0.91, "within_pairs": 223})
+    'not met (interval from 0.910)'
+    """
+    if row is None:
+        return "not met (no pair)"
+    if row.get("within_pairs", 0) < MIN_DETECTION_PAIRS:
+        return f"too few pairs to tell ({row.get('within_pairs', 0)} pairs)"
+    low = row.get("within_low", math.nan)
+    if row["within_auroc"] >= goal and not math.isnan(low) and low >= goal:
+        return "met"
+    return "not met" if row["within_auroc"] < goal else f"not met (interval from {low:.3f})"
 
 
 def steadiest_signal(tables: dict[str, list[dict] | None]) -> tuple[str | None, float]:
@@ -1239,9 +1267,11 @@ def report(*, choice: dict | None, warm: dict | None, runs: list[dict], s: Exper
     else:
         L.append("- Training: no reliance variant with paired seeds finished.")
     for label, _ in models:
-        sig, a = best_within(tables[label].get("plain"))
+        row = best_within_row(tables[label].get("plain"))
+        sig, a = (None, math.nan) if row is None else (row["signal"], row["within_auroc"])
         L.append(f"- Detection, {label}: best within-prompt AUROC on non-conflict rows {_cell(a)} ({sig}; goal >= "
-                 f"{GOAL_WITHIN_AUROC}): **{'met' if a >= GOAL_WITHIN_AUROC else 'not met'}**.")
+                 f"{GOAL_WITHIN_AUROC}, its interval too, on >= {MIN_DETECTION_PAIRS} pairs): "
+                 f"**{detection_verdict(row)}**.")
     if models:
         sig, worst = steadiest_signal({lab: tables[lab].get("plain") for lab, _ in models})
         every = len(models) > 1 and worst >= GOAL_WITHIN_AUROC

@@ -461,6 +461,21 @@ def test_detection_tables_on_handmade_records(bench):
         "visual_gain", 0.96)
 
 
+def test_a_detection_goal_is_met_only_by_its_interval_on_enough_pairs(bench):
+    """A model that keeps 2 guessing rollouts gives a within-prompt AUROC of 1.000 with a degenerate interval on a
+    handful of pairs: that is no evidence either way. The handmade table's 16 pairs are too few; the same rows with
+    the pair count and interval of the warm-up's real row meet the goal; a point value at the goal with an interval
+    below it does not."""
+    t = bench.detection_tables(_records(4, False) + _records(3, True), n_boot=50)
+    row = bench.best_within_row(t["plain"])
+    assert row["within_auroc"] == 1.0 and row["within_pairs"] == 16
+    assert bench.detection_verdict(row) == "too few pairs to tell (16 pairs)"
+    assert bench.detection_verdict({**row, "within_pairs": 223, "within_low": 0.959}) == "met"
+    assert bench.detection_verdict({**row, "within_auroc": 0.97, "within_pairs": 223, "within_low": 0.93}) == (
+        "not met (interval from 0.930)")
+    assert bench.detection_verdict(None) == "not met (no pair)"
+
+
 def test_report_from_stored_records(bench):
     from trl_mdi.reliance import format_paired_difference, paired_seed_difference
 
