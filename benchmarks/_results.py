@@ -8,22 +8,20 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+ROOT = RESULTS.parent.parent
+if str(ROOT) not in sys.path:  # fixtures/ is a folder of the checkout, not installed
+    sys.path.insert(0, str(ROOT))
 
-OFFLINE_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+from fixtures.offline import OFFLINE_ENV  # noqa: E402  (the tests' offline variables: one list)
 
 
 def set_offline_env() -> None:
-    """Nothing from the Hugging Face Hub at run time (a value already in the environment wins). Call before
-    importing transformers / datasets: they read these at import."""
+    """Nothing from the Hugging Face Hub at run time (``fixtures.offline.OFFLINE_ENV``; unlike the tests, a value
+    already in the environment wins). Call before importing transformers / datasets: they read these at import."""
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
 
@@ -58,7 +56,7 @@ def result_args(argv: list[str], output_only_flags: tuple[str, ...]) -> list[str
 
 
 
-def code_version(paths: tuple[str, ...] = (), root: Path = RESULTS.parent.parent) -> dict:
+def code_version(paths: tuple[str, ...] = (), root: Path = ROOT) -> dict:
     """The code a result came from, read with git in ``root`` (the repository holding this folder)::
 
         {"commit": <HEAD's full hash>, "dirty": <bool>, "diff": <16 hex digits or None>}
