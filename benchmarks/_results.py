@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -108,3 +111,24 @@ def describe_version(version: dict | None) -> str:
     if version.get("dirty"):
         text += f" + uncommitted changes (diff {version.get('diff')})"
     return text
+
+
+def run_job(job: dict, body: Callable[[Callable[[str], None]], dict]) -> tuple[dict | None, str | None]:
+    """One job of a benchmark's pool, in the main process or a spawned worker: ``body(log)`` computes its result.
+    Sets the process's torch threads (``job["threads"]``) and quiets transformers first; ``log`` prints with the
+    seconds since ``job["started"]``. Returns ``(result, None)``, or ``(None, error)`` with the traceback logged: one
+    job failing must not lose the others."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(job["threads"])
+    transformers.logging.set_verbosity_error()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - job['started']:7.1f} s] {msg}", flush=True)
+
+    try:
+        return body(log), None
+    except Exception as err:  # noqa: BLE001 - one job failing must not lose the others
+        log(f"  [{job['label']}] FAILED: {type(err).__name__}: {err}\n{traceback.format_exc()}")
+        return None, f"{type(err).__name__}: {err}"

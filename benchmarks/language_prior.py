@@ -81,7 +81,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from _results import code_version, describe_version, replace_section, set_offline_env
+from _results import code_version, describe_version, replace_section, run_job, set_offline_env
 
 set_offline_env()
 # fixtures/ (tiny models, synthetic data, warm-up) is a folder of the checkout, not an installed package.
@@ -417,33 +417,28 @@ _DATA: dict = {}
 
 def execute(job: dict) -> tuple[dict | None, str | None]:
     """Run one job and save its JSON: a (variant, seed) run or the warm-up's reliance measurement. Returns
-    ``(result, None)``, or ``(None, error)`` if it failed. Runs in the main process or in a worker; the held-out rows
-    and the GRPO pool are built once per process."""
+    ``(result, None)``, or ``(None, error)`` if it failed (``_results.run_job``). The held-out rows and the GRPO pool
+    are built once per process."""
     s, recipe, work = job["settings"], job["recipe"], job["work"]
-    torch.set_num_threads(job["threads"])
-    transformers.logging.set_verbosity_error()
 
-    def log(msg: str) -> None:
-        print(f"[{time.time() - job['started']:7.1f} s] {msg}", flush=True)
-
-    if "held" not in _DATA:
-        _DATA["held"] = HeldOut(s, recipe)
-    try:
+    def body(log) -> dict:
+        if "held" not in _DATA:
+            _DATA["held"] = HeldOut(s, recipe)
         if job["what"] == "warmup_reliance":
             log("== reliance of the warm-up model, every counterfactual kind, test rows")
-            result = warmup_reliance(job["model_dir"], _DATA["held"], s, log)
-        elif job["what"] == "warmup_reliance_dev":
+            return warmup_reliance(job["model_dir"], _DATA["held"], s, log)
+        if job["what"] == "warmup_reliance_dev":
             log(f"== reliance of the warm-up model, every counterfactual kind, development split ({DEV_SPLIT})")
-            result = warmup_reliance(job["model_dir"], dev_split(s, recipe, _DATA["held"]), s, log)
-        else:
-            if "pool" not in _DATA:
-                _DATA["pool"] = grpo_pool(s, recipe)
-            log(f"== {job['name']}, seed {job['seed']}")
-            result = run_one(job["name"], job["seed"], job["model_dir"], job["warm"], _DATA["pool"], _DATA["held"], s,
-                             work, log)
-    except Exception as err:  # noqa: BLE001 - one job failing must not lose the others
-        log(f"  [{job['label']}] FAILED: {type(err).__name__}: {err}")
-        return None, f"{type(err).__name__}: {err}"
+            return warmup_reliance(job["model_dir"], dev_split(s, recipe, _DATA["held"]), s, log)
+        if "pool" not in _DATA:
+            _DATA["pool"] = grpo_pool(s, recipe)
+        log(f"== {job['name']}, seed {job['seed']}")
+        return run_one(job["name"], job["seed"], job["model_dir"], job["warm"], _DATA["pool"], _DATA["held"], s,
+                       work, log)
+
+    result, error = run_job(job, body)
+    if error:
+        return None, error
     result["fingerprint"] = job["key"]  # the settings and the code version
     result["settings_key"] = job["settings_key"]  # the settings alone: --reuse_other_code matches on it
     result["code_version"] = job["version"]

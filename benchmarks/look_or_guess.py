@@ -980,33 +980,26 @@ _DATA: dict = {}
 
 def execute(job: dict) -> tuple[dict | None, str | None]:
     """Run one job and save its JSON: the warm-up's figures or a (variant, seed) run. Returns ``(result, None)``,
-    or ``(None, error)``. Runs in the main process or in a spawned worker; the rows are built once per process."""
-    import transformers
+    or ``(None, error)`` (``_results.run_job``). The rows are built once per process."""
+    from _results import run_job
 
     s, recipe, work = job["settings"], job["recipe"], job["work"]
-    torch.set_num_threads(job["threads"])
-    transformers.logging.set_verbosity_error()
 
-    def log(msg: str) -> None:
-        print(f"[{time.time() - job['started']:7.1f} s] {msg}", flush=True)
-
-    if "test" not in _DATA:
-        _DATA["test"] = held_out_test_rows(recipe, s)
-    try:
+    def body(log) -> dict:
+        if "test" not in _DATA:
+            _DATA["test"] = held_out_test_rows(recipe, s)
         if job["what"] == "warmup":
             log("== the warm-up model on the test split")
-            result = warmup_figures(job["model_dir"], _DATA["test"], s, log)
-        else:
-            if "pool" not in _DATA:
-                _DATA["pool"] = pool_rows(recipe, s)
-            log(f"== {job['name']}, seed {job['seed']}")
-            result = run_one(job["name"], job["variant"], job["seed"], job["model_dir"], _DATA["pool"], _DATA["test"],
-                             s, work, log)
-    except Exception as err:  # noqa: BLE001 - one job failing must not lose the others
-        import traceback
+            return warmup_figures(job["model_dir"], _DATA["test"], s, log)
+        if "pool" not in _DATA:
+            _DATA["pool"] = pool_rows(recipe, s)
+        log(f"== {job['name']}, seed {job['seed']}")
+        return run_one(job["name"], job["variant"], job["seed"], job["model_dir"], _DATA["pool"], _DATA["test"], s,
+                       work, log)
 
-        log(f"  [{job['label']}] FAILED: {type(err).__name__}: {err}\n{traceback.format_exc()}")
-        return None, f"{type(err).__name__}: {err}"
+    result, error = run_job(job, body)
+    if error:
+        return None, error
     result.update(fingerprint=job["key"], code=job["code"], settings_key=job["key"])
     write_json(job["path"], result)
     return result, None

@@ -5,6 +5,7 @@ the figures of benchmarks/look_or_guess.py on handmade rollouts, and a short war
 from __future__ import annotations
 
 import collections
+import json
 import sys
 from pathlib import Path
 
@@ -459,6 +460,28 @@ def test_detection_tables_on_handmade_records(bench):
     assert bench.steadiest_signal({"a": t["plain"], "b": [{"signal": "mdi", "within_auroc": 0.7},
                                                           {"signal": "visual_gain", "within_auroc": 0.96}]}) == (
         "visual_gain", 0.96)
+
+
+def test_a_job_saves_its_stamped_result_and_a_failing_job_loses_nothing(bench, tmp_path, monkeypatch, capsys):
+    """execute (through _results.run_job): a job's result is stamped with its fingerprint and code version and
+    written where the resume looks for it; a job that raises is logged with its traceback and returned as an error,
+    nothing written, so the other jobs of the pool go on."""
+    monkeypatch.setattr(bench, "_DATA", {"test": "rows"})
+    job = dict(settings=None, recipe=None, work=tmp_path, threads=1, started=0.0, what="warmup", model_dir="m",
+               label="warm-up", key="k1", code={"commit": "abc"}, path=tmp_path / "warmup.json")
+    monkeypatch.setattr(bench, "warmup_figures", lambda model_dir, rows, s, log: {"look_rate": 0.5, "rows": rows})
+    result, error = bench.execute(job)
+    assert error is None and result["fingerprint"] == "k1" and result["code"] == {"commit": "abc"}
+    assert json.loads(job["path"].read_text())["look_rate"] == 0.5
+
+    def broken(model_dir, rows, s, log):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(bench, "warmup_figures", broken)
+    job["path"] = tmp_path / "broken.json"
+    assert bench.execute(job) == (None, "RuntimeError: out of memory")
+    assert not job["path"].exists()
+    assert "[warm-up] FAILED: RuntimeError: out of memory" in capsys.readouterr().out
 
 
 def test_a_detection_goal_is_met_only_by_its_interval_on_enough_pairs(bench):
