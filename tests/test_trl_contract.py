@@ -48,7 +48,7 @@ def test_vllm_gets_the_ids_we_fix_and_trl_scores_its_own():
     ids _tokenize_prompts made, and (3) server mode places image features on the runs of image tokens of TRL's
     expanded ids (so the trainer leaves them expanded there). Also: TRL syncs the weights at the top of
     _generate_single_turn when the step moved, the condition under which the trainer drops vLLM's cached image
-    features first."""
+    features first; and the sampling kwargs the trainer biases against image tokens are the engine's own copy."""
     from trl.generation.vllm_generation import VLLMGeneration
 
     flat = lambda fn: " ".join(inspect.getsource(fn).split())  # noqa: E731 (whitespace-insensitive source)
@@ -64,6 +64,11 @@ def test_vllm_gets_the_ids_we_fix_and_trl_scores_its_own():
     assert 'row["multi_modal_data"] = {"image": img_list if len(img_list) > 1 else img_list[0]}' in gen
     assert "self._place_features(prompt_features, prompt_ids)" in gen and 'elif self.mode == "colocate":' in gen
     assert "if prompt_ids[offset] == image_token_id:" in flat(VLLMGeneration._place_features)
+    # The image-token bias (vllm_prompts.suppress_image_tokens) reaches the colocated engine only while TRL keeps its
+    # own copy of the sampling kwargs on the VLLMGeneration object and merges it into SamplingParams at each call.
+    assert "self.generation_kwargs = generation_kwargs or {}" in flat(VLLMGeneration.__init__)
+    assert ("generation_kwargs.update(self.generation_kwargs)" in gen
+            and "sampling_params = SamplingParams(**generation_kwargs)" in gen)
     # The prompt ids _generate returns, hence those TRL's forward scores, are _tokenize_prompts', not the
     # single-turn call's (its rebinding of prompt_ids is local to our override).
     outer = flat(GRPOTrainer._generate)
