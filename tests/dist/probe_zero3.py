@@ -69,6 +69,7 @@ def main():
     with open(out_path, "a") as f:
         f.write(json.dumps(record) + "\n")
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroys the group: a rank exiting with it alive can abort in gloo's teardown
 
 
 if __name__ == "__main__":

@@ -40,6 +40,11 @@ def main():
                   "distributed_type": str(state.distributed_type), "gathered": gathered, "error": error}
         with open(out, "a") as f:
             f.write(json.dumps(record) + "\n")
+    # Leave the gloo group together: a rank that exits with the group alive can abort in gloo's teardown ("terminate
+    # called without an active exception", SIGABRT) when the other rank has closed its end first, which CI hit on a
+    # loaded machine after both ranks had written their records.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

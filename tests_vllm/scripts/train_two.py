@@ -96,6 +96,12 @@ def main():
                          "forwards": list(forwards)}
     state = launch_state()
     torch.save({**state, "runs": records}, out_dir / f"rank{state['rank']}.pt")
+    # Leave the gloo group together, as the entry point does (Trainer.end): a rank that exits with the group alive can
+    # abort in gloo's teardown (SIGABRT, "terminate called without an active exception") on a loaded machine.
+    from accelerate import PartialState
+
+    PartialState().wait_for_everyone()
+    PartialState().destroy_process_group()
 
 
 def launch_state() -> dict:
