@@ -23,11 +23,15 @@ With vLLM generating (TRL's colocate mode on vLLM's CPU build, in the environmen
     .venv-vllm/bin/python benchmarks/overhead.py --vllm          # 4 seeds, 5-7 min on 2 shared cores
 
     stock          trl.GRPOTrainer as shipped; rewards mc_idx 4 + think_format 1
+    stock_fixed    the same with the engine fixes MDIGRPOTrainer applies (fixtures.vllm_baseline): one image
+                   placeholder per image in the engine's prompt, cached image features dropped before each weight
+                   sync. Stock alone samples from a corrupted prompt and stale image features (trl_mdi.vllm_prompts),
+                   so mdi / stock mixes the fixes' price with observing's; mdi / stock_fixed is observing's alone
     mdi            MDIGRPOTrainer built without reward_funcs: the default 4:1:1 stack (mc_idx, think_format,
                    mdi_balance), attention metrics and live logs on; mdi_balance reads MDI before the loss, and the
                    probe rides TRL's importance-sampling forward (no extra forward)
 
-One run per variant and seed, the order alternating from seed to seed (stock first on even seeds); each run starts
+One run per variant and seed, the order rotating from seed to seed (seed k starts with the k-th variant); each run starts
 its own engine (not timed) and times whole steps (from one step's start to the next one's: generation, weight sync,
 scoring, loss, backward, optimizer, logging) after warm-up steps. The rollouts are the same only up to the first
 update (mdi_balance changes the advantages). Each step is timed by the wall clock (the target's measure) and by the
@@ -282,6 +286,7 @@ class StepProfile(TrainerCallback):
         self.grad: list[int] = []
         self.phases: list[dict[str, float]] = []
         self.cpu_phases: list[dict[str, float]] = []
+        self.completion_tokens: list[int] = []
         model.register_forward_pre_hook(self._count)
 
     def _count(self, module, args):
@@ -293,6 +298,7 @@ class StepProfile(TrainerCallback):
         self.cpu_starts.append(time.process_time())
         self.no_grad.append(0)
         self.grad.append(0)
+        self.completion_tokens.append(0)
         self.phases.append(defaultdict(float))
         self.cpu_phases.append(defaultdict(float))
 
@@ -313,6 +319,20 @@ class StepProfile(TrainerCallback):
 
         setattr(owner, name, timed)
 
+    def count_completion_tokens(self, vllm_generation) -> None:
+        """Add the tokens each ``vllm_generation.generate`` call returns (TRL 1.16: (prompt_ids, completion_ids, ...))
+        to the current step's count: generation time grows with them, and the variants' rollouts part after the
+        first update, so a difference in generate time may be a difference in what was generated."""
+        generate = vllm_generation.generate
+
+        def counted(*args, **kwargs):
+            out = generate(*args, **kwargs)
+            if self.starts:
+                self.completion_tokens[-1] += sum(len(ids) for ids in out[1])
+            return out
+
+        vllm_generation.generate = counted
+
     def timed_steps(self, warmup: int) -> list[int]:
         """Indices of the steps after ``warmup`` whose time is known (a next step started)."""
         return list(range(warmup, len(self.starts) - 1))
@@ -322,7 +342,11 @@ class StepProfile(TrainerCallback):
         return starts[i + 1] - starts[i]
 
 
-VLLM_VARIANTS = ("stock", "mdi")
+VLLM_VARIANTS = ("stock", "stock_fixed", "mdi")
+# (numerator, denominator, what the ratio shows): the issue's target compares mdi with stock as shipped.
+VLLM_RATIOS = (("mdi", "stock", "the target: MDIGRPOTrainer vs stock as shipped"),
+               ("mdi", "stock_fixed", "observing's part: vs stock with the same engine fixes"),
+               ("stock_fixed", "stock", "the engine fixes' part"))
 # Phases of a step (labels of StepProfile.time_phase); "loop rest" = step time - generate and score - loss forward.
 PHASES = ("generate and score", "  vLLM generate", "  weight sync", "  no-grad policy forward", "  rewards",
           "loss forward", "loop rest (backward, optimizer, logging)")
@@ -342,10 +366,14 @@ def run_vllm(variant: str, model_dir: Path, dataset, work: Path, seed: int, warm
         save_strategy="no", seed=seed, learning_rate=1e-5, disable_tqdm=True, gradient_checkpointing=False,
         generation_kwargs={"logit_bias": {image_token_id: -100.0}}, **vllm_cpu.VLLM_CPU_ARGS,
     )
+    # Imported here: it imports vLLM, which only --vllm runs have (set up by then: vllm_cpu.set_env at the top).
+    from fixtures.vllm_baseline import PromptFixedGRPOTrainer
+
     start = time.perf_counter()
-    if variant == "stock":
-        trainer = GRPOTrainer(str(model_dir), reward_funcs=[mc_idx_reward, think_format_reward],
-                              args=GRPOConfig(**common, reward_weights=[4, 1]), train_dataset=dataset)
+    if variant in ("stock", "stock_fixed"):
+        cls = GRPOTrainer if variant == "stock" else PromptFixedGRPOTrainer
+        trainer = cls(str(model_dir), reward_funcs=[mc_idx_reward, think_format_reward],
+                      args=GRPOConfig(**common, reward_weights=[4, 1]), train_dataset=dataset)
     else:
         args = MDIGRPOConfig(**common, compute_attention_metrics=True, realtime_rollout_logging=True,
                              rollout_log_path=str(work / variant / "rollouts.md"),
@@ -359,6 +387,7 @@ def run_vllm(variant: str, model_dir: Path, dataset, work: Path, seed: int, warm
     profile = StepProfile(trainer.model)
     trainer.add_callback(profile)
     profile.time_phase(trainer, "_generate_and_score_completions", "generate and score")
+    profile.count_completion_tokens(trainer.vllm_generation)
     profile.time_phase(trainer.vllm_generation, "generate", "  vLLM generate")
     profile.time_phase(trainer.vllm_generation, "sync_weights", "  weight sync")
     profile.time_phase(trainer, "_get_per_token_logps_and_entropies", "  no-grad policy forward", no_grad_only=True)
@@ -391,7 +420,8 @@ def main_vllm(a: argparse.Namespace) -> None:
         work = Path(tmp)
         model_dir, dataset = tiny_model_and_data(work)
         for k, seed in enumerate(seeds):
-            for variant in VLLM_VARIANTS if k % 2 == 0 else VLLM_VARIANTS[::-1]:
+            for j in range(len(VLLM_VARIANTS)):  # rotated: each variant runs first, second and last in turn
+                variant = VLLM_VARIANTS[(k + j) % len(VLLM_VARIANTS)]
                 loads.append(os.getloadavg()[0])
                 profile, build_s = run_vllm(variant, model_dir, dataset, work / f"s{seed}", seed, a.warmup, steps,
                                             completion_length)
@@ -401,7 +431,7 @@ def main_vllm(a: argparse.Namespace) -> None:
                 c = [profile.step_time(i, cpu=True) for i in profile.timed_steps(a.warmup)]
                 every = " ".join(f"{profile.step_time(i):.2f}/{profile.step_time(i, cpu=True):.2f}"
                                  for i in range(len(profile.starts) - 1))
-                print(f"seed {seed} {variant:5s} median step {statistics.median(t):.3f} s wall, "
+                print(f"seed {seed} {variant:11s} median step {statistics.median(t):.3f} s wall, "
                       f"{statistics.median(c):.3f} s CPU over {len(t)} timed steps (build {build_s:.0f} s, load "
                       f"{loads[-1]:.2f}; every step's wall/CPU s, warm-up first: {every})", flush=True)
     load_end = os.getloadavg()[0]
@@ -412,16 +442,16 @@ def main_vllm(a: argparse.Namespace) -> None:
     def median_of(v: str, cpu: bool = False) -> float:
         return statistics.median(x for p in runs[v] for x in times(p, cpu))
 
-    def ratio_row(cpu: bool, stat) -> str:
-        pooled = {v: stat([x for p in runs[v] for x in times(p, cpu)]) for v in VLLM_VARIANTS}
-        ratio = pooled["mdi"] / pooled["stock"]
-        lo, hi = bootstrap_ratio([times(p, cpu) for p in runs["mdi"]], [times(p, cpu) for p in runs["stock"]], stat)
-        per_seed = [stat(times(m, cpu)) / stat(times(s, cpu)) for m, s in zip(runs["mdi"], runs["stock"])]
+    def ratio_row(num: str, den: str, cpu: bool, stat) -> str:
+        ratio = stat([x for p in runs[num] for x in times(p, cpu)]) / stat([x for p in runs[den] for x in times(p, cpu)])
+        lo, hi = bootstrap_ratio([times(p, cpu) for p in runs[num]], [times(p, cpu) for p in runs[den]], stat)
+        per_seed = [stat(times(m, cpu)) / stat(times(s, cpu)) for m, s in zip(runs[num], runs[den])]
         what = {(False, statistics.median): "wall time, median (the target's measure)",
                 (False, lower_quartile): "wall time, lower quartile (the steps that waited least)",
                 (True, statistics.median): "CPU time, median",
                 (True, lower_quartile): "CPU time, lower quartile"}[(cpu, stat)]
-        return (f"| {what} | {ratio:.3f} {'✓' if ratio <= 1.05 else '✗'} | {lo:.3f} - {hi:.3f} | "
+        mark = f" {'✓' if ratio <= 1.05 else '✗'}" if num == "mdi" else ""
+        return (f"| {num} / {den} | {what} | {ratio:.3f}{mark} | {lo:.3f} - {hi:.3f} | "
                 f"{', '.join(f'{r:.3f}' for r in per_seed)} |")
 
     def forwards(v: str) -> str:
@@ -443,12 +473,15 @@ def main_vllm(a: argparse.Namespace) -> None:
     rows = []
     for v in VLLM_VARIANTS:
         wall = [x for p in runs[v] for x in times(p)]
+        tokens = [p.completion_tokens[i] for p in runs[v] for i in p.timed_steps(a.warmup)]
         rows.append(f"| {v} | {len(wall)} | {statistics.median(wall):.3f} | {min(wall):.3f} - {max(wall):.3f} | "
-                    f"{median_of(v, cpu=True):.3f} | {statistics.median(builds[v]):.0f} | {forwards(v)} |")
+                    f"{median_of(v, cpu=True):.3f} | {statistics.mean(tokens):.1f} | "
+                    f"{statistics.median(builds[v]):.0f} | {forwards(v)} |")
     phase_rows = [f"| {label.strip()}{' (inside the above)' if label.startswith('  ') else ''} | "
-                  f"{phase('stock', label, False):.3f} | {phase('mdi', label, False):.3f} | "
-                  f"{phase('stock', label, True):.3f} | {phase('mdi', label, True):.3f} | "
-                  f"{phase('mdi', label, True) - phase('stock', label, True):+.3f} |" for label in PHASES]
+                  + " | ".join(f"{phase(v, label, False):.3f}" for v in VLLM_VARIANTS) + " | "
+                  + " | ".join(f"{phase(v, label, True):.3f}" for v in VLLM_VARIANTS) + " | "
+                  f"{phase('stock_fixed', label, True) - phase('stock', label, True):+.3f} | "
+                  f"{phase('mdi', label, True) - phase('stock_fixed', label, True):+.3f} |" for label in PHASES]
     body = "\n".join([
         VLLM_SECTION,
         "",
@@ -469,28 +502,35 @@ def main_vllm(a: argparse.Namespace) -> None:
         f"per_device_train_batch_size 8, num_generations 4, max_completion_length {completion_length}, lr 1e-5, "
         "no gradient checkpointing, TRL's vLLM importance-sampling correction on (its default: one no-grad policy "
         "forward per generation batch). `stock`: `trl.GRPOTrainer` as shipped, rewards mc_idx 4 + think_format 1. "
+        "`stock_fixed`: the same with the engine fixes `MDIGRPOTrainer` applies (`fixtures.vllm_baseline`): one "
+        "image placeholder per image in the engine's prompt (stock hands vLLM the processor's expanded ids, which "
+        "vLLM expands again: huggingface/trl#6294) and the engine's cached image features dropped before each "
+        "weight sync (stock generates from features of the weights before the update). "
         "`mdi`: `MDIGRPOTrainer` built without `reward_funcs` (the default stack mc_idx 4 + think_format 1 + "
         "mdi_balance 1; probe placement `trl_forward`: it rides TRL's importance-sampling forward), attention "
-        "metrics and live Markdown logs on. Both: vLLM sampling with `logit_bias` -100 on the image placeholder "
+        "metrics and live Markdown logs on. All three: vLLM sampling with `logit_bias` -100 on the image placeholder "
         "(TRL suppresses it in HF generate but not under vLLM; the random model samples it and the policy forward "
         "then fails). One torch / OpenMP thread: with two, on this loaded machine, steps took 10-20x longer.",
-        f"- Seeds {seeds_text}: one run per variant and seed, the order alternating (stock first on even seeds). "
+        f"- Seeds {seeds_text}: one run per variant and seed, the order rotating (seed k starts with variant k of "
+        f"{', '.join(VLLM_VARIANTS)}). "
         f"Each run: trainer build and engine start (not timed), {a.warmup} warm-up steps, {steps} timed steps; a "
         "step's time runs from its start to the next step's start (generation, weight sync, scoring, loss, "
         "backward, optimizer, logging). The rollouts agree only up to the first update (mdi_balance changes the "
         "advantages). Target: mdi / stock <= 1.05.",
         "",
-        "| variant | timed steps | median step s (wall) | min - max s (wall) | median step s (CPU) | build s (model + "
-        "engine, untimed) | policy forwards per step (hook on the policy) |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| variant | timed steps | median step s (wall) | min - max s (wall) | median step s (CPU) | completion tokens "
+        "per step (mean) | build s (model + engine, untimed) | policy forwards per step (hook on the policy) |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
         *rows,
         "",
-        "mdi / stock: the ratio of the pooled step times' median (or lower quartile), with a 95% bootstrap interval "
-        f"(steps resampled within each run) and per seed (the two runs' ratio, seeds {seeds_text}); target <= 1.05:",
+        "Ratios of the pooled step times' median (or lower quartile), with a 95% bootstrap interval (steps resampled "
+        f"within each run) and per seed (the two runs' ratio, seeds {seeds_text}); target for mdi <= 1.05. "
+        + "; ".join(f"{n} / {d}: {why}" for n, d, why in VLLM_RATIOS) + ":",
         "",
-        "| measure | mdi / stock | 95% interval | per seed |",
-        "|---|---:|---:|---|",
-        *[ratio_row(cpu, stat) for cpu in (False, True) for stat in (statistics.median, lower_quartile)],
+        "| ratio | measure | value | 95% interval | per seed |",
+        "|---|---|---:|---:|---|",
+        *[ratio_row(n, d, cpu, stat) for n, d, _ in VLLM_RATIOS for cpu in (False, True)
+          for stat in (statistics.median, lower_quartile)],
         "",
         "Wall time includes the waits for a core that other jobs on the machine hold, and their load moves from "
         "minute to minute; CPU time counts the work this process did (the colocated engine included), which such "
@@ -500,8 +540,10 @@ def main_vllm(a: argparse.Namespace) -> None:
         "Where a step's time goes (median seconds per step over the timed steps; indented phases are parts of "
         "'generate and score'; 'loop rest' = the step minus 'generate and score' and 'loss forward'):",
         "",
-        "| phase | stock wall s | mdi wall s | stock CPU s | mdi CPU s | mdi - stock CPU s |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| phase | " + " | ".join(f"{v} wall s" for v in VLLM_VARIANTS) + " | "
+        + " | ".join(f"{v} CPU s" for v in VLLM_VARIANTS) + " | fixes: stock_fixed - stock CPU s | observing: mdi - "
+        "stock_fixed CPU s |",
+        "|---|" + "---:|" * (2 * len(VLLM_VARIANTS) + 2),
         *phase_rows,
         "",
     ])

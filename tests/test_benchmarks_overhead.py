@@ -94,3 +94,16 @@ def test_step_profile_counts_forwards_by_grad_mode_and_times_phases():
     assert profile.step_time(0) >= profile.phases[0]["sleep"]
     assert profile.step_time(0) == profile.starts[1] - profile.starts[0]
     assert profile.timed_steps(1) == [1]  # the last step's time is unknown until a next one starts
+
+
+def test_step_profile_counts_the_completion_tokens_each_step_generated():
+    profile = StepProfile(torch.nn.Linear(2, 2))
+    # TRL 1.16's VLLMGeneration.generate returns (prompt_ids, completion_ids, logprobs, logprob_token_ids)
+    engine = SimpleNamespace(generate=lambda prompts, n: ([[1]] * len(prompts), [[5] * k for k in prompts], None, None))
+    profile.count_completion_tokens(engine)
+    assert engine.generate([3], 1)[1] == [[5, 5, 5]]  # before the first step: returned, not counted
+    profile.on_step_begin(None, None, None)
+    engine.generate([3, 4], 2)
+    engine.generate([1], 1)
+    profile.on_step_begin(None, None, None)
+    assert profile.completion_tokens == [8, 0]

@@ -30,11 +30,11 @@ from trl.generation.vllm_generation import VLLMGeneration
 
 from fixtures import vllm_cpu
 from fixtures.testing import eager_group_masses, zen_image_dataset
+from fixtures.vllm_baseline import PromptFixedGRPOTrainer
 from trl_mdi import trainer as trainer_module
 from trl_mdi.attention import image_token_ids, probe_attention
 from trl_mdi.config import MDIGRPOConfig
 from trl_mdi.trainer import MDIGRPOTrainer
-from trl_mdi.vllm_prompts import drop_stale_image_features, engine_prompt_ids, suppress_image_tokens
 
 
 def spread_reward(completions, **kwargs):
@@ -162,24 +162,6 @@ def record_run(monkeypatch, trainer_cls, model_dir, args, dataset, peft_config=N
     del trainer
     gc.collect()
     return rec
-
-
-class PromptFixedGRPOTrainer(GRPOTrainer):
-    """Stock ``GRPOTrainer`` with only the engine fixes MDIGRPOTrainer applies (``trl_mdi.vllm_prompts``): the engine
-    gets one image placeholder per image, never samples one (``suppress_image_tokens``), and its cached image features
-    are dropped before each weight sync. Stock TRL 1.16 alone samples from a corrupted prompt (huggingface/trl#6294),
-    so its rollouts, and so its parameters, differ from a correct run's; this is the stock run to compare against."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.vllm_generation.generation_kwargs = suppress_image_tokens(self.vllm_generation.generation_kwargs,
-                                                                       image_token_ids(self.model.config))
-
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        prompt_ids = engine_prompt_ids(prompt_ids, self.model.config.image_token_id)
-        if self.state.global_step != self._last_loaded_step:
-            drop_stale_image_features(self.vllm_generation)
-        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ import torch  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from fixtures.testing import zen_image_dataset  # noqa: E402
+from fixtures.vllm_baseline import PromptFixedGRPOTrainer  # noqa: E402
 from trl_mdi.trainer import MDIGRPOTrainer  # noqa: E402
 
 
@@ -84,7 +85,7 @@ def main():
         run_dir = out_dir / name
         common = {**test_colocate.common_args(run_dir), "ddp_backend": "gloo", **overrides}
         if name == "stock":
-            args, cls = GRPOConfig(**common), test_colocate.PromptFixedGRPOTrainer
+            args, cls = GRPOConfig(**common), PromptFixedGRPOTrainer
         else:
             args, cls = test_colocate.mdi_args(run_dir, **{**common, "compute_attention_metrics": True,
                                                                   "reliance_signals": True}), MDIGRPOTrainer
