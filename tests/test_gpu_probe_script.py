@@ -1,0 +1,120 @@
+"""benchmarks/gpu_probe.py end to end on the CPU at tiny widths (``--tiny``), and its RESULTS.md section.
+
+The GPU run itself needs a CUDA machine; this runs the same code path (model build, the GRPO-shaped batch,
+memory, round-robin timing, the probe's checks against the eager reference, the SDPA spy, the JSON) on the CPU,
+then renders the JSON into a copy of RESULTS.md. Expected values are derived from the arguments, not read back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPT = BENCH / "gpu_probe.py"
+SECTION = "## Attention probe on a GPU"
+LENGTH, BATCHES, REPEATS = 256, (1, 2), 2
+TINY_TEXT = {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
+
+
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    # One torch thread: on a shared 2-core machine, more threads spin against other jobs and time out.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=BENCH.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("gpu_probe") / "gpu_probe.json"
+    _run("--tiny", "--device", "cpu", "--lengths", str(LENGTH), "--batches", *map(str, BATCHES),
+         "--repeats", str(REPEATS), "--out", str(out))
+    return json.loads(out.read_text()), out
+
+
+def test_every_shape_is_measured_on_the_inputs_asked_for(report):
+    data, _ = report
+    assert data["skipped"] == []
+    assert [(r["length"], r["batch"]) for r in data["rows"]] == [(LENGTH, b) for b in BATCHES]
+    p_len = LENGTH - LENGTH // 2
+    side = math.isqrt(p_len // 4)  # a quarter of the prompt is one square image of 28-px tokens
+    for r in data["rows"]:
+        b = r["batch"]
+        # batch 1: no padding; batch 2: row 1's prompt 1/8 shorter (left-padded), row 0's completion 3/4 of the max
+        assert r["left_pad"] == ([0] if b == 1 else [0, p_len // 8])
+        assert r["n_completion"] == ([LENGTH // 2] if b == 1 else [LENGTH // 2 - LENGTH // 8, LENGTH // 2])
+        assert r["checks"]["n_image"] == [side * side] * b
+        assert r["checks"]["n_queries"] == r["n_completion"]  # the probe measured every completion token
+
+
+def test_memory_and_times_are_measured_and_the_ratios_follow_from_them(report):
+    data, _ = report
+    for r in data["rows"]:
+        for v in ("a", "b"):
+            assert r["peak_bytes"][v] > 0  # the MLP's (B, 256, 128) float32 buffers alone are 128 KiB per row
+            assert len(r["times_s"][v]) == REPEATS and all(t > 0 for t in r["times_s"][v])
+            assert r["median_s"][v] == statistics.median(r["times_s"][v])
+        assert r["ratio_mem"] == pytest.approx(r["peak_bytes"]["b"] / r["peak_bytes"]["a"])
+        assert r["ratio_time"] == pytest.approx(r["median_s"]["b"] / r["median_s"]["a"])
+        pairs = [b / a for a, b in zip(r["times_s"]["a"], r["times_s"]["b"])]
+        assert r["ratio_time_paired"] == pytest.approx(statistics.median(pairs))
+
+
+def test_probe_masses_sum_to_one_and_match_the_eager_reference(report):
+    data, _ = report
+    for r in data["rows"]:
+        c = r["checks"]
+        assert c["finite"] is True and c["num_layers"] == TINY_TEXT["num_layers"]
+        assert c["max_abs_sum_error"] < 1e-5
+        assert c["max_abs_err_vs_eager"] < 1e-5  # float32 at L=256 <= --eager-max-length
+        assert 0 < c["image_mass_mean"] < 1
+        # every text layer: one SDPA call of the model's own and one of the probe's
+        by_role = {role: sum(n for k, n in r["sdpa_backends"].items() if k.startswith(role + ":"))
+                   for role in ("model", "probe")}
+        assert by_role == {"model": TINY_TEXT["num_layers"], "probe": TINY_TEXT["num_layers"]}
+
+
+def test_machine_and_model_are_recorded(report):
+    data, _ = report
+    assert data["machine"]["torch"] == torch.__version__ and data["machine"]["device"] == "cpu"
+    text = data["model"]["text"]
+    assert {k: text[k] for k in TINY_TEXT} == TINY_TEXT
+    assert text["head_dim"] == 16 and text["rope_parameters"]["mrope_section"] == [2, 3, 3]
+    assert data["model"]["dtype"] == "float32" and data["model"]["attn_implementation"] == "sdpa"
+    assert "--out" not in data["argv"] and data["argv"][:3] == ["--tiny", "--device", "cpu"]
+
+
+def test_the_section_is_rendered_into_results(report, tmp_path):
+    data, path = report
+    results = tmp_path / "RESULTS.md"
+    shutil.copy(BENCH / "RESULTS.md", results)
+    before = results.read_text()
+    _run("--write-results", str(path), "--results", str(results), timeout=120)
+    text = results.read_text()
+    assert text.count(SECTION + "\n") == 1
+    start = text.index(SECTION + "\n")
+    assert text[:start] == (before[:before.index(SECTION + "\n")] if SECTION in before else before.rstrip("\n") + "\n\n")
+    section = text[start:].split("\n## ", 1)[0]
+    table = [line for line in section.splitlines() if line.startswith(f"| {LENGTH} |")]
+    assert len(table) == len(BATCHES)
+    for line, r in zip(table, data["rows"]):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[1] == str(r["batch"])
+        assert cells[4] == f"{r['peak_bytes']['a'] / 2**20:,.1f}" and cells[5] == f"{r['peak_bytes']['b'] / 2**20:,.1f}"
+        assert cells[7] == f"{1e3 * r['median_s']['a']:,.2f}" and cells[8] == f"{1e3 * r['median_s']['b']:,.2f}"
+        assert cells[9].startswith(f"{r['ratio_time']:.2f}")
+    assert data["machine"]["name"] in section and f"transformers {data['machine']['transformers']}" in section
+    assert "float32" in section and f"median of {REPEATS} calls" in section
+    _run("--write-results", str(path), "--results", str(results), timeout=120)
+    assert results.read_text() == text  # replaced, not appended
