@@ -52,7 +52,6 @@ import datetime
 import gc
 import json
 import math
-import os
 import platform
 import statistics
 import sys
@@ -63,9 +62,10 @@ from pathlib import Path
 # Offline: nothing may come from the Hub. Importing attention_memory sets the offline variables (before any HF
 # import) and puts the repository root on sys.path.
 import attention_memory as am
-from _results import RESULTS, code_version, describe_version, replace_section, result_args
+from _results import RESULTS, ROOT, code_version, describe_version, replace_section, result_args
 
 SECTION = "## Attention probe on a GPU"
+CODE_PATHS = ("trl_mdi", "fixtures", "benchmarks")  # the files that decide the figures (code_version's scope)
 ARCH = "qwen2_5_vl"
 VARIANTS = ("a", "b")
 # Qwen/Qwen2.5-VL-3B-Instruct's text config (config.json of the checkpoint); the rest keeps the fixture's values,
@@ -388,7 +388,7 @@ def run(args) -> int:
     report = {"machine": _machine(device), "model": _model_info(model, args.tiny), "build_s": time.perf_counter() - t0,
               "argv": args.argv, "repeats": args.repeats, "eager_max_length": args.eager_max_length,
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "code": _code(), "rows": [], "skipped": [],
+              "code": code_version(CODE_PATHS), "rows": [], "skipped": [],
               "allocated_after_build_bytes": torch.cuda.memory_allocated(device) if device.type == "cuda" else None}
     _log(f"model: {report['model']['num_params']:,} parameters in {report['build_s']:.1f} s; "
          f"{report['machine']['name']}")
@@ -451,7 +451,7 @@ def render(report: dict) -> str:
         f"{report.get('total_s', 0):.0f} s, of which {report['build_s']:.0f} s building the model.",
         "",
         f"- Date: {report['date']}; {describe_version(report.get('code'))}"
-        f"{', as stated by ' + report['code']['stated'] if (report.get('code') or {}).get('stated') else ''}.",
+        f"{f' = the files of commit {same[:7]} (matched here)' if (same := report.get('same_as_commit')) else ''}.",
         f"- Card: **{card}**; torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}.",
         f"- Model: `{mod['class']}` with {mod['widths']}: {t['num_layers']} layers, hidden {t['hidden_size']}, "
         f"{t['num_heads']} heads / {t['num_kv_heads']} KV heads (head_dim {t['head_dim']}), MLP "
@@ -507,8 +507,46 @@ def render(report: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def matching_commit(code: dict | None, root: Path = ROOT, depth: int = 30) -> str | None:
+    """The commit among HEAD's last ``depth`` whose files (:data:`CODE_PATHS`) are the ones a run recorded as
+    ``code_version``'s ``base commit + uncommitted changes (diff hash)``; None if none is.
+
+    Why: the GPU machine gets a copy of the session's checkout whose git sits at the commit the session started
+    from, with everything since as uncommitted changes, so the run can only record that base and a hash of the
+    changes. Laying each candidate's files over the base in a scratch worktree and hashing them the same way tells
+    which commit ran, checked rather than stated."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    if not code or not code.get("dirty") or not code.get("commit") or not code.get("diff"):
+        return None
+
+    def git(*args: str, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, check=True, **kw)
+
+    candidates = git("rev-list", f"-n{depth}", "HEAD").stdout.decode().split()
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        git("worktree", "add", "--detach", str(tree), code["commit"])
+        try:
+            for commit in candidates:
+                for path in CODE_PATHS:
+                    shutil.rmtree(tree / path, ignore_errors=True)
+                present = git("ls-tree", "--name-only", commit, *CODE_PATHS).stdout.decode().split()
+                archive = git("archive", commit, *present).stdout if present else b""
+                if archive:
+                    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+                if code_version(CODE_PATHS, root=tree).get("diff") == code["diff"]:
+                    return commit
+        finally:
+            git("worktree", "remove", "--force", str(tree))
+    return None
+
+
 def write_results(json_path: str, results_path: Path) -> None:
     report = json.loads(Path(json_path).read_text(encoding="utf-8"))
+    report["same_as_commit"] = matching_commit(report.get("code"))
     text = render(report)
     print(text)
     replace_section(SECTION, text, results_path)
@@ -547,14 +585,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 
-def _code() -> dict:
-    """``code_version`` of the files that decide the figures; on the GPU machine, whose copy of the tree has no git,
-    the commit the run's command states in TRL_MDI_CODE_COMMIT (the lead commits before sending the tree)."""
-    version = code_version(("trl_mdi", "fixtures", "benchmarks"))
-    if version.get("commit") is None and os.environ.get("TRL_MDI_CODE_COMMIT"):
-        version = {"commit": os.environ["TRL_MDI_CODE_COMMIT"], "dirty": None, "diff": None,
-                   "stated": "TRL_MDI_CODE_COMMIT (the copied tree had no git)"}
-    return version
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -40,7 +40,8 @@ def test_appends_a_missing_section_and_creates_the_file(tmp_path):
     assert path.read_text().endswith("## New\n\nbody\n\n## Newer\n\nx\n")  # "## New" is not a prefix match
 
 
-@pytest.mark.parametrize("script", ["attention_memory.py", "overhead.py", "learning_curve.py", "language_prior.py"])
+@pytest.mark.parametrize("script", ["attention_memory.py", "overhead.py", "learning_curve.py", "language_prior.py",
+                                    "gpu_probe.py"])
 def test_every_benchmark_imports_its_helpers(script):
     proc = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

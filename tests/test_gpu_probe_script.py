@@ -118,3 +118,43 @@ def test_the_section_is_rendered_into_results(report, tmp_path):
     assert "float32" in section and f"median of {REPEATS} calls" in section
     _run("--write-results", str(path), "--results", str(results), timeout=120)
     assert results.read_text() == text  # replaced, not appended
+
+
+def test_matching_commit_finds_the_commit_whose_files_a_dirty_base_held(tmp_path):
+    """The GPU machine's copy records 'base commit + uncommitted changes (diff hash)'; matching_commit names the later
+    commit whose files give that hash over the base, and None for files no commit holds."""
+    sys.path.insert(0, str(BENCH))
+    from _results import code_version
+    from gpu_probe import CODE_PATHS, matching_commit
+
+    repo = tmp_path / "repo"
+    (repo / CODE_PATHS[0]).mkdir(parents=True)
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=repo, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    probe = repo / CODE_PATHS[0] / "probe.py"
+    probe.write_text("v = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "base")
+    base = git("rev-parse", "HEAD")
+    commits = []
+    for v in (2, 3):
+        probe.write_text(f"v = {v}\n")
+        (repo / CODE_PATHS[0] / f"new{v}.py").write_text("x = 0\n")
+        git("add", "-A")
+        git("commit", "-qm", f"v{v}")
+        commits.append(git("rev-parse", "HEAD"))
+    # what the device records: the base checked out, commit v2's files laid over it (a new file untracked)
+    device = tmp_path / "device"
+    git("worktree", "add", "-q", "--detach", str(device), base)
+    (device / CODE_PATHS[0] / "probe.py").write_text("v = 2\n")
+    (device / CODE_PATHS[0] / "new2.py").write_text("x = 0\n")
+    recorded = code_version(CODE_PATHS, root=device)
+    assert recorded["commit"] == base and recorded["dirty"]
+    assert matching_commit(recorded, root=repo) == commits[0]
+    (device / CODE_PATHS[0] / "probe.py").write_text("v = 4\n")  # files no commit holds
+    assert matching_commit(code_version(CODE_PATHS, root=device), root=repo) is None
+    assert matching_commit({"commit": base, "dirty": False, "diff": None}, root=repo) is None  # clean: nothing to match
