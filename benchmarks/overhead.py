@@ -400,6 +400,24 @@ def run_vllm(variant: str, model_dir: Path, dataset, work: Path, seed: int, warm
     return profile, build_s
 
 
+def _run_in_child(threads: int, *args) -> tuple[StepProfile, float]:
+    torch.set_num_threads(threads)
+    vllm_cpu.install()
+    return run_vllm(*args)
+
+
+def run_isolated(threads: int, *args) -> tuple[StepProfile, float]:
+    """:func:`run_vllm` in a fresh process of its own (spawned: it re-imports this module with the same argv, so the
+    vLLM environment is set as here). Why: a finished run's engine was not freed in this process (its 1 GiB KV cache
+    stayed: 24 runs exhausted the machine's memory and the 20th engine failed to start), and a fresh process also
+    keeps one run's allocator and caches out of the next one's times."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_run_in_child, threads, *args).result()
+
+
 def main_vllm(a: argparse.Namespace) -> None:
     steps = a.steps or 10
     seeds = a.seeds
@@ -409,8 +427,7 @@ def main_vllm(a: argparse.Namespace) -> None:
     if a.completion_lengths and len(a.completion_lengths) != 1:
         raise SystemExit("--vllm measures one completion length: pass one value to --completion_lengths")
     completion_length = (a.completion_lengths or [32])[0]
-    torch.set_num_threads(a.threads)
-    vllm_cpu.install()
+    torch.set_num_threads(a.threads)  # for the report's line; each run sets its own (run_isolated)
     import vllm
 
     started, load_start = time.time(), os.getloadavg()[0]
@@ -424,8 +441,8 @@ def main_vllm(a: argparse.Namespace) -> None:
             for j in range(len(VLLM_VARIANTS)):  # rotated: each variant runs first, second and last in turn
                 variant = VLLM_VARIANTS[(k + j) % len(VLLM_VARIANTS)]
                 loads.append(os.getloadavg()[0])
-                profile, build_s = run_vllm(variant, model_dir, dataset, work / f"s{seed}", seed, a.warmup, steps,
-                                            completion_length)
+                profile, build_s = run_isolated(a.threads, variant, model_dir, dataset, work / f"s{seed}", seed,
+                                                a.warmup, steps, completion_length)
                 runs[variant].append(profile)
                 builds[variant].append(build_s)
                 t = [profile.step_time(i) for i in profile.timed_steps(a.warmup)]
