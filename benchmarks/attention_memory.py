@@ -98,7 +98,7 @@ _OVERHEAD = {"waiting_s": 0.0, "retried_timing_s": 0.0}  # run time lost to othe
 # ------------------------------------------------------------------------------------------------
 # Helpers shared by the workers
 # ------------------------------------------------------------------------------------------------
-def _proc_status() -> dict[str, int]:
+def proc_status() -> dict[str, int]:
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
@@ -108,7 +108,7 @@ def _proc_status() -> dict[str, int]:
     return out
 
 
-def _reset_hwm() -> None:
+def reset_hwm() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM (the peak RSS) to the current RSS
 
@@ -174,7 +174,7 @@ def build_inputs(processor, length: int, batch: int, image_tokens: int, seed: in
     return out
 
 
-def _call(variant: str, model, batch: dict):
+def variant_call(variant: str, model, batch: dict):
     """The zero-argument callable that runs ``variant`` on ``batch`` (all no-grad, same forward kwargs)."""
     import torch
 
@@ -223,18 +223,18 @@ def worker_mem(args) -> dict:
     processor = AutoProcessor.from_pretrained(args.model_dir)
     warm = build_inputs(processor, args.warmup_length, args.batch, args.image_tokens)
     batch = build_inputs(processor, args.length, args.batch, args.image_tokens)
-    _call(args.variant, model, warm)()  # lazy init (thread pools, kernels, RoPE caches) outside the measurement
-    run = _call(args.variant, model, batch)
+    variant_call(args.variant, model, warm)()  # lazy init (thread pools, kernels, RoPE caches) outside the measurement
+    run = variant_call(args.variant, model, batch)
     seen_kwargs = {}
     hook = model.register_forward_pre_hook(lambda _m, _a, kw: seen_kwargs.update(kw), with_kwargs=True)
     del warm
     gc.collect()
-    _reset_hwm()
-    before = _proc_status()
+    reset_hwm()
+    before = proc_status()
     t0 = time.perf_counter()
     out = run()
     elapsed = time.perf_counter() - t0
-    after = _proc_status()  # read while the output is alive: what the caller holds counts
+    after = proc_status()  # read while the output is alive: what the caller holds counts
     ru_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     hook.remove()
     res = {
@@ -273,8 +273,8 @@ def worker_time(args) -> dict:
     batch = build_inputs(processor, args.length, args.batch, args.image_tokens)
     model_for = {v: eager if v == "c" else sdpa for v in variants}
     for v in variants:
-        _call(v, model_for[v], warm)()
-    runs = {v: _call(v, model_for[v], batch) for v in variants}
+        variant_call(v, model_for[v], warm)()
+    runs = {v: variant_call(v, model_for[v], batch) for v in variants}
     times: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.repeats):
@@ -344,7 +344,7 @@ def worker_kernels(args) -> dict:
 
     F.scaled_dot_product_attention = spy
     try:
-        _call("b", model, batch)()
+        variant_call("b", model, batch)()
     finally:
         F.scaled_dot_product_attention = original
     calls = [
@@ -374,8 +374,8 @@ def worker_kernels(args) -> dict:
         choice = names.get(int(torch._fused_sdp_choice(qq, kk, vv, mm, 0.0, False, **kw)), "?")
         F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mm, **kw)  # warm-up
         gc.collect()
-        _reset_hwm()
-        before = _proc_status()["VmRSS"]
+        reset_hwm()
+        before = proc_status()["VmRSS"]
         ts = []
         for _ in range(3):
             t0 = time.perf_counter()
@@ -383,7 +383,7 @@ def worker_kernels(args) -> dict:
             ts.append(time.perf_counter() - t0)
             del out
         micro.append({"option": label, "backend": choice, "ms": 1000 * statistics.median(ts),
-                      "peak_delta": _proc_status()["VmHWM"] - before})
+                      "peak_delta": proc_status()["VmHWM"] - before})
     return {"length": args.length, "calls": calls, "micro": micro,
             "bool_mask_bytes": mask.numel(), "float_mask_bytes": fmask.numel() * fmask.element_size()}
 
@@ -490,14 +490,14 @@ def _fmt_mib(b) -> str:
     return "—" if b is None else f"{b / MIB:,.0f}"
 
 
-def _fmt_ratio(x, target=None) -> str:
+def fmt_ratio(x, target=None) -> str:
     if x is None:
         return "—"
     mark = "" if target is None else (" ✓" if x <= target else " ✗")
     return f"{x:.2f}{mark}"
 
 
-def _ratio(num, den):
+def ratio(num, den):
     return None if num is None or den in (None, 0) else num / den
 
 
@@ -675,9 +675,9 @@ def render(args, machine, info, rows, vocab_rows, kernels, total) -> str:
 
         out.append(
             f"| {r['length']} | {_fmt_mib(m['a'])} | {_fmt_mib(m['b'])} | {_fmt_mib(m['c'])} "
-            f"| {_fmt_ratio(_ratio(m['b'], m['a']), MEM_TARGET)} | {_fmt_ratio(_ratio(m['c'], m['a']))} "
+            f"| {fmt_ratio(ratio(m['b'], m['a']), MEM_TARGET)} | {fmt_ratio(ratio(m['c'], m['a']))} "
             f"| {ts('a')} | {ts('b')} | {ts('c')} "
-            f"| {_fmt_ratio(_ratio(t['b'], t['a']), TIME_TARGET)} | {_fmt_ratio(_ratio(t['c'], t['a']))} |"
+            f"| {fmt_ratio(ratio(t['b'], t['a']), TIME_TARGET)} | {fmt_ratio(ratio(t['c'], t['a']))} |"
         )
         for v, why in r["skip"].items():
             notes.append(f"- L={r['length']} ({v}) not measured: {why}")
@@ -725,9 +725,9 @@ def render(args, machine, info, rows, vocab_rows, kernels, total) -> str:
             out.append(
                 f"| {r['length']} | {r['vocab'] or info['vocab_size']:,} "
                 + "".join(f"| {_fmt_mib(m[v])} " for v in LOGITS_VARIANTS)
-                + f"| {_fmt_ratio(_ratio(m['b'], m['a_full']))} | {_fmt_ratio(_ratio(m['b'], m['a']))} "
+                + f"| {fmt_ratio(ratio(m['b'], m['a_full']))} | {fmt_ratio(ratio(m['b'], m['a']))} "
                 + "".join(f"| {'—' if t[v] is None else f'{t[v]:.3f}'} " for v in LOGITS_VARIANTS)
-                + f"| {_fmt_ratio(_ratio(t['b'], t['a_full']))} | {_fmt_ratio(_ratio(t['b'], t['a']))} | {_fmt_mib(lg)} |"
+                + f"| {fmt_ratio(ratio(t['b'], t['a_full']))} | {fmt_ratio(ratio(t['b'], t['a']))} | {_fmt_mib(lg)} |"
             )
         for r in vocab_rows:
             for v, why in r["skip"].items():

@@ -193,10 +193,10 @@ def peak_memory(run, device) -> int:
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - before
     else:
-        am._reset_hwm()
-        before = am._proc_status()["VmRSS"]
+        am.reset_hwm()
+        before = am.proc_status()["VmRSS"]
         out = run()
-        peak = am._proc_status()["VmHWM"] - before
+        peak = am.proc_status()["VmHWM"] - before
     del out
     return peak
 
@@ -298,7 +298,7 @@ def measure_shape(model, processor, length: int, batch: int, args, device) -> di
 
     cpu_batch = probe_batch(processor, length, batch)
     inputs = {k: v.to(device) for k, v in cpu_batch.items()}
-    runs = {v: am._call(v, model, inputs) for v in VARIANTS}
+    runs = {v: am.variant_call(v, model, inputs) for v in VARIANTS}
     for run in runs.values():  # kernels, workspaces, RoPE caches: outside the measurement
         run()
     _sync(device)
@@ -309,8 +309,8 @@ def measure_shape(model, processor, length: int, batch: int, args, device) -> di
     times = round_robin_times(runs, args.repeats, device)
     row["times_s"] = times
     row["median_s"] = {v: statistics.median(t) for v, t in times.items()}
-    row["ratio_mem"] = am._ratio(row["peak_bytes"]["b"], row["peak_bytes"]["a"])
-    row["ratio_time"] = am._ratio(row["median_s"]["b"], row["median_s"]["a"])
+    row["ratio_mem"] = am.ratio(row["peak_bytes"]["b"], row["peak_bytes"]["a"])
+    row["ratio_time"] = am.ratio(row["median_s"]["b"], row["median_s"]["a"])
     row["ratio_time_paired"] = statistics.median(b / a for a, b in zip(times["a"], times["b"]))
     row["sdpa_backends"] = sdpa_backends(runs["b"], length)
     eager = length <= args.eager_max_length
@@ -486,8 +486,8 @@ def render(report: dict) -> str:
         out.append(
             f"| {r['length']} | {r['batch']} | {', '.join(map(str, r['checks']['n_image']))} "
             f"| {', '.join(map(str, r['n_completion']))} | {p['a'] / MIB:,.1f} | {p['b'] / MIB:,.1f} "
-            f"| {am._fmt_ratio(r['ratio_mem'], am.MEM_TARGET)} | {1e3 * s['a']:,.2f} | {1e3 * s['b']:,.2f} "
-            f"| {am._fmt_ratio(r['ratio_time'], am.TIME_TARGET)} |"
+            f"| {am.fmt_ratio(r['ratio_mem'], am.MEM_TARGET)} | {1e3 * s['a']:,.2f} | {1e3 * s['b']:,.2f} "
+            f"| {am.fmt_ratio(r['ratio_time'], am.TIME_TARGET)} |"
         )
     for sk in report.get("skipped", []):
         out.append(f"\n- L={sk['length']} batch {sk['batch']} not measured: {sk['why']}")
