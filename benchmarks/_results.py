@@ -6,6 +6,7 @@ works without installing anything.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -132,3 +133,23 @@ def run_job(job: dict, body: Callable[[Callable[[str], None]], dict]) -> tuple[d
     except Exception as err:  # noqa: BLE001 - one job failing must not lose the others
         log(f"  [{job['label']}] FAILED: {type(err).__name__}: {err}\n{traceback.format_exc()}")
         return None, f"{type(err).__name__}: {err}"
+
+
+def write_json(path: Path, data: dict) -> None:
+    """``data`` as JSON at ``path``, written whole or not at all (a temporary file, then renamed)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)  # a run interrupted while saving leaves no half-written result behind
+
+
+def run_and_save(job: dict, body: Callable[[Callable[[str], None]], dict], stamp: dict,
+                 save: Callable[[Path, dict], None] = write_json) -> tuple[dict | None, str | None]:
+    """:func:`run_job`, then its result with ``stamp`` added (the fingerprint and code version a resume matches on)
+    saved at ``job["path"]`` by ``save`` (default :func:`write_json`); a failing job saves nothing. Returns what
+    :func:`run_job` returns, stamped."""
+    result, error = run_job(job, body)
+    if error:
+        return None, error
+    result.update(stamp)
+    save(job["path"], result)
+    return result, None

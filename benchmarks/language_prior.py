@@ -81,7 +81,14 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from _results import code_version, describe_version, replace_section, run_job, set_offline_env
+from _results import (
+    code_version,
+    describe_version,
+    replace_section,
+    run_and_save,
+    set_offline_env,
+    write_json,
+)
 
 set_offline_env()
 # fixtures/ (tiny models, synthetic data, warm-up) is a folder of the checkout, not an installed package.
@@ -251,12 +258,6 @@ def dev_split(s: Settings, recipe: WarmupRecipe, test: HeldOut) -> HeldOut:
     return HeldOut(s, recipe, split=DEV_SPLIT, n=s.n_dev, blank=False, exclude=taken)
 
 
-def write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)  # a run interrupted while saving leaves no half-written result behind
-
-
 # ------------------------------------------------------------------------------------------------ evaluation
 
 
@@ -417,7 +418,7 @@ _DATA: dict = {}
 
 def execute(job: dict) -> tuple[dict | None, str | None]:
     """Run one job and save its JSON: a (variant, seed) run or the warm-up's reliance measurement. Returns
-    ``(result, None)``, or ``(None, error)`` if it failed (``_results.run_job``). The held-out rows and the GRPO pool
+    ``(result, None)``, or ``(None, error)`` if it failed (``_results.run_and_save``). The held-out rows and the GRPO pool
     are built once per process."""
     s, recipe, work = job["settings"], job["recipe"], job["work"]
 
@@ -436,14 +437,9 @@ def execute(job: dict) -> tuple[dict | None, str | None]:
         return run_one(job["name"], job["seed"], job["model_dir"], job["warm"], _DATA["pool"], _DATA["held"], s,
                        work, log)
 
-    result, error = run_job(job, body)
-    if error:
-        return None, error
-    result["fingerprint"] = job["key"]  # the settings and the code version
-    result["settings_key"] = job["settings_key"]  # the settings alone: --reuse_other_code matches on it
-    result["code_version"] = job["version"]
-    write_json(job["path"], result)
-    return result, None
+    # fingerprint: the settings and the code version; settings_key: the settings alone (--reuse_other_code matches it)
+    return run_and_save(job, body, {"fingerprint": job["key"], "settings_key": job["settings_key"],
+                                    "code_version": job["version"]})
 
 
 def parse_settings(argv: list[str]) -> tuple[argparse.Namespace, Settings]:

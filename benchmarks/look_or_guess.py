@@ -980,8 +980,8 @@ _DATA: dict = {}
 
 def execute(job: dict) -> tuple[dict | None, str | None]:
     """Run one job and save its JSON: the warm-up's figures or a (variant, seed) run. Returns ``(result, None)``,
-    or ``(None, error)`` (``_results.run_job``). The rows are built once per process."""
-    from _results import run_job
+    or ``(None, error)`` (``_results.run_and_save``). The rows are built once per process."""
+    from _results import run_and_save
 
     s, recipe, work = job["settings"], job["recipe"], job["work"]
 
@@ -997,12 +997,8 @@ def execute(job: dict) -> tuple[dict | None, str | None]:
         return run_one(job["name"], job["variant"], job["seed"], job["model_dir"], _DATA["pool"], _DATA["test"], s,
                        work, log)
 
-    result, error = run_job(job, body)
-    if error:
-        return None, error
-    result.update(fingerprint=job["key"], code=job["code"], settings_key=job["key"])
-    write_json(job["path"], result)
-    return result, None
+    return run_and_save(job, body, {"fingerprint": job["key"], "code": job["code"], "settings_key": job["key"]},
+                        save=write_json)  # this module's: NaN as null, keys as strings
 
 
 # ------------------------------------------------------------------------------------ the report

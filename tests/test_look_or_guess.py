@@ -469,10 +469,13 @@ def test_a_job_saves_its_stamped_result_and_a_failing_job_loses_nothing(bench, t
     monkeypatch.setattr(bench, "_DATA", {"test": "rows"})
     job = dict(settings=None, recipe=None, work=tmp_path, threads=1, started=0.0, what="warmup", model_dir="m",
                label="warm-up", key="k1", code={"commit": "abc"}, path=tmp_path / "warmup.json")
-    monkeypatch.setattr(bench, "warmup_figures", lambda model_dir, rows, s, log: {"look_rate": 0.5, "rows": rows})
+    monkeypatch.setattr(bench, "warmup_figures", lambda model_dir, rows, s, log: {"look_rate": 0.5, "rows": rows,
+                                                                                 "auroc": float("nan")})
     result, error = bench.execute(job)
     assert error is None and result["fingerprint"] == "k1" and result["code"] == {"commit": "abc"}
-    assert json.loads(job["path"].read_text())["look_rate"] == 0.5
+    saved = json.loads(job["path"].read_text())
+    assert saved["look_rate"] == 0.5 and saved["fingerprint"] == "k1"
+    assert saved["auroc"] is None  # saved by this benchmark's writer: an undefined AUROC is null, not NaN
 
     def broken(model_dir, rows, s, log):
         raise RuntimeError("out of memory")
