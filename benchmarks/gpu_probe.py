@@ -62,7 +62,7 @@ from pathlib import Path
 # Offline: nothing may come from the Hub. Importing attention_memory sets the offline variables (before any HF
 # import) and puts the repository root on sys.path.
 import attention_memory as am
-from _results import RESULTS, ROOT, code_version, describe_version, replace_section, result_args
+from _results import RESULTS, ROOT, code_version, describe_version, replace_section, result_args, write_json
 
 SECTION = "## Attention probe on a GPU"
 CODE_PATHS = ("trl_mdi", "fixtures", "benchmarks")  # the files that decide the figures (code_version's scope)
@@ -392,7 +392,7 @@ def run(args) -> int:
               "allocated_after_build_bytes": torch.cuda.memory_allocated(device) if device.type == "cuda" else None}
     _log(f"model: {report['model']['num_params']:,} parameters in {report['build_s']:.1f} s; "
          f"{report['machine']['name']}")
-    _write_json(args.out, report)  # the machine and model, should the first shape never finish
+    write_json(Path(args.out), report)  # the machine and model, should the first shape never finish
     for length, batch in shapes:
         tag = f"L={length} batch={batch}"
         if time.time() - _T0 > args.budget_s:
@@ -414,17 +414,11 @@ def run(args) -> int:
                  f"b {1e3 * row['median_s']['b']:.2f} (b/a {row['ratio_time']:.3f}); checks {row['checks']}; "
                  f"SDPA {row['sdpa_backends']}")
         report["total_s"] = time.time() - _T0
-        _write_json(args.out, report)
+        write_json(Path(args.out), report)
     report["total_s"] = time.time() - _T0
-    _write_json(args.out, report)
+    write_json(Path(args.out), report)
     _log(f"wrote {args.out} ({len(report['rows'])} shapes measured, {len(report['skipped'])} skipped)")
     return 0 if report["rows"] else 1
-
-
-def _write_json(path: str, report: dict) -> None:
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2), encoding="utf-8")
-    tmp.replace(path)
 
 
 # ------------------------------------------------------------------------------------------------
