@@ -408,7 +408,7 @@ def test_zero_spread_fraction_hand_made():
 def test_registry_contents_and_defaults():
     assert set(R.REWARD_REGISTRY) == {"mc_idx", "think_format", "think_format_lenient", "mdi_balance", "mdi_group",
                                       "accuracy", "answer_visual_gain", "answer_visual_gain_group", "visual_gain",
-                                      "visual_gain_sum"}
+                                      "visual_gain_sum", "guarded_visual_gain"}
     assert R.REWARD_REGISTRY["accuracy"].__module__ == "trl.rewards.accuracy_rewards"
     assert set(R.DEFAULT_REWARDS) <= set(R.REWARD_REGISTRY)
     assert len(R.DEFAULT_REWARD_WEIGHTS) == len(R.DEFAULT_REWARDS)
@@ -432,7 +432,7 @@ def test_required_inputs_agree_with_signatures():
             if S.reward_field_pattern(n)} == {"mdi_balance", "mdi_group_score"}
     assert {n for fn in R.REWARD_REGISTRY.values() for n in R.required_reward_inputs(fn)
             if S.trainer_field(n) and not S.reward_field_pattern(n)} == {
-        "answer_visual_gain", "answer_visual_gain_group_score", "visual_gain", "visual_gain_sum"}
+        "answer_visual_gain", "answer_visual_gain_group_score", "visual_gain", "visual_gain_sum", "visual_gain_max"}
     assert R.required_reward_inputs(min_length_reward) == ()
 
 

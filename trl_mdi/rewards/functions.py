@@ -1,5 +1,6 @@
-"""The reward functions: ``mc_idx_reward``, ``think_format_reward``, ``mdi_balance_reward``, ``mdi_group_reward``
-and TRL's ``accuracy_reward`` (re-exported)."""
+"""The reward functions: ``mc_idx_reward``, ``think_format_reward``, ``mdi_balance_reward``, ``mdi_group_reward``,
+the reliance rewards (``visual_gain_reward`` and its forms, ``guarded_visual_gain_reward``) and TRL's
+``accuracy_reward`` (re-exported)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from trl.rewards import accuracy_reward
 from ..answer_format import DEFAULT_ANSWER_PATTERN, clean_format, compile_answer_pattern, hedged_letters
 from .parsing import LETTERS, completion_text, extract_choice_letter
 
-__all__ = ["ThinkFormatReward", "accuracy_reward", "bind_think_format", "parse_mc_answer", "mc_idx_reward", "mdi_balance_reward", "mdi_group_reward",
+__all__ = ["GuardedVisualGainReward", "ThinkFormatReward", "accuracy_reward", "guarded_visual_gain_reward", "bind_think_format", "parse_mc_answer", "mc_idx_reward", "mdi_balance_reward", "mdi_group_reward",
            "think_format_lenient_reward", "think_format_reward"]
 
 
@@ -139,9 +140,11 @@ think_format_reward = ThinkFormatReward()
 
 
 def bind_think_format(reward_funcs: list, **settings) -> list:
-    """The reward list with every ThinkFormatReward replaced by a copy holding ``settings`` (answer_pattern,
-    think_prefilled): the registry's default instance is never changed."""
-    return [dataclasses.replace(f, **settings) if isinstance(f, ThinkFormatReward) else f for f in reward_funcs]
+    """The reward list with every reward that checks the format (``ThinkFormatReward``, ``GuardedVisualGainReward``)
+    replaced by a copy holding ``settings`` (answer_pattern, think_prefilled): the registry's default instances are
+    never changed."""
+    bound = (ThinkFormatReward, GuardedVisualGainReward)
+    return [dataclasses.replace(f, **settings) if isinstance(f, bound) else f for f in reward_funcs]
 
 
 def think_format_lenient_reward(completions: list, **kwargs) -> list[float]:
@@ -290,3 +293,98 @@ def answer_visual_gain_group_reward(completions: list, answer_visual_gain_group_
         raise ValueError(f"got {len(completions)} completions but {len(answer_visual_gain_group_score)} "
                          "answer_visual_gain_group_score values")
     return [_optional_float(value) for value in answer_visual_gain_group_score]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The guarded reliance reward
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardedVisualGainReward:
+    """Guarded reliance reward: the largest token gain the image gave a right, well-formed rollout, in flat steps.
+
+    With ``g = visual_gain_max`` (the trainer's per-rollout max over completion tokens of ``g_t = log p(y_t | I) -
+    log p(y_t | I')``, in nats), thresholds ``t_k = dead_zone + k (saturation - dead_zone) / (steps - 1)`` for
+    ``k = 0 .. steps-1``::
+
+        r = 0                                  if the answer is wrong (mc_idx 0) or the format is not clean
+                                               (think_format 0)
+        r = #{k : g >= t_k} / steps            otherwise: 0 below ``dead_zone``, 1 from ``saturation`` on
+        r = None                               no label (mc_idx's None) or no gain (no image: g None / NaN)
+
+    Why each part (docs/rewards.md, "The guarded reliance reward"):
+
+    - **Gate.** It pays only where the answer and format earn their own rewards, so no reliance reward can buy a
+      wrong or malformed rollout an advantage over a right one.
+    - **Where the answer is decided.** The largest token gain is the token the image made likeliest (a colour word
+      read off the image): a shortened or reshaped chain does not raise it, where the completion mean
+      ``visual_gain`` rises when words are dropped (benchmarks/RESULTS.md, Look or guess).
+    - **Saturation** at the gain an honest looking rollout earns (``saturation``, 1.5 nats: the look style's gain at
+      its colour word is about 1.6 nats on the look-or-guess development split), so there is nothing to win by
+      pushing the gain further (PAPO's "KL hacking").
+    - **Dead zone and steps.** TRL scales each group's rewards by their std (``scale_rewards="group"``, the
+      default), so any consistent difference, however small, becomes a full advantage where the other rewards tie.
+      The reward is flat below ``dead_zone`` (0.5 nats: the image made no token even 1.6x likelier), flat from
+      ``saturation`` on, and constant between thresholds: two rollouts whose gains lie between the same two
+      thresholds earn equal rewards, and a group whose gains all lie there gets zero advantage from it. Numerical
+      noise (~1e-3 nats) can move a rollout only across a threshold it already sits on.
+
+    ``answer_pattern`` / ``think_prefilled`` are bound by the trainer as for ``think_format``.
+
+    >>> r = GuardedVisualGainReward()
+    >>> ok = "<think> the shape is red</think>\\nAnswer: A"
+    >>> r([ok, ok, ok, ok, ok], visual_gain_max=[0.01, 0.49, 1.2, 1.6, 3.0], label_idx=[0] * 5)
+    [0.0, 0.0, 0.6666666666666666, 1.0, 1.0]
+    >>> r([ok, "<think> red</think>\\nAnswer: B", "Answer: A", ok], visual_gain_max=[3.0, 3.0, 3.0, None],
+    ...   label_idx=[0, 0, 0, 0])
+    [1.0, 0.0, 0.0, None]
+    """
+
+    dead_zone: float = 0.5
+    saturation: float = 1.5
+    steps: int = 3
+    answer_pattern: str = DEFAULT_ANSWER_PATTERN
+    think_prefilled: bool = False
+    __name__ = "guarded_visual_gain_reward"  # TRL logs rewards/<__name__>/...
+
+    def __post_init__(self):
+        if not (math.isfinite(self.dead_zone) and math.isfinite(self.saturation)) or not (
+                0 <= self.dead_zone < self.saturation):
+            raise ValueError(f"guarded_visual_gain needs 0 <= dead_zone < saturation (finite, nats), got dead_zone="
+                             f"{self.dead_zone!r}, saturation={self.saturation!r}; e.g. dead_zone=0.5, saturation=1.5")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"guarded_visual_gain needs steps >= 1 (an int), got {self.steps!r}; e.g. steps=3")
+        compile_answer_pattern(self.answer_pattern)
+
+    @property
+    def thresholds(self) -> list[float]:
+        """The gains (nats) at which the reward steps up: ``dead_zone`` ... ``saturation``."""
+        if self.steps == 1:
+            return [self.saturation]
+        width = (self.saturation - self.dead_zone) / (self.steps - 1)
+        return [self.dead_zone + k * width for k in range(self.steps - 1)] + [self.saturation]
+
+    def level(self, gain: float) -> float:
+        """The reward of a right, well-formed rollout with largest token gain ``gain`` (nats)."""
+        return sum(gain >= t for t in self.thresholds) / self.steps
+
+    def __call__(self, completions: list, visual_gain_max: list, label_idx: list, choices: list | None = None,
+                 **kwargs) -> list[float | None]:
+        if len(visual_gain_max) != len(completions):
+            raise ValueError(f"got {len(completions)} completions but {len(visual_gain_max)} visual_gain_max values")
+        right = mc_idx_reward(completions, label_idx, choices=choices)
+        clean = ThinkFormatReward(self.answer_pattern, self.think_prefilled)(completions, choices=choices)
+        out: list[float | None] = []
+        for answer, form, value in zip(right, clean, visual_gain_max):
+            gain = _optional_float(value)
+            if answer is None or gain is None:
+                out.append(None)
+            elif answer == 0.0 or form == 0.0:
+                out.append(0.0)
+            else:
+                out.append(self.level(gain))
+        return out
+
+
+guarded_visual_gain_reward = GuardedVisualGainReward()

@@ -12,6 +12,7 @@ from .functions import (
     accuracy_reward,
     answer_visual_gain_group_reward,
     answer_visual_gain_reward,
+    guarded_visual_gain_reward,
     mc_idx_reward,
     mdi_balance_reward,
     mdi_group_reward,
@@ -61,12 +62,14 @@ REWARD_REGISTRY: dict[str, Callable[..., list[float | None]]] = {
     # ...and the completion's: where a chain of thought takes the image in (mean and sum forms).
     "visual_gain": visual_gain_reward,
     "visual_gain_sum": visual_gain_sum_reward,
+    # The guarded form (docs/rewards.md): right and well-formed rollouts only, the largest token gain, flat steps.
+    "guarded_visual_gain": guarded_visual_gain_reward,
 }
 DEFAULT_REWARDS: tuple[str, ...] = ("mc_idx", "think_format", "mdi_balance")
 DEFAULT_REWARD_WEIGHTS: tuple[float, ...] = (4.0, 1.0, 1.0)
 
 # Dataset column each registry reward reads (tests check these agree with the signatures).
-REQUIRED_COLUMNS: dict[str, str] = {"mc_idx": "label_idx", "accuracy": "solution"}
+REQUIRED_COLUMNS: dict[str, str] = {"mc_idx": "label_idx", "accuracy": "solution", "guarded_visual_gain": "label_idx"}
 
 
 def required_reward_inputs(reward_func: Callable) -> tuple[str, ...]:
