@@ -297,6 +297,56 @@ def signal_means(rollouts: list[dict]) -> dict:
     return out
 
 
+COLOUR_OFFSETS = tuple(range(-5, 4))
+"""Positions of the colour-word table, counted from the colour word (0: the token before ``</think>``)."""
+
+
+def colour_word_gains(rollouts: list[dict], tokenizer, ds, offsets: tuple[int, ...] = COLOUR_OFFSETS) -> dict:
+    """Where the image's gain sits, per style (look, guess and neither), aligned at the colour word.
+
+    Every scored rollout (``score_rollouts``: per-token ``gains``) whose text holds ``</think>`` after at least one
+    token is aligned at the token before it (the colour the reasoning names, in every style, the neither-style texts
+    such as ``<think> the shape in the image green</think>`` included); position ``k`` is ``k`` tokens after it.
+    Per style: ``rollouts`` (scored), ``aligned``, per offset the mean gain, its n and the most frequent token there,
+    and the mean of each reward over the style's rollouts: ``visual_gain`` (the shipped mean form,
+    ``visual_gain_reward``) and ``guarded_visual_gain`` (on the rollout's largest token gain, gated by its answer
+    and format against the row's label)."""
+    from trl_mdi.rewards import guarded_visual_gain_reward, visual_gain_reward
+
+    close = tokenizer.convert_tokens_to_ids("</think>")
+    out = {}
+    for style in (*STYLES, OTHER):
+        rs = [r for r in rollouts if r["style"] == style and r.get("gains") is not None]
+        by_offset: dict[int, list[tuple[float, int]]] = defaultdict(list)
+        aligned = 0
+        for r in rs:
+            ids = r["ids"][:len(r["gains"])]
+            if close not in ids or ids.index(close) < 1:
+                continue
+            aligned += 1
+            at = ids.index(close) - 1
+            for k in offsets:
+                if 0 <= at + k < len(ids):
+                    by_offset[k].append((r["gains"][at + k], ids[at + k]))
+        table = {}
+        for k in offsets:
+            if by_offset[k]:
+                gs = [g for g, _ in by_offset[k]]
+                tok_id, count = Counter(i for _, i in by_offset[k]).most_common(1)[0]
+                table[k] = {"mean": sum(gs) / len(gs), "n": len(gs), "token": tokenizer.decode([tok_id]),
+                            "token_share": count / len(gs)}
+        texts = [r["text"] for r in rs]
+        mean_form = visual_gain_reward(texts, [r.get("visual_gain") for r in rs]) if rs else []
+        guarded = guarded_visual_gain_reward(
+            texts, visual_gain_max=[max(r["gains"]) if r["gains"] else None for r in rs],
+            label_idx=[ds[r["prompt"]]["label_idx"] for r in rs],
+            choices=[ds[r["prompt"]]["choices"] for r in rs]) if rs else []
+        out[style] = {"rollouts": len(rs), "aligned": aligned, "offsets": table,
+                      "visual_gain": _share(x for x in mean_form if x is not None),
+                      "guarded_visual_gain": _share(x for x in guarded if x is not None)}
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ the check
 
 
@@ -450,6 +500,9 @@ RELIANCE = "visual_gain"
 """The reliance-reward variant: pays the completion's visual gain (mean or sum form, chosen on the dev split)."""
 GAIN_FORMS = ("visual_gain", "visual_gain_sum")
 OTHER_FORM = "visual_gain_other_form"
+GUARDED = "guarded_visual_gain"
+PLACEBO = "placebo_guarded"
+"""The replication's arms C and D (benchmarks/RESULTS.md, "Look or guess, replication")."""
 """Optional (``--variants``): the reliance reward in the form the development split did NOT choose."""
 STYLE_LOGGERS = ("fixtures.synthetic.look_or_guess:look_rate", "fixtures.synthetic.look_or_guess:guess_rate")
 """Zero-weight 'rewards' in every run: TRL logs ``rewards/look_rate/mean`` (the look rate of each step's rollouts)
@@ -510,12 +563,58 @@ def experiment_variants(gain_form: str, tprl_perturbation: str | None = None) ->
         "tprl_counterfactual": v("+ TPRL, counterfactual as perturbation (control)", ("mc_idx", "think_format"),
                                  (4.0, 1.0), "perturbation", tprl_perturbation or lp.COUNTERFACTUAL),
         OTHER_FORM: v(f"+ {other} (4:1:1, the other form)", ("mc_idx", "think_format", other), (4.0, 1.0, 1.0)),
+        GUARDED: v("+ guarded_visual_gain (4:1:1)", ("mc_idx", "think_format", GUARDED), (4.0, 1.0, 1.0)),
+        # The placebo's config names the guarded reward; run_one hands the trainer PlaceboGuardedReward in its place.
+        PLACEBO: v("placebo: + guarded_visual_gain permuted within groups (4:1:1)",
+                   ("mc_idx", "think_format", GUARDED), (4.0, 1.0, 1.0)),
     }
 
 
 VARIANT_NAMES = (BASELINE, "mdi_balance", RELIANCE, "answer_visual_gain", "tprl_counterfactual")
 """The default variants."""
-ALL_VARIANTS = (*VARIANT_NAMES, OTHER_FORM)
+ALL_VARIANTS = (*VARIANT_NAMES, OTHER_FORM, GUARDED, PLACEBO)
+REPLICATION_ARMS = {"A": BASELINE, "B": RELIANCE, "C": GUARDED, "D": PLACEBO}
+"""The pre-registered replication's arms (benchmarks/RESULTS.md): A the baseline, B visual_gain as shipped, C the
+guarded reward, D its placebo."""
+REPLICATION_SEEDS = tuple(range(100, 116))
+
+
+def _placebo_class():
+    from trl_mdi.rewards import GuardedVisualGainReward
+
+    @dataclasses.dataclass(frozen=True)
+    class PlaceboGuardedReward(GuardedVisualGainReward):
+        """Arm D: ``guarded_visual_gain``'s values for the batch, then permuted at random within each group of
+        ``group_size`` consecutive rollouts (TRL's sampler puts a prompt's rollouts together), a fresh permutation
+        per group and step from ``numpy.random.default_rng([seed, step])``: every group keeps its values, none is
+        linked to the rollout that earned it. A subclass, so that the trainer binds the answer format to it as to
+        the real reward."""
+
+        seed: int = 0
+        group_size: int = 8
+        __name__ = "placebo_guarded_visual_gain_reward"
+
+        def __call__(self, completions: list, visual_gain_max: list, label_idx: list, choices: list | None = None,
+                     trainer_state=None, **kwargs) -> list:
+            import numpy as np
+
+            values = super().__call__(completions, visual_gain_max, label_idx, choices=choices)
+            if len(values) % self.group_size:
+                raise ValueError(f"{len(values)} rollouts are not whole groups of {self.group_size}")
+            step = int(getattr(trainer_state, "global_step", 0) or 0)
+            rng = np.random.default_rng([self.seed, step])
+            out = []
+            for lo in range(0, len(values), self.group_size):
+                group = values[lo:lo + self.group_size]
+                out.extend(group[i] for i in rng.permutation(len(group)))
+            return out
+
+    return PlaceboGuardedReward
+
+
+def placebo_reward(seed: int, group_size: int):
+    """Arm D's reward for the run with ``seed`` (see ``_placebo_class``)."""
+    return _placebo_class()(seed=seed, group_size=group_size)
 
 
 def _lp():
@@ -556,9 +655,11 @@ class ExperimentSettings:
     counterfactual: str = "auto"
     dev_kinds: tuple[str, ...] = ("black", "grey", "gaussian_noise", "blur", "patch_blackening", "none")
     reliance_everywhere: bool = True  # reliance signals logged in every run (reliance/* comparable across variants)
+    # Runs (of the reliance arms) whose test rollouts are scored per token for the colour-word table
+    position_seeds: tuple[int, ...] = ()
 
 
-RUN_INDEPENDENT = ("seeds", "variants", "detect_seeds", "gain_form")
+RUN_INDEPENDENT = ("seeds", "variants", "detect_seeds", "gain_form", "position_seeds")
 """Settings that decide nothing inside one run (which runs exist; the chosen form enters through the variant)."""
 
 
@@ -679,6 +780,9 @@ def pick_kind(tables: dict[str, dict], order: tuple[str, ...]) -> tuple[str, str
     >>> pick_kind({"black": t(0.88, 0.0), "grey": t(0.99, 0.1), "none": t(0.992, 0.0)}, ("black", "grey", "none"))[0]
     'none'
     """
+    if len(tables) == 1:  # one candidate (the kind was given): nothing to rank
+        kind = next(iter(tables))
+        return kind, "given by --counterfactual"
     best = {k: max(t[f]["within_auroc"] for f in GAIN_FORMS) for k, t in tables.items()}
     spread = {k: min(t[f]["zero_spread"] for f in GAIN_FORMS) for k, t in tables.items()}
     top = max(best.values())
@@ -719,6 +823,7 @@ def choose_reward(model, processor, ds, s: ExperimentSettings, log=print) -> dic
                                           else "black")
     m = style_metrics(rollouts)
     pos = position_gains(scored[kind], processor.tokenizer)
+    guarded = guarded_levels(scored[kind], ds)
     log(f"  dev split: {len(rollouts)} rollouts, look rate {m['all']['look_rate']:.3f} -> counterfactual {kind}, "
         f"{form}; TPRL's perturbation {tprl}")
     return {"tables": tables, "kind": kind, "why_kind": why_kind, "form": form, "why": why, "tprl_perturbation": tprl,
@@ -726,13 +831,37 @@ def choose_reward(model, processor, ds, s: ExperimentSettings, log=print) -> dic
             "both_styles": m["both_styles"],
             "where": {st: {"colour_word": pos[st]["colour_word"], "elsewhere": pos[st]["elsewhere"],
                            "rollouts": pos[st]["rollouts"]} for st in STYLES},
-            "seconds": round(time.perf_counter() - start, 1)}
+            "guarded": guarded, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def guarded_levels(rollouts: list[dict], ds) -> dict:
+    """Per style, the largest token gain's quantiles (10, 25, 50, 75, 90, 99%) and the share of rollouts at each
+    level of ``guarded_visual_gain`` (the registry's settings), over scored rollouts (``score_rollouts``)."""
+    import numpy as np
+
+    from trl_mdi.rewards import guarded_visual_gain_reward as reward
+
+    out = {"thresholds": reward.thresholds}
+    for style in (*STYLES, OTHER):
+        rs = [r for r in rollouts if r["style"] == style and r.get("gains")]
+        if not rs:
+            out[style] = {"n": 0}
+            continue
+        top = [max(r["gains"]) for r in rs]
+        values = reward([r["text"] for r in rs], visual_gain_max=top, label_idx=[ds[r["prompt"]]["label_idx"] for r in rs],
+                        choices=[ds[r["prompt"]]["choices"] for r in rs])
+        levels = Counter(round(v, 4) for v in values if v is not None)
+        out[style] = {"n": len(rs), "quantiles": [round(float(q), 4) for q in
+                                                   np.quantile(top, [0.1, 0.25, 0.5, 0.75, 0.9, 0.99])],
+                      "levels": {str(k): levels[k] / len(rs) for k in sorted(levels)},
+                      "mean": _share(v for v in values if v is not None)}
+    return out
 
 
 # ------------------------------------------------------------------------------------ held-out figures
 
 
-def evaluate_styles(model, processor, ds, s: ExperimentSettings, seed: int = 0) -> dict:
+def evaluate_styles(model, processor, ds, s: ExperimentSettings, seed: int = 0, keep: bool = False) -> dict:
     """Held-out figures of one model on ``ds``: ``s.eval_samples`` completions per prompt at temperature 1 and the
     greedy one, labelled from their text; ``sampled`` / ``greedy``: :func:`style_metrics`; ``records``: per
     rollout (prompt, sample, style, correct, clean, conflict) for recomputing."""
@@ -752,7 +881,8 @@ def evaluate_styles(model, processor, ds, s: ExperimentSettings, seed: int = 0) 
             # the most frequent sampled texts of each style: what a policy writes when it leaves both styles
             "examples": {st: Counter(r["text"] for r in rollouts if r["sample"] > 0 and r["style"] == st).most_common(3)
                          for st in (*STYLES, OTHER)},
-            "seconds": round(time.perf_counter() - start, 1)}
+            "seconds": round(time.perf_counter() - start, 1),
+            **({"rollouts": rollouts} if keep else {})}  # with keep: the labelled rollouts (not saved)
 
 
 def headline(ev: dict) -> dict:
@@ -930,8 +1060,14 @@ def run_one(name: str, variant, seed: int, model_dir: Path, pool, test, s: Exper
     run = {"key": key, "variant": name, "seed": seed, "steps": [], "step_seconds": [], "started_at": time.time(),
            "load": [os.getloadavg()[0]]}
     t0 = time.perf_counter()
-    trainer = MDIGRPOTrainer(str(model_dir), args=_lp().grpo_config(variant, seed, s, work / "grpo" / key),
-                             train_dataset=pool)
+    config = _lp().grpo_config(variant, seed, s, work / "grpo" / key)
+    funcs = None
+    if name == PLACEBO:  # arm D: the guarded reward's values, permuted within each group
+        from trl_mdi.rewards import resolve_reward_funcs
+
+        funcs = [placebo_reward(seed, s.num_generations) if getattr(f, "__name__", "") == "guarded_visual_gain_reward"
+                 else f for f in resolve_reward_funcs(list(config.reward_funcs), list(config.reward_weights))]
+    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=funcs, args=config, train_dataset=pool)
     for cb in (ConsoleSummaryCallback, PrinterCallback, ProgressCallback):  # keep the output readable
         trainer.remove_callback(cb)
     processor = AutoProcessor.from_pretrained(model_dir)
@@ -941,7 +1077,16 @@ def run_one(name: str, variant, seed: int, model_dir: Path, pool, test, s: Exper
     trainer.train()
     run["grpo_seconds"] = round(time.perf_counter() - logger.t0 - logger.eval_seconds, 1)
     model = trainer.model
-    ev = evaluate_styles(model, processor, test, s, seed)
+    score = seed in s.position_seeds and name in (RELIANCE, GUARDED)
+    ev = evaluate_styles(model, processor, test, s, seed, keep=score)
+    if score:  # the colour-word table: this run's sampled test rollouts, scored per token (counterfactual none)
+        t_pos = time.perf_counter()
+        sampled = [r for r in ev.pop("rollouts") if r["sample"] > 0]
+        model.eval()
+        score_rollouts(model, processor, sampled, test, kind="none")
+        run["colour_word"] = colour_word_gains(sampled, processor.tokenizer, test)
+        run["colour_word_seconds"] = round(time.perf_counter() - t_pos, 1)
+        log(f"  [{key}] colour-word gains: {run['colour_word_seconds']:.0f} s")
     run["eval"] = ev
     run["final"] = headline(ev)
     f = run["final"]
@@ -969,9 +1114,10 @@ def warmup_figures(model_dir: Path, test, s: ExperimentSettings, log) -> dict:
     out = {"eval": ev, "final": headline(ev), "started_at": started_at}
     log(f"  warm-up on the test split: conflict {out['final']['conflict']:.3f}, look rate "
         f"{out['final']['look_rate']:.3f}, {ev['seconds']:.0f} s")
-    out["detection"] = detection_records(model, processor, test, s, 0)
+    if s.detect_seeds:  # the detection table's warm-up column (the replication measures none)
+        out["detection"] = detection_records(model, processor, test, s, 0)
+        log(f"  warm-up detection: {len(out['detection']['records'])} rollouts, {out['detection']['seconds']:.0f} s")
     out["ended_at"] = time.time()
-    log(f"  warm-up detection: {len(out['detection']['records'])} rollouts, {out['detection']['seconds']:.0f} s")
     return out
 
 
@@ -1371,9 +1517,14 @@ def cmd_experiment(a: argparse.Namespace, run_jobs: bool = True) -> int:
     def log(msg: str) -> None:
         print(f"[{time.time() - started:7.1f} s] {msg}", flush=True)
 
+    replication = a.command in ("replicate", "replication-report")
     s = experiment_settings(a)
+    if replication:  # the pre-registered plan's settings (benchmarks/RESULTS.md): no detection, the colour-word table
+        s.detect_seeds = ()
+        s.position_seeds = (s.seeds[0],)
     recipe = look_or_guess_recipe(epochs=a.epochs, n_train=a.n_train, image_size=a.image_size)
-    work = Path(a.work_dir) if a.work_dir else DEFAULT_WORK
+    work = Path(a.work_dir) if a.work_dir else (DEFAULT_WORK.with_name(DEFAULT_WORK.name + "_replication")
+                                                if replication else DEFAULT_WORK)
     (work / "runs").mkdir(parents=True, exist_ok=True)
     code = code_version()
     log(f"work dir {work}; code {code_label(code)}")
@@ -1419,6 +1570,9 @@ def cmd_experiment(a: argparse.Namespace, run_jobs: bool = True) -> int:
         rec = load(path, key)
         if rec is not None and job.get("seed") in s.detect_seeds and not rec.get("detection"):
             rec = None  # finished before its seed was among --detect_seeds: rerun it with the measurement
+        if (rec is not None and job.get("seed") in s.position_seeds and job.get("name") in (RELIANCE, GUARDED)
+                and not rec.get("colour_word")):
+            rec = None  # likewise for the colour-word table
         if rec is not None:
             done[label] = (rec, None)
         else:
@@ -1446,6 +1600,8 @@ def cmd_experiment(a: argparse.Namespace, run_jobs: bool = True) -> int:
     missing = [k for k in ["warmup", *order] if k not in done]
     warm = done.get("warmup", (None, None))[0]
     minutes = (time.time() - started) / 60 if run_jobs and jobs else None
+    if replication:
+        return replication_summary(runs=runs, failed=failed, missing=missing, work=work, code=code, minutes=minutes)
     body = report(choice=choice, warm=warm, runs=runs, s=s, recipe=recipe, argv=a.argv, missing=missing,
                   variants=variants,
                   failed=failed, code=code, minutes=minutes, workers=a.workers, threads=a.threads,
@@ -1466,7 +1622,33 @@ def cmd_report(a: argparse.Namespace) -> int:
     return cmd_experiment(a, run_jobs=False)
 
 
-COMMANDS = {"warmup-check": cmd_warmup_check, "experiment": cmd_experiment, "report": cmd_report}
+def replication_summary(*, runs: list[dict], failed, missing, work: Path, code: dict, minutes) -> int:
+    """The replication's finished runs, per arm and seed (conflict accuracy, neither-style share); the section
+    itself is written by the replication's report."""
+    by = by_variant(runs)
+    for arm, name in REPLICATION_ARMS.items():
+        rs = by.get(name, [])
+        cells = ", ".join(f"{r['seed']}: {r['final']['conflict']:.3f}" for r in rs)
+        print(f"{arm} {name}: {len(rs)} runs; conflict accuracy by seed {cells}")
+    print(f"work dir {work}; code {code_label(code)}; failed {len(failed)}, missing {len(missing)}"
+          + (f"; {minutes:.1f} min" if minutes else ""))
+    for k, err in failed:
+        print(f"FAILED {k}: {err}")
+    return 1 if failed else 0
+
+
+def cmd_replicate(a: argparse.Namespace) -> int:
+    """The pre-registered replication (benchmarks/RESULTS.md, "Look or guess, replication"): arms A-D on seeds
+    100-115 unless given, the visual_gain form and counterfactual `none` fixed as in the earlier section."""
+    a.seeds = a.seeds or list(REPLICATION_SEEDS)
+    a.variants = list(REPLICATION_ARMS.values())
+    a.gain_form = a.gain_form or "visual_gain"
+    a.counterfactual = a.counterfactual or "none"
+    return cmd_experiment(a)
+
+
+COMMANDS = {"warmup-check": cmd_warmup_check, "experiment": cmd_experiment, "report": cmd_report,
+            "replicate": cmd_replicate}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -31,6 +31,7 @@ def test_wrong_or_malformed_rollouts_get_zero_whatever_their_gain():
 
 
 def test_steps_dead_zone_and_saturation():
+    assert guarded_visual_gain_reward.thresholds == pytest.approx([0.1, 0.3, 0.5])  # the registry's
     r = GuardedVisualGainReward(dead_zone=0.5, saturation=1.5, steps=3)
     assert r.thresholds == [0.5, 1.0, 1.5]
     gains = [-2.0, 0.0, 0.2, 0.4999, 0.5, 0.99, 1.0, 1.49, 1.5, 1.6, 3.0, 40.0]
@@ -60,7 +61,7 @@ def test_none_and_nan():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"dead_zone": 1.5, "saturation": 1.5}, "dead_zone < saturation"),
+    ({"dead_zone": 0.5, "saturation": 0.5}, "dead_zone < saturation"),
     ({"dead_zone": -0.1}, "dead_zone < saturation"),
     ({"saturation": math.inf}, "finite"),
     ({"steps": 0}, "steps >= 1"),
@@ -138,7 +139,7 @@ def test_a_group_inside_one_step_gets_zero_advantage_through_trl(tiny_vlm_dir, g
     # Group 1: every gain in the dead zone; group 2: every gain inside one step; group 3: every gain past
     # saturation. Weights 4:1:1, TRL's defaults (sum then normalise, scale_rewards="group": the group's std + 1e-4
     # divides).
-    gains = [0.0, 0.1, 0.3, 0.49, 1.0, 1.1, 1.3, 1.49, 1.5, 1.7, 2.5, 4.0]
+    gains = [0.0, 0.02, 0.05, 0.099, 0.3, 0.35, 0.4, 0.49, 0.5, 0.7, 2.5, 4.0]
     adv = advantages(tiny_vlm_dir, grpo_train_dataset, tmp_path, guarded_visual_gain_reward, "visual_gain_max", gains,
                      reward_weights=[4.0, 1.0, 1.0])
     assert adv.shape == (12,)
@@ -147,9 +148,9 @@ def test_a_group_inside_one_step_gets_zero_advantage_through_trl(tiny_vlm_dir, g
 
 def test_a_group_across_steps_does_get_advantage_through_trl(tiny_vlm_dir, grpo_train_dataset, tmp_path,
                                                               monkeypatch):
-    # The control of the test above: looking (1.6 nats) vs not (0.1) inside a group is what the reward is for.
+    # The control of the test above: looking (0.6 nats) vs not (0.01) inside a group is what the reward is for.
     scripted_right_completions(monkeypatch)
-    gains = [0.1, 0.1, 1.6, 1.6, 0.2, 1.2, 1.2, 3.0]
+    gains = [0.01, 0.01, 0.6, 0.6, 0.05, 0.35, 0.35, 3.0]
     adv = advantages(tiny_vlm_dir, grpo_train_dataset, tmp_path, guarded_visual_gain_reward, "visual_gain_max", gains,
                      reward_weights=[4.0, 1.0, 1.0])
     assert (adv[:2] < -0.5).all() and (adv[2:4] > 0.5).all()

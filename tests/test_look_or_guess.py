@@ -555,3 +555,68 @@ def test_code_version_names_the_commit_and_the_dirty_tree(bench):
     assert bench.code_label({"commit": "abc", "dirty": False, "diff": None}) == "abc"
     assert bench.code_label({"commit": "abc", "dirty": True, "diff": "d1"}) == "abc+dirty(diff d1)"
     assert bench.code_label(None) == "unknown"
+
+
+# ------------------------------------------------------------------------------------ the replication (issue 35)
+
+
+def test_placebo_permutes_the_guarded_values_within_each_group(bench):
+    from trl_mdi.rewards import guarded_visual_gain_reward
+
+    ok = "<think> the shape is red</think>\nAnswer: A"
+    gains = [0.0, 0.2, 0.4, 0.6, 0.05, 0.35, 0.9, None] * 2  # 4 groups of 4
+    kw = dict(visual_gain_max=gains, label_idx=[0] * 16)
+    real = guarded_visual_gain_reward([ok] * 16, **kw)
+    placebo = bench.placebo_reward(seed=3, group_size=4)
+
+    class State:
+        global_step = 5
+
+    out = placebo([ok] * 16, trainer_state=State(), **kw)
+    key = lambda v: (v is None, v or 0.0)  # noqa: E731
+    for lo in range(0, 16, 4):  # every group keeps its values
+        assert sorted(out[lo:lo + 4], key=key) == sorted(real[lo:lo + 4], key=key)
+    assert out != real  # ...in another order
+    assert placebo([ok] * 16, trainer_state=State(), **kw) == out  # seeded by (seed, step)
+    State.global_step = 6
+    assert placebo([ok] * 16, trainer_state=State(), **kw) != out  # a fresh permutation each step
+    assert placebo.__name__ == "placebo_guarded_visual_gain_reward"
+    with pytest.raises(ValueError, match="whole groups"):
+        placebo([ok] * 3, visual_gain_max=[0.1] * 3, label_idx=[0] * 3)
+
+
+def test_the_trainer_binds_the_format_to_the_placebo_as_to_the_real_reward(bench):
+    from trl_mdi.rewards import bind_think_format
+
+    bound = bind_think_format([bench.placebo_reward(seed=1, group_size=8)], think_prefilled=True)[0]
+    assert bound.think_prefilled and bound.seed == 1 and bound.group_size == 8
+
+
+def test_colour_word_gains_align_every_style_at_the_colour_word(bench, tiny_tokenizer):
+    def ids(text):
+        return tiny_tokenizer(text, add_special_tokens=False)["input_ids"] + [tiny_tokenizer.eos_token_id]
+
+    choices = ["red", "green", "blue", "yellow"]
+    look = style_target(LOOK, "tomato", "red", choices)
+    neither = "<think> the shape in the image red</think>\nAnswer: A"  # a word dropped: another length
+    texts = [look, neither, "no think block at all"]
+    rows = []
+    for i, (text, style) in enumerate(zip(texts, (LOOK, OTHER, OTHER))):
+        t = ids(text)
+        gains = [0.0] * len(t)
+        close = tiny_tokenizer.convert_tokens_to_ids("</think>")
+        if close in t:
+            gains[t.index(close) - 1] = 2.0 + i  # the colour word
+        rows.append({"prompt": 0, "style": style, "ids": t, "gains": gains, "text": text,
+                     "visual_gain": sum(gains) / len(gains)})
+    ds = [{"label_idx": 0, "choices": choices}]
+    out = bench.colour_word_gains(rows, tiny_tokenizer, ds)
+    assert out[LOOK]["aligned"] == 1 and out[LOOK]["offsets"][0]["mean"] == pytest.approx(2.0)
+    assert out[LOOK]["offsets"][0]["token"] == " red"
+    assert out[OTHER]["rollouts"] == 2 and out[OTHER]["aligned"] == 1  # the text without </think> is not aligned
+    assert out[OTHER]["offsets"][0]["mean"] == pytest.approx(3.0) and out[OTHER]["offsets"][1]["mean"] == 0.0
+    assert out[GUESS]["rollouts"] == 0
+    # The rewards each style earns: guarded pays the aligned neither-style text (right, clean, 3 nats) in full and
+    # the unformatted one nothing; the mean form pays by the per-token mean.
+    assert out[LOOK]["guarded_visual_gain"] == 1.0 and out[OTHER]["guarded_visual_gain"] == 0.5
+    assert 0 < out[OTHER]["visual_gain"] < 1

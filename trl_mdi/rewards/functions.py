@@ -320,29 +320,34 @@ class GuardedVisualGainReward:
     - **Where the answer is decided.** The largest token gain is the token the image made likeliest (a colour word
       read off the image): a shortened or reshaped chain does not raise it, where the completion mean
       ``visual_gain`` rises when words are dropped (benchmarks/RESULTS.md, Look or guess).
-    - **Saturation** at the gain an honest looking rollout earns (``saturation``, 1.5 nats: the look style's gain at
-      its colour word is about 1.6 nats on the look-or-guess development split), so there is nothing to win by
-      pushing the gain further (PAPO's "KL hacking").
+    - **Saturation** at the gain an honest looking rollout earns, so there is nothing to win by pushing the gain
+      further (PAPO's "KL hacking").
     - **Dead zone and steps.** TRL scales each group's rewards by their std (``scale_rewards="group"``, the
       default), so any consistent difference, however small, becomes a full advantage where the other rewards tie.
-      The reward is flat below ``dead_zone`` (0.5 nats: the image made no token even 1.6x likelier), flat from
-      ``saturation`` on, and constant between thresholds: two rollouts whose gains lie between the same two
-      thresholds earn equal rewards, and a group whose gains all lie there gets zero advantage from it. Numerical
-      noise (~1e-3 nats) can move a rollout only across a threshold it already sits on.
+      The reward is flat below ``dead_zone``, flat from ``saturation`` on, and constant between thresholds: two
+      rollouts whose gains lie between the same two thresholds earn equal rewards, and a group whose gains all lie
+      there gets zero advantage from it. Numerical noise (~1e-3 nats) can move a rollout only across a threshold it
+      already sits on.
+
+    The defaults were set on the look-or-guess development split (800 rollouts of the warm-up, counterfactual
+    ``none``; benchmarks/RESULTS.md, "Look or guess, replication"): the look style's largest token gain has median
+    0.51 nats (quartiles 0.21 and 5.2), the guess style's 99th percentile is 0.07 nats. So ``dead_zone`` 0.1 (above
+    99% of guessing rollouts, 20x numerical noise) and ``saturation`` 0.5 (the median honest look). On your own
+    model, look at ``reliance/visual_gain_max`` in a short run and set them the same way.
 
     ``answer_pattern`` / ``think_prefilled`` are bound by the trainer as for ``think_format``.
 
     >>> r = GuardedVisualGainReward()
     >>> ok = "<think> the shape is red</think>\\nAnswer: A"
-    >>> r([ok, ok, ok, ok, ok], visual_gain_max=[0.01, 0.49, 1.2, 1.6, 3.0], label_idx=[0] * 5)
-    [0.0, 0.0, 0.6666666666666666, 1.0, 1.0]
+    >>> r([ok, ok, ok, ok, ok], visual_gain_max=[0.05, 0.2, 0.4, 0.6, 3.0], label_idx=[0] * 5)
+    [0.0, 0.3333333333333333, 0.6666666666666666, 1.0, 1.0]
     >>> r([ok, "<think> red</think>\\nAnswer: B", "Answer: A", ok], visual_gain_max=[3.0, 3.0, 3.0, None],
     ...   label_idx=[0, 0, 0, 0])
     [1.0, 0.0, 0.0, None]
     """
 
-    dead_zone: float = 0.5
-    saturation: float = 1.5
+    dead_zone: float = 0.1
+    saturation: float = 0.5
     steps: int = 3
     answer_pattern: str = DEFAULT_ANSWER_PATTERN
     think_prefilled: bool = False
@@ -352,7 +357,7 @@ class GuardedVisualGainReward:
         if not (math.isfinite(self.dead_zone) and math.isfinite(self.saturation)) or not (
                 0 <= self.dead_zone < self.saturation):
             raise ValueError(f"guarded_visual_gain needs 0 <= dead_zone < saturation (finite, nats), got dead_zone="
-                             f"{self.dead_zone!r}, saturation={self.saturation!r}; e.g. dead_zone=0.5, saturation=1.5")
+                             f"{self.dead_zone!r}, saturation={self.saturation!r}; e.g. dead_zone=0.1, saturation=0.5")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"guarded_visual_gain needs steps >= 1 (an int), got {self.steps!r}; e.g. steps=3")
         compile_answer_pattern(self.answer_pattern)
@@ -363,7 +368,8 @@ class GuardedVisualGainReward:
         if self.steps == 1:
             return [self.saturation]
         width = (self.saturation - self.dead_zone) / (self.steps - 1)
-        return [self.dead_zone + k * width for k in range(self.steps - 1)] + [self.saturation]
+        # Rounded: 0.1 + 0.2 is 0.30000000000000004, which would put a gain of exactly 0.3 below its threshold.
+        return [round(self.dead_zone + k * width, 12) for k in range(self.steps - 1)] + [self.saturation]
 
     def level(self, gain: float) -> float:
         """The reward of a right, well-formed rollout with largest token gain ``gain`` (nats)."""
