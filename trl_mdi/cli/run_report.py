@@ -1,6 +1,7 @@
 """What the entry point prints: the effective configuration with each value's origin, and where a run's outputs are.
 
-Split from :mod:`trl_mdi.cli` (which parses, checks and trains) because it is read by people, not by the run:
+Kept apart from :mod:`trl_mdi.cli.command` (which parses, checks and trains) because it is read by people, not
+by the run:
 ``format_effective_config`` is the start-of-run table (value and source: command line, ``--config`` file, a
 trl_mdi default or the library's), ``describe_outputs`` the end-of-run list of files actually written.
 """
@@ -14,10 +15,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .cli_args import SOURCE_CLI, SOURCE_OURS, SOURCE_YAML, ParsedRun
-from .config import MDIGRPOConfig
-from .data import DataArguments, TrainingData
-from .rewards import default_reward_stack
+from ..config import MDIGRPOConfig
+from ..data import DataArguments, TrainingData
+from ..rewards import default_reward_stack
+from .arguments import SOURCE_CLI, SOURCE_OURS, SOURCE_YAML, ParsedRun
 
 GRPO_KEY_FIELDS = (
     "loss_type", "beta", "epsilon", "epsilon_high", "num_generations", "max_completion_length", "temperature",
