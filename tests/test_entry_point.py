@@ -252,7 +252,8 @@ def test_use_vllm_without_vllm_is_one_line_before_any_weight_loads(capsys, base_
 
     assert importlib.util.find_spec("vllm") is None, "this test needs an environment without vLLM"
     calls = []
-    monkeypatch.setattr("trl_mdi.cli.command.check_vlm", lambda *a, **k: calls.append(a))  # nothing after the check runs
+    # nothing after the check runs
+    monkeypatch.setattr("trl_mdi.cli.command.check_vlm", lambda *a, **k: calls.append(a))
     code, out, err = run_main(capsys, *base_args, "--dry_run", "--use_vllm")
     assert code == 2 and calls == [] and "dry run" not in out
     # One line (the error is the last thing printed; above it only the fixture's model-building progress bar).
