@@ -30,10 +30,12 @@ from transformers import (
 from fixtures.custom_code import save_tiny_remote_lm, save_tiny_remote_vlm
 from fixtures.testing import eager_masses, grpo_batch, shape_image, zen_image_dataset
 from fixtures.tiny import TINY_ARCHS
-from trl_mdi import cli
 from trl_mdi.attention import image_token_ids, measure_modality_attention
 from trl_mdi.attention.model_facts import image_token_problem, load_model_config, model_facts, vision_part
 from trl_mdi.attention.probe import probe_support
+from trl_mdi.cli.arguments import ModelCheckError
+from trl_mdi.cli.checks import check_image_token, check_vlm
+from trl_mdi.cli.command import main
 
 
 @pytest.fixture(scope="module")
@@ -200,34 +202,34 @@ def test_probe_on_a_custom_vlm_equals_eager(remote_vlm, attn):
 
 # ------------------------------------------------------------------------------------------ the entry point
 def test_check_vlm_takes_a_custom_vlm_with_trust_remote_code_only(remote_vlm, remote_lm):
-    with pytest.raises(cli.ModelCheckError, match="contains custom code") as err:
-        cli.check_vlm(str(remote_vlm))
+    with pytest.raises(ModelCheckError, match="contains custom code") as err:
+        check_vlm(str(remote_vlm))
     assert "--trust_remote_code" in str(err.value) and "not a vision-language model" not in str(err.value)
-    config = cli.check_vlm(str(remote_vlm), trust_remote_code=True)
+    config = check_vlm(str(remote_vlm), trust_remote_code=True)
     assert config.model_type == "tiny_remote_vl" and vision_part(config) == "vit_config"
-    with pytest.raises(cli.ModelCheckError, match="is not a vision-language model"):
-        cli.check_vlm(str(remote_lm), trust_remote_code=True)
+    with pytest.raises(ModelCheckError, match="is not a vision-language model"):
+        check_vlm(str(remote_lm), trust_remote_code=True)
 
 
 def test_check_image_token_says_which_attribute_is_missing(remote_vlm):
     processor = AutoProcessor.from_pretrained(remote_vlm)
-    cli.check_image_token(AutoConfig.from_pretrained(remote_vlm, trust_remote_code=True), processor)
+    check_image_token(AutoConfig.from_pretrained(remote_vlm, trust_remote_code=True), processor)
     bare = AutoConfig.from_pretrained(remote_vlm, trust_remote_code=True, image_token_index=None)
-    with pytest.raises(cli.ModelCheckError, match=f'TRL.s GRPOTrainer reads model.config.image_token_id: add '
+    with pytest.raises(ModelCheckError, match=f'TRL.s GRPOTrainer reads model.config.image_token_id: add '
                        f'"image_token_id": {processor.image_token_id}'):
-        cli.check_image_token(bare, processor)
-    with pytest.raises(cli.ModelCheckError, match="none of the attributes image_token_id, .* names its image"):
-        cli.check_image_token(bare, SimpleNamespace(tokenizer=processor.tokenizer))
+        check_image_token(bare, processor)
+    with pytest.raises(ModelCheckError, match="none of the attributes image_token_id, .* names its image"):
+        check_image_token(bare, SimpleNamespace(tokenizer=processor.tokenizer))
     assert image_token_problem(Qwen2Config()) is None  # text-only: nothing to find
 
 
 def test_entry_point_dry_run_on_a_custom_vlm(capsys, remote_vlm, prepared_aokvqa_dir, tmp_path):
     args = ["--model_name_or_path", str(remote_vlm), "--dataset_path", str(prepared_aokvqa_dir),
             "--output_dir", str(tmp_path / "out"), "--dry_run"]
-    assert cli.main(args) == 2
+    assert main(args) == 2
     err = capsys.readouterr().err
     assert "contains custom code" in err and "--trust_remote_code" in err
-    assert cli.main(args + ["--trust_remote_code"]) == 0
+    assert main(args + ["--trust_remote_code"]) == 0
     out = capsys.readouterr().out
     assert "dry run" in out and "tiny_remote_vl" in out
 

@@ -133,10 +133,10 @@ def test_segment_ranges_are_checked_against_the_model(tiny_vlm_dir, grpo_train_d
     with pytest.raises(ValueError, match=r"early:0-99.*3 text layers.*names layers \[3, 4"):
         MDIGRPOTrainer(str(model), reward_funcs=[spread_reward], args=mdi_args(tmp_path, attention_layer_segments="early:0-99"),
                        train_dataset=grpo_train_dataset)
-    from trl_mdi import cli
+    from trl_mdi.cli.command import main
 
     # The dry run prints the trainer's own run plan (phase 1), so it stops on the same error.
-    code = cli.main([str(a) for a in ("--model_name_or_path", model, "--dataset_path", prepared_aokvqa_dir,
+    code = main([str(a) for a in ("--model_name_or_path", model, "--dataset_path", prepared_aokvqa_dir,
                                       "--output_dir", tmp_path / "o", "--attention_layer_segments", "early:0-99",
                                       "--dry_run")])
     err = capsys.readouterr().err

@@ -16,7 +16,18 @@ import datasets
 import pytest
 import yaml
 
-from trl_mdi import cli
+from trl_mdi.cli.arguments import (
+    SOURCE_CLI,
+    SOURCE_LIBRARY,
+    SOURCE_OURS,
+    SOURCE_YAML,
+    ModelCheckError,
+    parse_args,
+    script_defaults,
+)
+from trl_mdi.cli.checks import load_processor, model_init_kwargs
+from trl_mdi.cli.command import main
+from trl_mdi.cli.run_report import describe_outputs
 from trl_mdi.rewards import REWARD_REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +37,7 @@ datasets.disable_progress_bars()
 
 
 def run_main(capsys, *args) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in args])
+    code = main([str(a) for a in args])
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -42,7 +53,7 @@ def base_args(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path):
 
 def test_help_lists_our_fields_with_their_help(capsys):
     with pytest.raises(SystemExit) as exc:
-        cli.main(["--help"])
+        main(["--help"])
     assert exc.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines: compare with whitespace collapsed
     for flag in ("--compute_attention_metrics", "--mdi_balance_ratio", "--reward_funcs", "--dataset_path",
@@ -101,31 +112,31 @@ def test_a_config_file_that_is_not_a_yaml_mapping_is_an_error_naming_it(capsys, 
 def test_yaml_config_cli_override_and_provenance(base_args, tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(DEMO_YAML.read_text() + "epsilon_high: 0.25\n")
-    run = cli.parse_args([str(a) for a in base_args] + ["--config", str(config), "--max_steps", "3",
+    run = parse_args([str(a) for a in base_args] + ["--config", str(config), "--max_steps", "3",
                                                          "--mask_truncated_completions", "false"])
     t = run.training
-    assert (t.max_steps, run.source("max_steps")) == (3, cli.SOURCE_CLI)  # the command line wins over the file
-    assert (t.num_generations, run.source("num_generations")) == (8, cli.SOURCE_YAML)
-    assert (t.epsilon_high, run.source("epsilon_high")) == (0.25, cli.SOURCE_YAML)  # the file wins over ours
-    assert (t.mask_truncated_completions, run.source("mask_truncated_completions")) == (False, cli.SOURCE_CLI)
-    assert (t.loss_type, run.source("loss_type")) == ("dapo", cli.SOURCE_OURS)
+    assert (t.max_steps, run.source("max_steps")) == (3, SOURCE_CLI)  # the command line wins over the file
+    assert (t.num_generations, run.source("num_generations")) == (8, SOURCE_YAML)
+    assert (t.epsilon_high, run.source("epsilon_high")) == (0.25, SOURCE_YAML)  # the file wins over ours
+    assert (t.mask_truncated_completions, run.source("mask_truncated_completions")) == (False, SOURCE_CLI)
+    assert (t.loss_type, run.source("loss_type")) == ("dapo", SOURCE_OURS)
     assert t.reward_funcs == ["mc_idx", "think_format", "mdi_balance"] and t.reward_weights == [4.0, 1.0, 1.0]
-    assert run.data.dataset_train_split == "train" and run.source("dataset_train_split") == cli.SOURCE_YAML
-    assert run.source("beta") == cli.SOURCE_LIBRARY
+    assert run.data.dataset_train_split == "train" and run.source("dataset_train_split") == SOURCE_YAML
+    assert run.source("beta") == SOURCE_LIBRARY
 
 
 def test_recommended_and_cpu_defaults(base_args, monkeypatch):
-    run = cli.parse_args([str(a) for a in base_args])
+    run = parse_args([str(a) for a in base_args])
     assert run.training.epsilon_high == 0.28 and run.training.mask_truncated_completions is True
-    assert run.training.bf16 is False and run.source("bf16") == cli.SOURCE_OURS  # no GPU here
+    assert run.training.bf16 is False and run.source("bf16") == SOURCE_OURS  # no GPU here
     assert run.training.ddp_backend is None  # one process: no backend (accelerate would look for a process group)
-    flagged = cli.parse_args([str(a) for a in base_args] + ["--bf16", "false", "--epsilon_high", "0.2"])
-    assert flagged.source("bf16") == cli.SOURCE_CLI and flagged.training.epsilon_high == 0.2
+    flagged = parse_args([str(a) for a in base_args] + ["--bf16", "false", "--epsilon_high", "0.2"])
+    assert flagged.source("bf16") == SOURCE_CLI and flagged.training.epsilon_high == 0.2
     # Under a multi-process launch (only the defaults are checked here: parsing would need torchrun's processes):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert cli.script_defaults()["ddp_backend"] == "gloo" and cli.script_defaults()["use_cpu"] is True  # DDP
+    assert script_defaults()["ddp_backend"] == "gloo" and script_defaults()["use_cpu"] is True  # DDP
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    assert cli.script_defaults()["ddp_backend"] == "gloo" and "use_cpu" not in cli.script_defaults()  # ZeRO-3
+    assert script_defaults()["ddp_backend"] == "gloo" and "use_cpu" not in script_defaults()  # ZeRO-3
 
 
 def test_dry_run_prints_the_effective_configuration(capsys, base_args):
@@ -141,39 +152,39 @@ def test_dry_run_prints_the_effective_configuration(capsys, base_args):
     from trl_mdi.run_plan import plan_run
 
     assert "MDIGRPOTrainer run plan (before loading the model):" in out
-    run = cli.parse_args([str(a) for a in base_args] + ["--epsilon_high", "0.3"])
-    run.training.model_init_kwargs = cli.model_init_kwargs(run.model, run.training)
+    run = parse_args([str(a) for a in base_args] + ["--epsilon_high", "0.3"])
+    run.training.model_init_kwargs = model_init_kwargs(run.model, run.training)
     plan = plan_run(run.model.model_name_or_path, None, run.training, defaults_chosen=True, columns={})
     assert plan.describe() in out
     assert "mc_idx_reward x4, think_format_reward x1, mdi_balance_reward x1 [the default stack]" in out
 
 
 def test_model_init_kwargs_from_model_flags(base_args):
-    run = cli.parse_args([str(a) for a in base_args] + ["--dtype", "bfloat16", "--attn_implementation", "sdpa"])
-    assert cli.model_init_kwargs(run.model, run.training) == {"revision": "main", "dtype": "bfloat16",
+    run = parse_args([str(a) for a in base_args] + ["--dtype", "bfloat16", "--attn_implementation", "sdpa"])
+    assert model_init_kwargs(run.model, run.training) == {"revision": "main", "dtype": "bfloat16",
                                                               "attn_implementation": "sdpa"}
-    run = cli.parse_args([str(a) for a in base_args] + ["--model_init_kwargs", '{"dtype": "float16"}'])
-    assert cli.model_init_kwargs(run.model, run.training)["dtype"] == "float16"  # the explicit JSON wins
+    run = parse_args([str(a) for a in base_args] + ["--model_init_kwargs", '{"dtype": "float16"}'])
+    assert model_init_kwargs(run.model, run.training)["dtype"] == "float16"  # the explicit JSON wins
 
 
 def test_trust_remote_code_reaches_model_init_kwargs(base_args):
     """--trust_remote_code (a GRPOConfig field) must reach the kwargs the trainer reads the config and loads the weights
     with; the explicit --model_init_kwargs JSON still wins."""
-    run = cli.parse_args([str(a) for a in base_args] + ["--trust_remote_code"])
+    run = parse_args([str(a) for a in base_args] + ["--trust_remote_code"])
     assert run.training.trust_remote_code is True
-    assert cli.model_init_kwargs(run.model, run.training)["trust_remote_code"] is True
-    run = cli.parse_args([str(a) for a in base_args] + ["--trust_remote_code", "--model_init_kwargs",
+    assert model_init_kwargs(run.model, run.training)["trust_remote_code"] is True
+    run = parse_args([str(a) for a in base_args] + ["--trust_remote_code", "--model_init_kwargs",
                                                         '{"trust_remote_code": false}'])
-    assert cli.model_init_kwargs(run.model, run.training)["trust_remote_code"] is False
-    assert "trust_remote_code" not in cli.model_init_kwargs(cli.parse_args([str(a) for a in base_args]).model,
-                                                            cli.parse_args([str(a) for a in base_args]).training)
+    assert model_init_kwargs(run.model, run.training)["trust_remote_code"] is False
+    assert "trust_remote_code" not in model_init_kwargs(parse_args([str(a) for a in base_args]).model,
+                                                            parse_args([str(a) for a in base_args]).training)
 
 
 def test_processor_pixel_budget(tiny_vlm_dir):
-    processor = cli.load_processor(str(tiny_vlm_dir("qwen2_5_vl")), min_pixels=28 * 28, max_pixels=112 * 112)
+    processor = load_processor(str(tiny_vlm_dir("qwen2_5_vl")), min_pixels=28 * 28, max_pixels=112 * 112)
     assert (processor.image_processor.size.shortest_edge, processor.image_processor.size.longest_edge) == (784, 12544)
-    with pytest.raises(cli.ModelCheckError, match="Qwen-VL-style"):
-        cli.load_processor(str(tiny_vlm_dir("smolvlm")), max_pixels=12544)
+    with pytest.raises(ModelCheckError, match="Qwen-VL-style"):
+        load_processor(str(tiny_vlm_dir("smolvlm")), max_pixels=12544)
 
 
 # --------------------------------------------------------------------------------------------------- bad input
@@ -241,7 +252,8 @@ def test_use_vllm_without_vllm_is_one_line_before_any_weight_loads(capsys, base_
 
     assert importlib.util.find_spec("vllm") is None, "this test needs an environment without vLLM"
     calls = []
-    monkeypatch.setattr(cli, "check_vlm", lambda *a, **k: calls.append(a))  # nothing after the check runs
+    # nothing after the check runs
+    monkeypatch.setattr("trl_mdi.cli.command.check_vlm", lambda *a, **k: calls.append(a))
     code, out, err = run_main(capsys, *base_args, "--dry_run", "--use_vllm")
     assert code == 2 and calls == [] and "dry run" not in out
     # One line (the error is the last thing printed; above it only the fixture's model-building progress bar).
@@ -263,7 +275,7 @@ def test_use_vllm_without_vllm_is_one_line_before_any_weight_loads(capsys, base_
     ("colocate", None, True, "vLLM is not installed"),
 ])
 def test_vllm_modes_this_machine_cannot_run(mode, installed, cuda, expected):
-    from trl_mdi.cli_checks import vllm_problem
+    from trl_mdi.cli.checks import vllm_problem
 
     problem = vllm_problem(True, mode, installed, cuda)
     assert (problem is None) if expected is None else (expected in problem and "\n" not in problem)
@@ -282,7 +294,7 @@ def test_describe_outputs_lists_what_the_run_wrote(tmp_path):
         path.write_text("x")
     args = SimpleNamespace(output_dir=str(out), rollout_log_path=str(logs / "r.md"),
                            attention_diag_log_path=str(logs / "a.md"))
-    text = cli.describe_outputs(args, start)
+    text = describe_outputs(args, start)
     assert f"metrics (log_history):   {out / 'checkpoint-10' / 'trainer_state.json'}" in text
     assert str(logs / "r.md") in text and str(logs / "a.md") in text and "README.md" not in text
     assert f"1 PNG files in {logs / 'a_maps'}" in text
@@ -299,7 +311,7 @@ def test_describe_outputs_finds_logs_in_the_default_folder(tmp_path, monkeypatch
     (logs / "rollout_results_run.md").write_text("x")
     (logs / "run_maps" / "step1.png").write_text("x")
     monkeypatch.setenv("TRL_MDI_LOG_DIR", str(logs))
-    text = cli.describe_outputs(SimpleNamespace(output_dir=str(tmp_path / "out")), start)
+    text = describe_outputs(SimpleNamespace(output_dir=str(tmp_path / "out")), start)
     assert f"Markdown log:            {logs / 'rollout_results_run.md'}" in text, text
     assert f"1 PNG files in {logs / 'run_maps'}" in text, text
 
@@ -392,7 +404,7 @@ def test_readme_training_commands_use_real_flags():
     commands = readme_training_commands()
     assert len(commands) == 4
     for flags in commands:
-        run = cli.parse_args(flags)  # unknown or misspelt flags raise here
+        run = parse_args(flags)  # unknown or misspelt flags raise here
         assert run.model.model_name_or_path == "Qwen/Qwen2.5-VL-3B-Instruct"
         assert run.data.dataset_path == "./aokvqa_trl_data_simple"
 
@@ -401,8 +413,6 @@ def test_eval_only_measures_without_training(tiny_vlm_dir, prepared_aokvqa_dir, 
     """--eval_only: rewards and attention metrics on the eval split, logs and a summary, no weights written; the run
     plan is printed with its second phase (where the probe measures, the forwards added)."""
     import json
-
-    from trl_mdi.cli import main
 
     out = tmp_path / "eval"
     logs = tmp_path / "logs"

@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 
 from fixtures.testing import shape_image
-from trl_mdi import cli
 from trl_mdi.aokvqa import prepare_aokvqa
+from trl_mdi.cli.command import main
 from trl_mdi.diagnostics import live
 
 IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
@@ -62,7 +62,7 @@ def test_multi_image_rows_train_and_log_one_map_row_per_image(tiny_vlm_dir, tmp_
 
     monkeypatch.setattr(live, "render_image_maps", spy)
     logs = tmp_path / "logs"
-    code = cli.main([
+    code = main([
         "--model_name_or_path", str(tiny_vlm_dir(arch)), "--dataset_path", str(prepared),
         "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--per_device_train_batch_size", "4",
         "--num_generations", "2", "--max_completion_length", "6", "--report_to", "none", "--use_cpu", "true",

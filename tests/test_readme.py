@@ -2,17 +2,17 @@
 figures and links come from the code.
 
 1. **Generated tables.** The config reference in docs/config.md (between ``<!-- config-reference:start -->`` and
-   ``:end -->``) equals ``python -m trl_mdi.config_doc``; the signal glossary in docs/logs.md (between
+   ``:end -->``) equals ``python -m trl_mdi.cli.config_doc``; the signal glossary in docs/logs.md (between
    ``<!-- signal-glossary:start -->`` and ``:end -->``: attention/* and reliance/*) equals the table of
    ``trl_mdi/signals.py``. Regenerate both
-   with ``python -m trl_mdi.config_doc --update docs/config.md`` / ``--update docs/logs.md``.
+   with ``python -m trl_mdi.cli.config_doc --update docs/config.md`` / ``--update docs/logs.md``.
 2. **Runnable shell blocks.** A fenced ```` ```bash ```` block whose opening fence is on the line right after a
    ``<!-- runnable -->`` comment (invisible when rendered) is executed, each by ``bash -euo pipefail`` from the
    repository root, with ``.venv/bin`` first on ``PATH`` and the Hugging Face libraries offline; the exit status
    must be 0. The one place they may write, ``/tmp/trl_mdi_readme``, is redirected to this test's temporary folder.
    ``make demo`` / ``make test`` and GPU commands are never runnable; instead:
 3. **grpo_vlm.py command lines.** Every ``examples/scripts/grpo_vlm.py`` command anywhere in the docs is parsed by
-   the script's real parser (``trl_mdi.cli.parse_args``), so a misspelt or removed flag fails here
+   the script's real parser (``trl_mdi.cli.arguments.parse_args``), so a misspelt or removed flag fails here
    (tests/test_entry_point.py additionally pins the four commands of docs/training.md's "Training on GPUs").
 4. **Metric glossary.** Every metric name listed is logged by the code, and every ``attention/*``, ``reliance/*``,
    ``tprl/*`` and ``perf/*`` metric the code logs is listed (``<segment>`` in a name stands for any layer segment).
@@ -35,7 +35,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trl_mdi import cli, config_doc
+from trl_mdi.cli import config_doc
+from trl_mdi.cli.arguments import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -112,7 +113,7 @@ def test_config_reference_is_generated_from_the_dataclass():
     embedded = config_doc.embedded_block((DOCS / "config.md").read_text(encoding="utf-8"))
     assert embedded == config_doc.render_table(), (
         "docs/config.md's config reference differs from MDIGRPOConfig: regenerate it with "
-        "`python -m trl_mdi.config_doc --update docs/config.md`"
+        "`python -m trl_mdi.cli.config_doc --update docs/config.md`"
     )
     names = {f.name for f in config_doc.added_fields()}
     assert "compute_attention_metrics" in names and "enable_perception_filtering" in names
@@ -171,7 +172,7 @@ def test_every_grpo_vlm_command_line_parses(monkeypatch):
             assert flags == ["--help"], flags
             continue
         try:
-            cli.parse_args(flags)  # the script's own parser: unknown flags and invalid values raise
+            parse_args(flags)  # the script's own parser: unknown flags and invalid values raise
         except (ValueError, SystemExit) as e:
             pytest.fail(f"README command `grpo_vlm.py {' '.join(flags)}` does not parse: {e}")
 
@@ -254,7 +255,7 @@ def test_signal_glossary_is_generated_from_the_signal_table():
     embedded = config_doc.embedded_block((DOCS / "logs.md").read_text(encoding="utf-8"), config_doc.GLOSSARY_BLOCK)
     assert embedded == config_doc.render_signal_glossary(), (
         "the attention metric glossary differs from trl_mdi/signals.py: regenerate it with "
-        "`python -m trl_mdi.config_doc --update docs/logs.md`"
+        "`python -m trl_mdi.cli.config_doc --update docs/logs.md`"
     )
 
 

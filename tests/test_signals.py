@@ -186,7 +186,7 @@ def test_worked_example_counterfactual_signal(tiny_vlm_dir, grpo_train_dataset, 
     from test_trainer import make_args
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from trl_mdi.config_doc import render_signal_glossary
+    from trl_mdi.cli.config_doc import render_signal_glossary
 
     monkeypatch.setattr(S, "SIGNALS", (*S.SIGNALS, GAIN_TOKEN_SHARE))
     seen: list[dict] = []

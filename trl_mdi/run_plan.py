@@ -487,7 +487,7 @@ def check_world_size(num_processes: int, distributed: bool = True, world: int | 
         raise RuntimeError(
             f"launched with WORLD_SIZE={world} but accelerate sees {seen}. On a machine without "
             "a GPU set ddp_backend='gloo' (and use_cpu=True for plain DDP; use_cpu=False with DeepSpeed); "
-            "the entry point (examples/scripts/grpo_vlm.py in the repository, trl_mdi.cli.main) does this for you."
+            "the entry point (examples/scripts/grpo_vlm.py in the repository, trl_mdi.cli.command.main) does this for you."
         )
 
 

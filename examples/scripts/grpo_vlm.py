@@ -29,7 +29,7 @@ Exit status: 0 done, 2 bad input (unknown flag, missing data, model that is not 
 
 import sys
 
-from trl_mdi.cli import main
+from trl_mdi.cli.command import main
 
 if __name__ == "__main__":
     sys.exit(main())

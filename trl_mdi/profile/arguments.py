@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..attention import QUERY_PHASES
-from ..cli_args import ModelCheckError, UsageError
+from ..cli.arguments import ModelCheckError, UsageError
 from ..data import DataArguments
 
 PROG = "python -m trl_mdi.profile"
@@ -229,7 +229,7 @@ def check_models(args: ProfileArguments) -> dict:
     fitting its layers. ModelCheckError / UsageError otherwise. Returns ``{model: config}``."""
     from ..attention.metrics import layer_segments
     from ..attention.model_facts import model_facts
-    from ..cli_checks import check_vlm
+    from ..cli.checks import check_vlm
 
     configs = {}
     for name in args.model_name_or_path:

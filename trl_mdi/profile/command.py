@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..attention.layer_stats import compare, layer_profile
-from ..cli_args import UsageError
+from ..cli.arguments import UsageError
 from ..data import DatasetError
 from .arguments import PROG, ProfileArguments, check_models, model_labels, parse_args
 from .report import fmt, write_report
@@ -91,7 +91,7 @@ def run(args: ProfileArguments, log: Callable[[str], None] = print) -> dict[str,
 
     Raises UsageError / ModelCheckError / DatasetError before any weight is loaded when an input is wrong.
     """
-    from ..cli_checks import load_processor
+    from ..cli.checks import load_processor
     from .measure import resolve_device
 
     if args.threads:

@@ -46,7 +46,7 @@ def load_model(name: str, *, dtype: str = "auto", attn_implementation: str | Non
     implementation whose package is missing, a dtype the device lacks) is a ModelCheckError naming the flag."""
     from transformers import AutoModelForImageTextToText
 
-    from ..cli_args import ModelCheckError
+    from ..cli.arguments import ModelCheckError
 
     kwargs: dict[str, Any] = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype),
                               "trust_remote_code": trust_remote_code}

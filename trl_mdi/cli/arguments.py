@@ -10,8 +10,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .config import MDIGRPOConfig
-from .data import DataArguments
+from ..config import MDIGRPOConfig
+from ..data import DataArguments
 
 SOURCE_CLI, SOURCE_YAML, SOURCE_OURS, SOURCE_LIBRARY = "cli", "yaml", "trl_mdi default", ""
 

@@ -1,6 +1,7 @@
 """What the entry point prints: the effective configuration with each value's origin, and where a run's outputs are.
 
-Split from :mod:`trl_mdi.cli` (which parses, checks and trains) because it is read by people, not by the run:
+Kept apart from :mod:`trl_mdi.cli.command` (which parses, checks and trains) because it is read by people, not
+by the run:
 ``format_effective_config`` is the start-of-run table (value and source: command line, ``--config`` file, a
 trl_mdi default or the library's), ``describe_outputs`` the end-of-run list of files actually written.
 """
@@ -14,10 +15,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .cli_args import SOURCE_CLI, SOURCE_OURS, SOURCE_YAML, ParsedRun
-from .config import MDIGRPOConfig
-from .data import DataArguments, TrainingData
-from .rewards import default_reward_stack
+from ..data import DataArguments, TrainingData
+from ..rewards import default_reward_stack
+from .arguments import SOURCE_CLI, SOURCE_OURS, SOURCE_YAML, ParsedRun
+from .config_doc import added_fields
 
 GRPO_KEY_FIELDS = (
     "loss_type", "beta", "epsilon", "epsilon_high", "num_generations", "max_completion_length", "temperature",
@@ -48,14 +49,6 @@ def _fmt(value: Any, width: int = 56) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def added_fields() -> list[str]:
-    """MDIGRPOConfig fields that GRPOConfig does not have: everything trl_mdi adds (probe, rewards, TPRL, logs)."""
-    from trl import GRPOConfig
-
-    base = {f.name for f in dataclasses.fields(GRPOConfig)}
-    return [f.name for f in dataclasses.fields(MDIGRPOConfig) if f.name not in base]
-
-
 def format_effective_config(run: ParsedRun, data: TrainingData | None = None) -> str:
     """The start-of-run printout: sections of name / value / where the value came from."""
     t, m, s, d = run.training, run.model, run.script, run.data
@@ -84,7 +77,7 @@ def format_effective_config(run: ParsedRun, data: TrainingData | None = None) ->
                    ("reward_weights", weights if weights is not None else "1 each",
                     run.source("reward_weights") or ("trl_mdi default" if weights is not None else ""))]
     rows.append(("rewards", reward_rows))
-    rows.append(("trl_mdi", field_rows([n for n in added_fields() if n != "reward_funcs"])))
+    rows.append(("trl_mdi", field_rows([f.name for f in added_fields() if f.name != "reward_funcs"])))
     rows.append(("GRPO", field_rows(GRPO_KEY_FIELDS)))
     rows.append(("run", field_rows(RUN_KEY_FIELDS) + [("world_size", t.world_size, ""), ("dry_run", s.dry_run,
                                                                                           run.source("dry_run"))]))
@@ -126,7 +119,7 @@ def describe_outputs(training_args, since: float) -> str:
     log_dir = os.environ.get("TRL_MDI_LOG_DIR", "training_logs")  # the default folder, as trl_mdi.diagnostics
     md_patterns = [os.path.join(out, "**", "*.md"), os.path.join(log_dir, "**", "*.md")]
     png_patterns = [os.path.join(out, "**", "*.png"), os.path.join(log_dir, "**", "*.png")]
-    for name in added_fields():
+    for name in [f.name for f in added_fields()]:
         value = getattr(training_args, name, None)
         if isinstance(value, str) and name.endswith(("_dir", "_path")):
             folder = value if name.endswith("_dir") else (os.path.dirname(value) or ".")

@@ -26,44 +26,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .cli_args import (  # noqa: F401  (re-exported: the entry point's public names)
-    CPU_DDP_DEFAULTS,
-    CPU_DEFAULTS,
-    CPU_MULTIPROCESS_DEFAULTS,
-    RECOMMENDED_DEFAULTS,
-    SOURCE_CLI,
-    SOURCE_LIBRARY,
-    SOURCE_OURS,
-    SOURCE_YAML,
-    ModelCheckError,
-    ParsedRun,
-    ScriptArguments,
-    UsageError,
-    build_parser,
-    parse_args,
-    script_defaults,
-)
-from .cli_checks import (  # noqa: F401
+from ..data import DatasetError, load_training_data
+from .arguments import UsageError, parse_args
+from .checks import (
     answer_format_warning,
     check_image_token,
     check_peft,
     check_vllm,
     check_vlm,
-    effective_rewards,
     load_processor,
     model_init_kwargs,
     plan_entry_point,
 )
-from .data import DatasetError, load_training_data
-from .run_report import (  # noqa: F401
-    GRPO_KEY_FIELDS,
-    MODEL_KEY_FIELDS,
-    PEFT_FIELDS,
-    RUN_KEY_FIELDS,
-    added_fields,
-    describe_outputs,
-    format_effective_config,
-)
+from .run_report import describe_outputs, format_effective_config
 
 # --------------------------------------------------------------------------------------------------------- main
 
@@ -144,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from trl import get_peft_config, get_quantization_config
 
-    from .trainer import MDIGRPOTrainer
+    from ..trainer import MDIGRPOTrainer
 
     trainer = MDIGRPOTrainer(
         model=m.model_name_or_path,  # a path: model_init_kwargs and ZeRO-3 sharded init apply at load time

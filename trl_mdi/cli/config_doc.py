@@ -1,8 +1,8 @@
 """Generated reference tables: the config reference (every field MDIGRPOConfig adds to GRPOConfig) and the
 signal glossary (every attention/* and reliance/* metric of the signal table, ``trl_mdi.signals``).
 
-    python -m trl_mdi.config_doc                    # print the config table
-    python -m trl_mdi.config_doc --update FILE.md   # replace every generated block between its markers in FILE
+    python -m trl_mdi.cli.config_doc                    # print the config table
+    python -m trl_mdi.cli.config_doc --update FILE.md   # replace every generated block between its markers in FILE
 
 One row per field that ``trl.GRPOConfig`` does not have, in declaration order: name, type, default and the first
 sentence of the field's ``help`` metadata. tests/test_readme.py checks that the block of docs/config.md between
@@ -52,7 +52,7 @@ def added_fields() -> list[dataclasses.Field]:
     """
     from trl import GRPOConfig
 
-    from .config import MDIGRPOConfig
+    from ..config import MDIGRPOConfig
 
     base = {f.name for f in dataclasses.fields(GRPOConfig)}
     return [f for f in dataclasses.fields(MDIGRPOConfig) if f.name not in base]
@@ -86,7 +86,7 @@ def _cell(text: str) -> str:
 
 def render_table() -> str:
     """The Markdown table: one row per added field (name, type, default, first sentence of its help)."""
-    from .config import MDIGRPOConfig
+    from ..config import MDIGRPOConfig
 
     # The declared annotations, not field.type: HfArgumentParser rewrites field.type in place (it strips the
     # None of `X | None`), so field.type depends on whether a parser was built earlier in the process.
@@ -101,7 +101,7 @@ def render_table() -> str:
 def render_signal_glossary() -> str:
     """The attention/* and reliance/* rows of the metric glossary, from the signal table (``trl_mdi.signals.glossary``:
     one row per metric signal, then the batch-level counts)."""
-    from .signals import glossary
+    from ..signals import glossary
 
     lines = ["| metric | meaning |", "|---|---|"]
     lines += [f"| `{name}` | {_cell(meaning)} |" for name, meaning in glossary()]
@@ -145,7 +145,7 @@ def update_readme(path: str | Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trl_mdi.config_doc", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m trl_mdi.cli.config_doc", description=__doc__.splitlines()[0])
     parser.add_argument("--update", metavar="FILE", help="rewrite the generated blocks between the markers of this file")
     args = parser.parse_args(argv)
     if args.update:

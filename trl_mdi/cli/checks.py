@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .cli_args import ModelCheckError, ParsedRun, UsageError
-from .data import DatasetError, TrainingData
+from ..data import DatasetError, TrainingData
+from .arguments import ModelCheckError, ParsedRun, UsageError
 
 # ------------------------------------------------------------------------------------------------------ vLLM
 
@@ -83,7 +83,7 @@ def check_vlm(model_name_or_path: str | None, *, revision: str | None = None, tr
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-    from .attention.model_facts import IMAGE_TOKEN_ATTRIBUTES, find_image_token_ids, vision_part
+    from ..attention.model_facts import IMAGE_TOKEN_ATTRIBUTES, find_image_token_ids, vision_part
 
     if not model_name_or_path:
         raise ModelCheckError("no model given: pass --model_name_or_path (a local folder or a Hub id such as "
@@ -128,7 +128,7 @@ def check_image_token(config, processor) -> None:
     """The image token must be known (from the config, else the processor) and be where TRL's GRPOTrainer reads it,
     ``model.config.image_token_id``: say which attribute is missing here rather than fail inside the trainer's
     construction (``model_facts.image_token_problem``)."""
-    from .attention.model_facts import image_token_problem
+    from ..attention.model_facts import image_token_problem
 
     problem = image_token_problem(config, processor)
     if problem:
@@ -191,7 +191,7 @@ def model_init_kwargs(model_args, training_args) -> dict[str, Any]:
 
 def effective_rewards(training_args) -> tuple[list[str], list[float] | None]:
     """Reward names and weights the trainer will use (the same defaulting as MDIGRPOTrainer)."""
-    from .rewards import default_reward_stack
+    from ..rewards import default_reward_stack
 
     return default_reward_stack(training_args.reward_funcs, training_args.reward_weights)
 
@@ -200,7 +200,7 @@ def plan_entry_point(run: ParsedRun, data: TrainingData):
     """Phase 1 of the trainer's run plan (``trl_mdi.run_plan.plan_run``, the function the trainer calls), before any
     weight loads: so ``--dry_run`` prints what the run will do, and a bad segment spec or a reward whose inputs the
     data lacks stops here."""
-    from .run_plan import plan_run
+    from ..run_plan import plan_run
 
     t = run.training
     splits = {data.train_split: data.train.column_names, **({"eval": data.eval.column_names} if data.eval else {})}
@@ -217,7 +217,7 @@ def plan_entry_point(run: ParsedRun, data: TrainingData):
 def answer_format_warning(run: ParsedRun) -> str | None:
     """A warning when a custom --system_prompt meets the default answer pattern with think_format in the stack:
     the reward would pay for a line the prompt may no longer ask for (change --answer_pattern with the prompt)."""
-    from .answer_format import DEFAULT_ANSWER_PATTERN, DEFAULT_SYSTEM_PROMPT
+    from ..answer_format import DEFAULT_ANSWER_PATTERN, DEFAULT_SYSTEM_PROMPT
 
     names, _ = effective_rewards(run.training)
     custom = run.data.system_prompt not in (None, DEFAULT_SYSTEM_PROMPT)
