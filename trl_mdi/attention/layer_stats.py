@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 
-from ..signals import as_python
 from . import metrics as M
-from .result import ModalityAttention
+from .result import ModalityAttention, as_python
 
 
 def _summary(a_t: torch.Tensor, a_o: torch.Tensor, a_c: torch.Tensor, n_t: torch.Tensor, n_o: torch.Tensor) -> dict:

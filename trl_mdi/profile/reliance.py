@@ -18,7 +18,7 @@ Per rollout, with y the completion, I the real images, I' the counterfactual (``
 letter's tokens; ``blind_agrees`` = whether I''s most likely choice letter, at the position that wrote the
 answer letter, is the rollout's; ``answer_image_attention`` = the probe's image mass (``token_segment`` layers)
 at that position; and any other counterfactual entry of the signal table (``trl_mdi.signals.reliance_names``), all
-computed by ``trl_mdi.signals.reliance_signals`` from these passes. ``mdi`` / ``mdi_<segment>`` come from the
+computed by ``trl_mdi.signals.counterfactual_signals`` from these passes. ``mdi`` / ``mdi_<segment>`` come from the
 same probe forward.
 
 The choice letters' logits are the one quantity not read off the full logits: as in the trainer, the backbone's
@@ -48,8 +48,9 @@ from ..batch import (
     pad_rows,
     policy_batch,
 )
-from ..counterfactual import check_counterfactual_encodes, counterfactual_kinds, counterfactual_prompts
-from ..signals import reliance_names, reliance_signals
+from ..batch import check_counterfactual_encodes
+from ..counterfactual import counterfactual_kinds, counterfactual_prompts
+from ..signals import CounterfactualForward, CounterfactualInputs, PolicyForward, counterfactual_signals, reliance_names
 
 __all__ = ["RelianceMeasurement", "check_counterfactuals", "completion_logits", "generate_completions",
            "measure_reliance", "reference_signals"]
@@ -178,8 +179,11 @@ def _signals(model, processor, prompts, images, completion_ids, kinds: Sequence[
                               cf_batch.logits_to_keep) as hidden:
             _, cf_logps = completion_logits(model, cf_batch, temperature)
         cf_choice = choice_logits(model, hidden.result(), answers.candidates).cpu()
-        signals = reliance_signals(logps.cpu(), cf_logps.cpu(), c_mask.cpu(), answers, cf_choice, has_image,
-                                   attention_signal)
+        policy = PolicyForward(logps=logps.cpu(), perception={} if attention_signal is None
+                               else {"attention": attention_signal})
+        signals = counterfactual_signals(CounterfactualInputs.of(policy, CounterfactualForward(cf_logps.cpu(), cf_choice,
+                                                                                               answers),
+                                                                 c_mask.cpu(), has_image))
         per_kind[kind] = {**signals, "cf_logps": cf_logps.cpu(), "cf_choice_logits": cf_choice}
     return real, per_kind
 
