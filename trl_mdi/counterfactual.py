@@ -176,7 +176,7 @@ def blind_agrees(cf_choice_logits: torch.Tensor, answer_index: torch.Tensor, n_c
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The literal "without the image" counterfactual
+# The counterfactual prompt: the image removed, or replaced by other pixels
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -243,9 +243,8 @@ def with_images(prompt: list[dict], images: Sequence[Any]) -> list[dict]:
     return out
 
 
-
 # ---------------------------------------------------------------------------------------------------------------
-# Counterfactual prompts, and the per-rollout signals of a batch
+# Counterfactual prompts, and the blind answer's logits from the LM head
 # ---------------------------------------------------------------------------------------------------------------
 
 NO_IMAGE = "none"

@@ -42,15 +42,21 @@ from ..attention.model_facts import unwrap_model
 from ..attention.model_parts import choice_logits, hidden_states_at
 from ..batch import (
     PolicyBatch,
+    check_counterfactual_encodes,
     completion_mask_until_eos,
     encode_prompts,
     eos_token_ids,
     pad_rows,
     policy_batch,
 )
-from ..batch import check_counterfactual_encodes
 from ..counterfactual import counterfactual_kinds, counterfactual_prompts
-from ..signals import CounterfactualForward, CounterfactualInputs, PolicyForward, counterfactual_signals, reliance_names
+from ..signals import (
+    CounterfactualForward,
+    CounterfactualInputs,
+    PolicyForward,
+    counterfactual_signals,
+    reliance_names,
+)
 
 __all__ = ["RelianceMeasurement", "check_counterfactuals", "completion_logits", "generate_completions",
            "measure_reliance", "reference_signals"]
@@ -241,7 +247,7 @@ def reference_signals(model, processor, prompts: Sequence[list[dict]], images: S
 def check_counterfactuals(processor, prompt: list[dict], images: Sequence[Any], kinds: Sequence[str],
                           seed: int = 0) -> None:
     """Encode one row's counterfactual prompt of every kind (no weights needed): ValueError naming the kind when the
-    processor cannot (``trl_mdi.counterfactual.check_counterfactual_encodes``, as the trainer checks at
+    processor cannot (``trl_mdi.batch.check_counterfactual_encodes``, as the trainer checks at
     construction), or when a kind is unknown."""
     known = counterfactual_kinds()
     for kind in kinds:

@@ -7,7 +7,14 @@ from typing import Any
 
 import torch
 
-from .formulas import combine_masks, fit_width, rank_correlation, sequence_mean, top_p_token_mask, trajectory_scaling
+from .formulas import (
+    combine_masks,
+    fit_width,
+    rank_correlation,
+    sequence_mean,
+    top_p_token_mask,
+    trajectory_scaling,
+)
 
 Gather = Callable[[torch.Tensor], torch.Tensor]  # concatenates a tensor over processes (the trainer's gather)
 
