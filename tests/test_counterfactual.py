@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+from trl_mdi import answer_tokens as AT
 from trl_mdi import counterfactual as CF
 from trl_mdi.tprl.perturb import perturb_images
 
@@ -127,7 +128,7 @@ def test_answer_span_covers_exactly_the_letter_under_any_tokenization(seed):
     text = f"<think>Answer: Z is wrong.\nIt is red.</think>\n  Answer: {letter}{tail}"
     pieces = _random_split(text, rng)
     at = text.rindex(f"Answer: {letter}") + len("Answer: ")
-    span = CF.answer_span(pieces)
+    span = AT.answer_span(pieces)
     assert span == _covering_range(pieces, at, at + 1)
     assert letter in "".join(pieces[span[0]:span[1]])
 
@@ -141,13 +142,13 @@ def test_answer_span_covers_exactly_the_letter_under_any_tokenization(seed):
     " \n\t\n",
 ])
 def test_answer_span_is_none_without_a_matching_last_line(text):
-    assert CF.answer_span(list(text)) is None
+    assert AT.answer_span(list(text)) is None
 
 
 def test_answer_on_the_think_closing_line_counts_after_the_tag():
     pieces = ["<think>", "It", " is", " red", ".", "</think>", " Answer", ":", " B"]
-    assert CF.answer_span(pieces) == (8, 9)
-    assert CF.answer_span(pieces, None) == (6, 9)
+    assert AT.answer_span(pieces) == (8, 9)
+    assert AT.answer_span(pieces, None) == (6, 9)
     from trl_mdi.answer_format import clean_format
 
     assert clean_format("".join(pieces))  # the format reward accepts the same completion
@@ -155,43 +156,43 @@ def test_answer_on_the_think_closing_line_counts_after_the_tag():
 
 def test_answer_span_custom_patterns_and_errors():
     pieces = ["<think>", "x", "</think>", "\n", "Final", " choice", " is", " (", "C", ")", "."]
-    assert CF.answer_span(pieces, r"Final choice is \((?P<letter>[A-D])\)\.") == (8, 9)
-    assert CF.answer_span(pieces, re.compile(r"Final choice is \((?P<letter>[A-D])\)\.")) == (8, 9)
-    assert CF.answer_span(pieces, r"Final choice is \((?P<letter>[A-B])\)\.") is None
+    assert AT.answer_span(pieces, r"Final choice is \((?P<letter>[A-D])\)\.") == (8, 9)
+    assert AT.answer_span(pieces, re.compile(r"Final choice is \((?P<letter>[A-D])\)\.")) == (8, 9)
+    assert AT.answer_span(pieces, r"Final choice is \((?P<letter>[A-B])\)\.") is None
     # the letter group may span several tokens
-    assert CF.answer_span(["Pick", ":", " gr", "een"], r"Pick: (?P<letter>\w+)") == (2, 4)
+    assert AT.answer_span(["Pick", ":", " gr", "een"], r"Pick: (?P<letter>\w+)") == (2, 4)
     with pytest.raises(ValueError, match="named group"):
-        CF.answer_span(pieces, r"Final (\w)")
+        AT.answer_span(pieces, r"Final (\w)")
 
 
 def test_free_form_span_is_the_last_non_empty_line():
     pieces = ["<think>", "hm", "</think>", "\n", " It", " is", " red", ".", " \n", "\n"]
-    assert CF.answer_span(pieces, None) == (4, 8)
+    assert AT.answer_span(pieces, None) == (4, 8)
     # a line that starts inside a token ("\nIt" is one token) still takes that token
-    assert CF.answer_span(["ok", "\nIt", " is"], None) == (1, 3)
-    assert CF.answer_span([], None) is None
+    assert AT.answer_span(["ok", "\nIt", " is"], None) == (1, 3)
+    assert AT.answer_span([], None) is None
 
 
 def test_answer_span_on_a_real_tokenization(tok):
     text = "<think>The circle is red, café 日本.</think>\nAnswer: C"
     ids = tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
-    texts = CF.completion_token_texts(tok, ids)
-    start, end = CF.answer_span(texts)
+    texts = AT.completion_token_texts(tok, ids)
+    start, end = AT.answer_span(texts)
     assert (end - start, tok.convert_ids_to_tokens(ids[start])) == (1, "ĠC")
     # free-form: the multi-byte line keeps its leading byte tokens, which decode to nothing on their own
     ids = tok.encode("<think>x</think>\n日本", add_special_tokens=False)
-    texts = CF.completion_token_texts(tok, ids)
-    start, end = CF.answer_span(texts, None)
+    texts = AT.completion_token_texts(tok, ids)
+    start, end = AT.answer_span(texts, None)
     assert tok.decode(ids[start:end]) == "日本" and texts[start] == ""
 
 
 def test_answer_span_mask():
-    mask = CF.answer_span_mask([(0, 2), None, (3, 4)], 4)
+    mask = AT.answer_span_mask([(0, 2), None, (3, 4)], 4)
     assert mask.dtype == torch.bool and mask.tolist() == [
         [True, True, False, False], [False] * 4, [False, False, False, True]]
     for bad in ((2, 5), (3, 3), (-1, 2)):
         with pytest.raises(ValueError, match="not a non-empty range"):
-            CF.answer_span_mask([bad], 4)
+            AT.answer_span_mask([bad], 4)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -207,7 +208,7 @@ def test_answer_span_mask():
 ])
 def test_token_texts_concatenate_to_the_decoded_completion(tok, text):
     ids = tok.encode(text, add_special_tokens=False)
-    texts = CF.completion_token_texts(tok, torch.tensor(ids))
+    texts = AT.completion_token_texts(tok, torch.tensor(ids))
     assert len(texts) == len(ids) and "".join(texts) == text == tok.decode(ids)
     for i, piece in zip(ids, texts):  # a token that decodes to whole characters gives exactly those
         alone = tok.decode([i])
@@ -220,18 +221,18 @@ def test_token_texts_of_random_ids_and_special_tokens(tok):
     for _ in range(30):
         ids = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 25))]
         for skip in (True, False):
-            texts = CF.completion_token_texts(tok, ids, skip_special_tokens=skip)
+            texts = AT.completion_token_texts(tok, ids, skip_special_tokens=skip)
             assert "".join(texts) == tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
     end = tok.convert_tokens_to_ids("<|im_end|>")
     ids = tok.encode("Answer: A", add_special_tokens=False) + [end]
-    assert CF.completion_token_texts(tok, ids)[-1] == ""
-    assert CF.completion_token_texts(tok, ids, skip_special_tokens=False)[-1] == "<|im_end|>"
+    assert AT.completion_token_texts(tok, ids)[-1] == ""
+    assert AT.completion_token_texts(tok, ids, skip_special_tokens=False)[-1] == "<|im_end|>"
 
     class Processor:  # a processor hands over its tokenizer
         tokenizer = tok
 
-    assert CF.completion_token_texts(Processor(), ids) == CF.completion_token_texts(tok, ids)
-    assert CF.completion_token_texts(tok, []) == []
+    assert AT.completion_token_texts(Processor(), ids) == AT.completion_token_texts(tok, ids)
+    assert AT.completion_token_texts(tok, []) == []
 
 
 class _MergingDecoder:
@@ -244,7 +245,7 @@ class _MergingDecoder:
 
 
 def test_token_texts_fall_back_to_full_prefixes_for_unstable_decoders():
-    texts = CF.completion_token_texts(_MergingDecoder(), [2, 0, 1, 2])
+    texts = AT.completion_token_texts(_MergingDecoder(), [2, 0, 1, 2])
     assert texts == ["c", "", "X", "c"]
 
 
@@ -259,7 +260,7 @@ class _LeadingSpaceDecoder:
 
 def test_token_texts_keep_the_spaces_a_windowed_decode_would_drop():
     ids = [0, 1, 2, 3, 1, 2, 3, 0, 1, 2, 4, 5, 6]  # longer than the decoding context
-    texts = CF.completion_token_texts(_LeadingSpaceDecoder(), ids)
+    texts = AT.completion_token_texts(_LeadingSpaceDecoder(), ids)
     pieces = [_LeadingSpaceDecoder.vocab[i].replace("▁", " ") for i in ids]
     assert texts == ["The", *pieces[1:]]  # every later token keeps its space, also past the context window
 
@@ -271,19 +272,19 @@ def test_token_texts_keep_the_spaces_a_windowed_decode_would_drop():
 
 def test_choice_letter_token_ids_on_the_tiny_tokenizer(tok):
     spaced = tok.convert_tokens_to_ids("ĠB")
-    ids = CF.choice_letter_token_ids(tok, spaced, "ABCD")
+    ids = AT.choice_letter_token_ids(tok, spaced, "ABCD")
     assert tok.convert_ids_to_tokens(ids) == ["ĠA", "ĠB", "ĠC", "ĠD"] and ids[1] == spaced
     assert all(len(tok.encode(f" {x}", add_special_tokens=False)) == 1 for x in "ABCD")
-    bare = CF.choice_letter_token_ids(tok, tok.convert_tokens_to_ids("B"), "ABCDEFGH")
+    bare = AT.choice_letter_token_ids(tok, tok.convert_tokens_to_ids("B"), "ABCDEFGH")
     assert tok.convert_ids_to_tokens(bare) == list("ABCDEFGH")
     assert tok.convert_tokens_to_ids("ĠQ") is None  # not in the tiny vocabulary, so no " Q" choice token:
-    assert CF.choice_letter_token_ids(tok, spaced, "ABQ") is None
-    assert CF.choice_letter_token_ids(tok, tok.convert_tokens_to_ids("Answer"), "AB") is None  # no lone capital
+    assert AT.choice_letter_token_ids(tok, spaced, "ABQ") is None
+    assert AT.choice_letter_token_ids(tok, tok.convert_tokens_to_ids("Answer"), "AB") is None  # no lone capital
 
     class Processor:
         tokenizer = tok
 
-    assert CF.choice_letter_token_ids(Processor(), spaced, "AB") == ids[:2]
+    assert AT.choice_letter_token_ids(Processor(), spaced, "AB") == ids[:2]
 
 
 class _ToyVocab:
@@ -301,15 +302,15 @@ class _ToyVocab:
 
 def test_choice_letter_token_ids_on_a_toy_vocabulary():
     v = _ToyVocab(["▁A", "▁B", "▁C", "A", "B", "(B)", "(A)", "AB", "▁the", "▁D"])
-    assert CF.choice_letter_token_ids(v, v.tokens.index("▁B"), "ABC") == [1, 2, 3]  # SentencePiece form
-    assert CF.choice_letter_token_ids(v, v.tokens.index("▁B"), "CBAD") == [3, 2, 1, 10]  # order of letters
-    assert CF.choice_letter_token_ids(v, v.tokens.index("(B)"), "AB") == [7, 6]  # punctuation kept
-    assert CF.choice_letter_token_ids(v, v.tokens.index("(B)"), "ABC") is None  # "(C)" is not a token
-    assert CF.choice_letter_token_ids(v, v.tokens.index("B"), "ABC") is None  # bare "C" is not either
-    assert CF.choice_letter_token_ids(v, v.tokens.index("AB"), "AB") is None  # two capitals: ambiguous
-    assert CF.choice_letter_token_ids(v, v.tokens.index("▁the"), "AB") is None
+    assert AT.choice_letter_token_ids(v, v.tokens.index("▁B"), "ABC") == [1, 2, 3]  # SentencePiece form
+    assert AT.choice_letter_token_ids(v, v.tokens.index("▁B"), "CBAD") == [3, 2, 1, 10]  # order of letters
+    assert AT.choice_letter_token_ids(v, v.tokens.index("(B)"), "AB") == [7, 6]  # punctuation kept
+    assert AT.choice_letter_token_ids(v, v.tokens.index("(B)"), "ABC") is None  # "(C)" is not a token
+    assert AT.choice_letter_token_ids(v, v.tokens.index("B"), "ABC") is None  # bare "C" is not either
+    assert AT.choice_letter_token_ids(v, v.tokens.index("AB"), "AB") is None  # two capitals: ambiguous
+    assert AT.choice_letter_token_ids(v, v.tokens.index("▁the"), "AB") is None
     with pytest.raises(ValueError, match="single characters"):
-        CF.choice_letter_token_ids(v, 1, ["A", "BB"])
+        AT.choice_letter_token_ids(v, 1, ["A", "BB"])
 
 
 def test_gather_choice_logits_matches_indexing():
@@ -437,14 +438,14 @@ def test_counterfactual_forward_on_a_tiny_vlm():
         assert CF.visual_gain(logps, cf, mask).item() == pytest.approx(sum(diffs) / c, abs=1e-6)
         assert CF.visual_gain(logps, cf, tail).item() == pytest.approx(sum(diffs[-4:]) / 4, abs=1e-6)
 
-    span = CF.answer_span(CF.completion_token_texts(proc, completion))
-    span_mask = CF.answer_span_mask([span], c)
+    span = AT.answer_span(AT.completion_token_texts(proc, completion))
+    span_mask = AT.answer_span_mask([span], c)
     assert span == (c - 1, c)  # "... Answer: B": the letter is the last token
     for cf in (grey_logps, text_logps):  # the span's sum of the stored per-token differences
         want = sum(logps[0, t].item() - cf[0, t].item() for t in range(*span))
         assert CF.answer_visual_gain(logps, cf, span_mask).item() == pytest.approx(want, abs=1e-6)
     at = span[1] - 1  # the token holding the letter
-    letters = CF.choice_letter_token_ids(proc, completion[at], "AB")
+    letters = AT.choice_letter_token_ids(proc, completion[at], "AB")
     choice = CF.gather_choice_logits(grey_logits, torch.tensor([at]), torch.tensor([letters]))
     agrees = CF.blind_agrees(choice, torch.tensor([1]), torch.tensor([2]), torch.tensor([True]))
     assert agrees.item() == float(grey_logits[0, at, letters].argmax().item() == 1)
@@ -463,7 +464,8 @@ def test_the_sum_max_and_confidence_forms_follow_their_formulas():
     answers = SimpleNamespace(span_mask=span, letter_position=torch.tensor([2, 3, -1]),
                               answer_index=torch.tensor([0, 1, -1]), n_choices=torch.tensor([4, 4, 4]))
     has_image = torch.tensor([True, True, True])
-    values = S.counterfactual_signals(S.CounterfactualInputs.of(logps, cf, mask, answers, None, has_image))
+    policy, counterfactual = S.PolicyForward(logps=logps), S.CounterfactualForward(cf, None, answers)
+    values = S.counterfactual_signals(S.CounterfactualInputs.of(policy, counterfactual, mask, has_image))
     for b in range(2):
         gains = [float(logps[b, t] - cf[b, t]) for t in range(5) if mask[b, t]]
         assert values["visual_gain_sum"][b].item() == pytest.approx(sum(gains), abs=1e-5)
@@ -472,6 +474,6 @@ def test_the_sum_max_and_confidence_forms_follow_their_formulas():
             sum(float(logps[b, t]) for t in range(5) if span[b, t]), abs=1e-6)
     assert all(torch.isnan(values[n][2]) for n in ("visual_gain_sum", "visual_gain_max", "answer_logprob"))
     assert "blind_agrees" not in values  # no choice logits read: left out, not invented
-    no_image = S.counterfactual_signals(S.CounterfactualInputs.of(logps, cf, mask, answers, None,
+    no_image = S.counterfactual_signals(S.CounterfactualInputs.of(policy, counterfactual, mask,
                                                                   torch.tensor([False, True, True])))
     assert torch.isnan(no_image["visual_gain_sum"][0]) and torch.isnan(no_image["visual_gain_max"][0])

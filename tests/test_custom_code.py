@@ -323,7 +323,7 @@ def test_reliance_signals_need_no_probe_on_a_model_it_cannot_measure(softmax_vlm
     args.reliance_signals = True
     trainer = MDIGRPOTrainer(model=str(softmax_vlm), reward_funcs=spread_reward, args=args,
                              train_dataset=zen_image_dataset(12))
-    assert trainer.run_plan.reliance and not trainer.run_plan.attention_metrics
+    assert trainer.run_plan.counterfactual and not trainer.run_plan.attention_metrics
     logs = _train(trainer)
     assert all("reliance/visual_gain" in h for h in logs) and not any("reliance/answer_image_attention" in h
                                                                        for h in logs)

@@ -226,7 +226,8 @@ def _counterfactual_entry_check(ns, request):
     none = torch.full((3,), -1)
     answers = AnswerTokens(span_mask=torch.zeros(3, 4, dtype=torch.bool), letter_position=none, answer_index=none,
                            candidates=torch.full((3, 1), -1), n_choices=torch.zeros(3, dtype=torch.long))
-    record = S.CounterfactualInputs.of(logps, cf, mask, answers, None, torch.tensor([True, False, True]))
+    record = S.CounterfactualInputs.of(S.PolicyForward(logps=logps), S.CounterfactualForward(cf, None, answers), mask,
+                                       torch.tensor([True, False, True]))
     values = S.counterfactual_signals(record)  # gains 0.5, -1, 2 (padding excluded); no image; no token
     torch.testing.assert_close(values[signal.name], torch.tensor([2 / 3, math.nan, math.nan]), equal_nan=True)
     assert S.reads_counterfactual(signal.name) and (signal.name, "gain share") in S.rollout_log_columns()

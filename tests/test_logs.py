@@ -535,7 +535,7 @@ def test_reliance_signals_go_to_the_rollout_record_not_the_attention_row(tmp_pat
             {"visual_gain": pytest.approx(-0.1), "answer_visual_gain": None, "blind_agrees": None,
              "answer_image_attention": None}]
         assert not {"answer_visual_gain_group_score", "mdi_group_score"} & set(recs[0]["rollout"])
-    assert not set(signals.reliance_fields()) & set(only_attention[0]["rollout"])
+    assert not set(signals.counterfactual_fields()) & set(only_attention[0]["rollout"])
     assert [r["rollout"] for r in records(None)] == [r["rollout"] for r in only_attention]
     for name, recs in (("both", both), ("attention", only_attention)):
         w = attention_writer(tmp_path / name / "att.md", run_name="r")
@@ -590,14 +590,24 @@ def test_a_counterfactual_signal_added_to_the_table_reaches_the_rollout_log(tmp_
         (2.0, 1.0, None), (None, 0.0, None)]
 
 
-def test_reliance_columns_is_a_deprecated_alias_of_the_table():
-    from trl_mdi.diagnostics import writers
+def test_the_rollout_logs_reliance_columns_and_rows_come_from_the_table():
+    assert signals.rollout_log_columns() == [("visual_gain", "vis gain"), ("answer_visual_gain", "ans gain"),
+                                             ("blind_agrees", "blind")]
+    assert summary_label(signals.signal_of("blind_agrees")) == "blind agreement (share of answers unchanged without " \
+                                                                "the image)"
 
-    with pytest.warns(FutureWarning, match="rollout_log_columns"):
-        columns = writers.RELIANCE_COLUMNS
-    assert columns == (("visual_gain", "vis gain"), ("answer_visual_gain", "ans gain"), ("blind_agrees", "blind"))
-    with pytest.warns(FutureWarning, match="summary_label"):
-        assert writers.BLIND_RATE == "blind agreement (share of answers unchanged without the image)"
+
+def test_the_step_summary_reads_the_batch_metrics_it_is_given(tmp_path):
+    """With the batch's metrics (the trainer's reliance/*), the reliance rows are those numbers, not a second
+    computation over the rollouts."""
+    rollouts = with_reliance(make_rollouts(1, n=2), [(0.25, 1.0, 1.0), (0.5, None, None)])
+    metrics = {"reliance/visual_gain": 9.5, "reliance/answer_visual_gain": -7.0, "reliance/blind_agree_rate": 0.125,
+               "reliance/answer_rate": 0.75}
+    w = RolloutLogWriter(tmp_path / "m.md", full_rollouts_per_step=1, counterfactual="grey")
+    assert w.write_step(1, None, rollouts, metrics=metrics)
+    w.close()
+    summary = summary_of(re.split(r"^## Step \d+ ", read(tmp_path / "m.md"), flags=re.M)[1])
+    assert [float(summary[k]) for k in RELIANCE_SUMMARY] == [9.5, -7.0, 0.125, 0.75]
 
 
 def test_console_shows_the_blind_agreement_rate_when_logged(capsys):

@@ -95,7 +95,7 @@ def test_the_signal_tprl_ranks_by_is_the_probes_exact_per_token_mass(model_dir, 
     if rides_trl:
         from trl import GRPOTrainer
 
-        from trl_mdi.trainer import PolicyForward
+        from trl_mdi.signals import PolicyForward
 
         original, original_measured, last = GRPOTrainer._get_per_token_logps_and_entropies, PolicyForward.measured, {}
 

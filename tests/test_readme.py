@@ -217,9 +217,10 @@ def logged_trl_mdi_metrics() -> set[str]:
     answers = AnswerTokens(span_mask=torch.tensor([[False, True, False]] * b), letter_position=torch.tensor([1, 1]),
                            answer_index=torch.tensor([0, 1]), candidates=torch.tensor([[5, 6], [5, 6]]),
                            n_choices=torch.tensor([2, 2]))
-    record = S.CounterfactualInputs.of(torch.full((b, 3), -1.0), torch.full((b, 3), -2.0), torch.ones(b, 3), answers,
-                                       torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([True, True]),
-                                       attention=torch.full((b, 3), 0.1))
+    record = S.CounterfactualInputs.of(
+        S.PolicyForward(logps=torch.full((b, 3), -1.0), perception={"attention": torch.full((b, 3), 0.1)}),
+        S.CounterfactualForward(torch.full((b, 3), -2.0), torch.tensor([[1.0, 0.0], [1.0, 0.0]]), answers),
+        torch.ones(b, 3), torch.tensor([True, True]))
     names |= set(S.batch_metrics(S.counterfactual_signals(record)))
 
     # TPRL: every part on, over a batch with spread (so no branch is skipped).

@@ -154,7 +154,7 @@ def test_signals_equal_two_plain_forwards(model_dir, blind_model_dir, grpo_train
     seen = capture(monkeypatch)
     trainer = MDIGRPOTrainer(str(path), reward_funcs=RELIANCE_REWARD["reward_funcs"], args=make_args(tmp_path),
                              train_dataset=grpo_train_dataset)
-    assert trainer.run_plan.reliance and trainer.run_plan.placement == "extra_forward"
+    assert trainer.run_plan.counterfactual and trainer.run_plan.placement == "extra_forward"
     trainer.train()
     assert len(seen) == 2
     for batch in seen:
@@ -287,11 +287,11 @@ def test_the_plan_says_which_forwards_run_and_why(model_dir, grpo_train_dataset,
     from types import SimpleNamespace
 
     from trl_mdi.attention.model_facts import ModelFacts
-    from trl_mdi.run_plan import reliance_plan
+    from trl_mdi.run_plan import counterfactual_plan
 
     text_only = ModelFacts("qwen2", (), 2, (0, 1), None, None)
     with pytest.raises(ValueError, match="text-only.*reliance_signals=True compare"):
-        reliance_plan(SimpleNamespace(reliance_signals=True, counterfactual_image="grey"), text_only, [])
+        counterfactual_plan(SimpleNamespace(reliance_signals=True, counterfactual_image="grey"), text_only, [])
     trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=["answer_visual_gain", spread_reward],
                              args=make_args(tmp_path, enable_perception_filtering=True, perception_perturbation="black"),
                              train_dataset=grpo_train_dataset)

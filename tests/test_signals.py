@@ -157,7 +157,8 @@ def test_gain_token_share_counts_only_valid_tokens():
     none = torch.full((5,), -1)
     answers = AnswerTokens(span_mask=torch.zeros(5, 4, dtype=torch.bool), letter_position=none, answer_index=none,
                            candidates=torch.full((5, 1), -1), n_choices=torch.zeros(5, dtype=torch.long))
-    record = S.CounterfactualInputs.of(logps, cf, mask, answers, None, has_image)
+    record = S.CounterfactualInputs.of(S.PolicyForward(logps=logps), S.CounterfactualForward(cf, None, answers), mask,
+                                       has_image)
     got = GAIN_TOKEN_SHARE.compute(record)
     # row 0: gains 0.5, -1, 2 (the 4th token is padding: its +9 is no gain); row 1: no image; row 2: 1 and
     # -3 - (-inf) = +inf, both helped; row 3: no completion token; row 4: gains 2, -1 (its padding would give -5)
@@ -170,9 +171,9 @@ def test_counterfactual_example_is_a_field_of_the_counterfactual_forward(monkeyp
     turns it on for a reward reading it), one of the values computed from that forward, and a rollout-log column."""
     monkeypatch.setattr(S, "SIGNALS", (*S.SIGNALS, GAIN_TOKEN_SHARE))
     assert S.reads_counterfactual("gain_token_share") and not S.reads_attention("gain_token_share")
-    assert "gain_token_share" in S.reliance_names() and "gain_token_share" in S.reliance_fields()
-    assert "gain_token_share" in S.provided_fields([], attention=False, reliance=True)
-    assert "gain_token_share" not in S.provided_fields(["late"], attention=True, reliance=False)
+    assert "gain_token_share" in S.reliance_names() and "gain_token_share" in S.counterfactual_fields()
+    assert "gain_token_share" in S.provided_fields([], attention=False, counterfactual=True)
+    assert "gain_token_share" not in S.provided_fields(["late"], attention=True, counterfactual=False)
     assert ("gain_token_share", "gain share") in S.rollout_log_columns()
     assert "gain_token_share" not in dict(S.log_columns(["late"]))
 

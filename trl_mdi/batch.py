@@ -9,7 +9,9 @@ multimodal field passed through. This module is that layout, once:
 - :func:`encode_prompts` renders and encodes conversational prompts the way TRL's ``_tokenize_prompts`` does
   (same return shape), for callers that have no TRL encoding to reuse;
 - :func:`multimodal_tensors` turns the processor's multimodal fields into tensors by TRL's generation rule;
-- :func:`policy_batch` pads and concatenates: the one place the layout is decided.
+- :func:`policy_batch` pads and concatenates: the one place the layout is decided;
+- :func:`check_counterfactual_encodes` tries, before any batch runs, that the processor encodes a counterfactual
+  prompt (``trl_mdi.counterfactual.counterfactual_prompts``).
 
 Keys come from one table, :data:`MULTIMODAL_KEYS`; end of sequence from the generation config's list
 (:func:`eos_token_ids`); image token ids from the model facts (``trl_mdi.attention.model_facts``).
@@ -23,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .counterfactual import NO_IMAGE, counterfactual_prompts
 
 # Multimodal keys of a processor's output that TRL's log-prob forward takes (its keyword arguments), by kind:
 # "token" fields hold one value per prompt token (padded like the prompt, extended with zeros over the
@@ -177,34 +181,6 @@ def encode_prompts(processing_class, prompts: list, images: list[list] | None = 
     return tokenized["input_ids"], fields
 
 
-def with_images(prompt: list[dict], images: Sequence[Any]) -> list[dict]:
-    """Chat messages with their image parts' images replaced, in order, by ``images`` (a perturbed or
-    counterfactual copy of the row's images): same parts, same positions, other pixels. The input is not changed.
-
-    >>> msgs = [{"role": "user", "content": [{"type": "image", "image": "real"}, {"type": "text", "text": "Q?"}]}]
-    >>> with_images(msgs, ["grey"])[0]["content"][0]["image"], msgs[0]["content"][0]["image"]
-    ('grey', 'real')
-    """
-    images = list(images)
-    out, k = [], 0
-    for message in prompt:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if isinstance(part, dict) and part.get("type") == "image":
-                    if k >= len(images):
-                        raise ValueError(f"the prompt has more image parts than the {len(images)} images given")
-                    part = {**part, "image": images[k]}
-                    k += 1
-                parts.append(part)
-            message = {**message, "content": parts}
-        out.append(message)
-    if k != len(images):
-        raise ValueError(f"the prompt has {k} image parts but {len(images)} images were given")
-    return out
-
-
 def eos_token_ids(model, tokenizer) -> list[int]:
     """End-of-sequence ids as generation uses them: the generation config's (a list for chat models), else the
     tokenizer's."""
@@ -226,17 +202,6 @@ def completion_mask_until_eos(completion_ids: torch.Tensor, eos_ids: Sequence[in
     return (pos <= first).long()
 
 
-def fit_width(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Right-pad with zeros or cut (B, C) to (B, width): TRL may pad completions to a multiple of N.
-
-    >>> fit_width(torch.ones(1, 2), 3).tolist(), fit_width(torch.ones(1, 2), 1).tolist()
-    ([[1.0, 1.0, 0.0]], [[1.0]])
-    """
-    if t.shape[1] >= width:
-        return t[:, :width]
-    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
-
-
 @contextlib.contextmanager
 def rng_untouched(device: torch.device):
     """Fork the CPU RNG (and the device's, on an accelerator) so a forward inside consumes no random numbers."""
@@ -247,3 +212,28 @@ def rng_untouched(device: torch.device):
     index = device.index if device.index is not None else getattr(torch, device.type).current_device()
     with torch.random.fork_rng(devices=[index], device_type=device.type):
         yield
+
+
+def check_counterfactual_encodes(processing_class, kind: str, chat_template_kwargs: dict | None = None,
+                                 chat_template: str | None = None, *, prompt: list[dict] | None = None,
+                                 images: list | None = None, seed: int = 0) -> None:
+    """ValueError naming the kind and the fix when the processor cannot encode a prompt with the counterfactual
+    image of ``kind`` (before any batch runs: a run must not stop at its first batch). ``prompt``/``images``: a row
+    to try (its images are inserted as GRPOTrainer inserts them); default a one-image colour question. ``"none"``
+    is a text-only prompt, which some templates and processors refuse."""
+    from PIL import Image
+    from trl.data_utils import prepare_multimodal_messages
+
+    if images is None:
+        images = [Image.new("RGB", (56, 56), (200, 30, 30))]
+    if prompt is None:
+        prompt = [{"role": "user", "content": "Colour?"}]
+    try:
+        inserted = prepare_multimodal_messages(prompt, images=list(images))
+        (cf,) = counterfactual_prompts([inserted], [list(images)], kind, seed=seed, step=0)
+        encode_prompts(processing_class, [cf], chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
+    except Exception as e:  # any processor or template error: the message is what the user needs
+        alternative = "black" if kind == NO_IMAGE else NO_IMAGE
+        raise ValueError(f"counterfactual_image={kind!r}: the processor ({type(processing_class).__name__}) cannot "
+                         f"encode the counterfactual {kind!r} prompt ({type(e).__name__}: {e}); choose another kind, "
+                         f"e.g. {alternative!r}") from e

@@ -16,24 +16,24 @@ one of ``trl_mdi.tprl.perturb``'s kinds, by default ``black``, which keeps every
   rollout wrote its answer letter, is the rollout's letter: the "blind" model would have answered the same
   (MMStar's leakage, arXiv 2403.20330, per rollout).
 
-Everything here is pure: tensors and strings in, tensors out; the trainer runs the counterfactual forward. The
-token-level answer helpers (``completion_token_texts``, ``answer_span``, ``answer_span_mask``,
-``choice_letter_token_ids``) live in ``trl_mdi.answer_tokens`` and are re-exported here.
+Everything here is pure: tensors and strings in, tensors out (the counterfactual prompts too: messages and images
+in, messages out), and imports nothing of trl_mdi outside the maths (``trl_mdi.tprl.perturb``'s images);
+the trainer runs the counterfactual forward. Where a rollout wrote its answer (the answer span, the choice letters'
+token ids) is ``trl_mdi.answer_tokens``'s; whether a processor encodes a counterfactual prompt is checked by
+``trl_mdi.batch.check_counterfactual_encodes``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .answer_tokens import answer_span, answer_span_mask, choice_letter_token_ids, completion_token_texts
-
 __all__ = [
-    "IMAGE_PART_TYPES", "NO_IMAGE", "answer_span", "answer_span_mask", "answer_visual_gain",
-    "blind_agrees", "candidate_logits", "check_counterfactual_encodes", "choice_letter_token_ids", "completion_token_texts", "counterfactual_kinds",
-    "counterfactual_prompts", "gather_choice_logits", "strip_images", "visual_gain",
+    "IMAGE_PART_TYPES", "NO_IMAGE", "answer_visual_gain", "blind_agrees", "candidate_logits", "counterfactual_kinds",
+    "counterfactual_prompts", "gather_choice_logits", "strip_images", "visual_gain", "with_images",
 ]
 
 IMAGE_PART_TYPES = ("image", "image_url")
@@ -176,7 +176,7 @@ def blind_agrees(cf_choice_logits: torch.Tensor, answer_index: torch.Tensor, n_c
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The literal "without the image" counterfactual
+# The counterfactual prompt: the image removed, or replaced by other pixels
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -215,15 +215,41 @@ def strip_images(prompt_messages: list[dict[str, Any]] | str) -> list[dict[str, 
     return out
 
 
+def with_images(prompt: list[dict], images: Sequence[Any]) -> list[dict]:
+    """Chat messages with their image parts' images replaced, in order, by ``images`` (a perturbed or
+    counterfactual copy of the row's images): same parts, same positions, other pixels. The input is not changed.
+
+    >>> msgs = [{"role": "user", "content": [{"type": "image", "image": "real"}, {"type": "text", "text": "Q?"}]}]
+    >>> with_images(msgs, ["grey"])[0]["content"][0]["image"], msgs[0]["content"][0]["image"]
+    ('grey', 'real')
+    """
+    images = list(images)
+    out, k = [], 0
+    for message in prompt:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image":
+                    if k >= len(images):
+                        raise ValueError(f"the prompt has more image parts than the {len(images)} images given")
+                    part = {**part, "image": images[k]}
+                    k += 1
+                parts.append(part)
+            message = {**message, "content": parts}
+        out.append(message)
+    if k != len(images):
+        raise ValueError(f"the prompt has {k} image parts but {len(images)} images were given")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# Counterfactual prompts, and the per-rollout signals of a batch
+# Counterfactual prompts, and the blind answer's logits from the LM head
 # ---------------------------------------------------------------------------------------------------------------
 
 NO_IMAGE = "none"
 """The counterfactual kind that removes the image (a text-only prompt); the others are ``trl_mdi.tprl.perturb``'s
 pixel perturbations of the same size (same token positions)."""
-
-
 
 
 def counterfactual_kinds() -> tuple[str, ...]:
@@ -238,7 +264,6 @@ def counterfactual_prompts(prompts: list, images: list[list], kind: str, *, seed
     """The prompts (chat messages with their images inserted) with each row's images replaced by its counterfactual:
     removed (``kind="none"``: ``strip_images``) or perturbed deterministically per (seed, step, row, image)
     (``trl_mdi.tprl.perturb.perturb_images``; ``perturbation`` holds its size, probability, noise and blur)."""
-    from .batch import with_images
     from .tprl.perturb import perturb_images
 
     if kind == NO_IMAGE:
@@ -261,44 +286,3 @@ def candidate_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if bias is not None:
         out = out + bias[candidates.clamp(min=0)].float()
     return torch.where(candidates >= 0, out, torch.full_like(out, math.nan))
-
-
-def check_counterfactual_encodes(processing_class, kind: str, chat_template_kwargs: dict | None = None,
-                                 chat_template: str | None = None, *, prompt: list[dict] | None = None,
-                                 images: list | None = None, seed: int = 0) -> None:
-    """ValueError naming the kind and the fix when the processor cannot encode a prompt with the counterfactual
-    image of ``kind`` (before any batch runs: a run must not stop at its first batch). ``prompt``/``images``: a row
-    to try (its images are inserted as GRPOTrainer inserts them); default a one-image colour question. ``"none"``
-    is a text-only prompt, which some templates and processors refuse."""
-    from PIL import Image
-    from trl.data_utils import prepare_multimodal_messages
-
-    from .batch import encode_prompts
-
-    if images is None:
-        images = [Image.new("RGB", (56, 56), (200, 30, 30))]
-    if prompt is None:
-        prompt = [{"role": "user", "content": "Colour?"}]
-    try:
-        inserted = prepare_multimodal_messages(prompt, images=list(images))
-        (cf,) = counterfactual_prompts([inserted], [list(images)], kind, seed=seed, step=0)
-        encode_prompts(processing_class, [cf], chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
-    except Exception as e:  # any processor or template error: the message is what the user needs
-        alternative = "black" if kind == NO_IMAGE else NO_IMAGE
-        raise ValueError(f"counterfactual_image={kind!r}: the processor ({type(processing_class).__name__}) cannot "
-                         f"encode the counterfactual {kind!r} prompt ({type(e).__name__}: {e}); choose another kind, "
-                         f"e.g. {alternative!r}") from e
-
-
-
-def __getattr__(name: str):
-    # Deprecated aliases: the per-rollout signals of the counterfactual forward are the signal table's
-    # (trl_mdi.signals), which imports this module's math; resolved lazily, at first use, with a warning.
-    if name in ("RELIANCE_FIELDS", "RELIANCE_SIGNALS", "reliance_signals"):
-        import warnings
-
-        from . import signals
-
-        warnings.warn(f"trl_mdi.counterfactual.{name} moved to trl_mdi.signals.{name}", FutureWarning, stacklevel=2)
-        return getattr(signals, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

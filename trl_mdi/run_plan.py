@@ -54,6 +54,29 @@ class ProbePlacement(str, enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardInputs:
+    """What one reward function reads of the trainer's per-rollout fields, from its signature, inspected once
+    (:meth:`of`): every named parameter counts, optional ones included (``mdi=None``): a reward reads the signals it
+    names. A reward model or Hub id (not a plain callable of named fields) reads none."""
+
+    name: str
+    attention_fields: tuple[str, ...]  # fields that need the attention probe (mdi*, aei*, answer_image_attention)
+    counterfactual_fields: tuple[str, ...]  # fields that need the counterfactual forward (the reliance signals)
+
+    @classmethod
+    def of(cls, func) -> RewardInputs:
+        params = list(inspect.signature(func).parameters) if callable(func) else []
+        return cls(name=reward_name(func), attention_fields=tuple(n for n in params if reads_attention(n)),
+                   counterfactual_fields=tuple(n for n in params if reads_counterfactual(n)))
+
+    @property
+    def policy_fields(self) -> tuple[str, ...]:
+        """The counterfactual fields that do not read the probe: they need the real image's log-probs before the
+        loss, whether or not attention is measured."""
+        return tuple(n for n in self.counterfactual_fields if n not in self.attention_fields)
+
+
+@dataclasses.dataclass(frozen=True)
 class RunPlan:
     """What a run does, decided once. Phase 1 fields come from :func:`plan_run`; phase 2 (``placement`` and the
     fields after it) from :meth:`with_model`, None until then."""
@@ -71,8 +94,8 @@ class RunPlan:
     attention_readers: tuple[str, ...]  # what reads attention before the loss (rewards of mdi*/aei* fields, ...)
     other_readers: tuple[str, ...]  # what else reads the policy forward before the loss (reliance rewards, TPRL)
     attention_requests: tuple[str, ...]  # what explicitly asks for attention (an error where it cannot be measured)
-    reliance: bool  # the counterfactual forward runs: the reliance signals (docs/reliance.md)
-    reliance_why: str
+    counterfactual: bool  # the counterfactual forward runs: the reliance signals (docs/reliance.md)
+    counterfactual_why: str
     perturbed_forward: bool  # VPPO's perturbed-image forward runs (perturbation signal used or compared)
     shared_counterfactual: bool  # the perturbed forward is the counterfactual forward (same kind): one serves both
     think_prefilled: bool | None = None  # the chat template opens <think> (None: no processor given to plan_run)
@@ -142,7 +165,7 @@ class RunPlan:
     def measures_policy(self) -> bool:
         """Whether the trainer reads a policy forward over each batch: the probe, the real image's log-probs of the
         reliance signals, TPRL's log-probs and entropies."""
-        return self.attention_metrics or self.reliance or bool(self.read_before_loss)
+        return self.attention_metrics or self.counterfactual or bool(self.read_before_loss)
 
     @property
     def extra_forwards(self) -> tuple[str, ...]:
@@ -151,9 +174,10 @@ class RunPlan:
         if self.placement is ProbePlacement.EXTRA_FORWARD:
             probe = " with the attention probe" if self.attention_metrics else ""
             out.append(f"policy forward{probe} ({self.placement_why})")
-        if self.reliance:
+        if self.counterfactual:
             shared = " and the perturbation perception signal" if self.shared_counterfactual else ""
-            out.append(f"policy forward with the counterfactual image (reliance signals{shared}: {self.reliance_why})")
+            out.append(f"policy forward with the counterfactual image (reliance signals{shared}: "
+                       f"{self.counterfactual_why})")
         if self.perturbed_forward and not self.shared_counterfactual:
             out.append("policy forward with perturbed images (the perturbation perception signal)")
         return tuple(out)
@@ -169,7 +193,7 @@ class RunPlan:
         ]
         if self.attention_metrics:
             lines.append(("segments", describe_segments({k: list(v) for k, v in self.segment_layers.items()})))
-        lines.append(("reliance signals", f"on ({self.reliance_why})" if self.reliance else "off"))
+        lines.append(("reliance signals", f"on ({self.counterfactual_why})" if self.counterfactual else "off"))
         if self.read_before_loss:
             lines.append(("read before the loss by", "; ".join(self.read_before_loss)))
         if self.token_layers:
@@ -231,7 +255,8 @@ def plan_run(model: Any, reward_funcs: Any, args, *, defaults_chosen: bool, colu
         # whether its template opens <think> itself (a fresh instance per trainer, bound once).
         funcs = bind_think_format(funcs, answer_pattern=args.answer_pattern,
                                   **({"think_prefilled": prefilled} if prefilled is not None else {}))
-    attention, why = attention_metrics(args, facts, funcs, user_named_rewards=named is not None)
+    rewards = tuple(RewardInputs.of(f) for f in funcs)  # every reward's signature, inspected here once
+    attention, why = attention_metrics(args, facts, rewards, user_named_rewards=named is not None)
     segments = model_segments(args, facts, attention)
     try:
         check_reward_inputs(funcs, columns, attention=attention, segments=[n for n in segments if n != "all"],
@@ -239,7 +264,7 @@ def plan_run(model: Any, reward_funcs: Any, args, *, defaults_chosen: bool, colu
         check_image_columns_for_perception(args, columns)
     except ValueError as e:  # the data cannot feed this plan: the data's error, said before any weight loads
         raise DatasetError(str(e)) from None
-    reliance, reliance_why = reliance_plan(args, facts, funcs)
+    counterfactual, counterfactual_why = counterfactual_plan(args, facts, rewards)
     return RunPlan(
         model_name=model if isinstance(model, str) else str(getattr(getattr(model, "config", None), "_name_or_path",
                                                                     type(model).__name__)),
@@ -251,14 +276,14 @@ def plan_run(model: Any, reward_funcs: Any, args, *, defaults_chosen: bool, colu
         attention_metrics=attention,
         attention_why=why,
         segment_layers=segments,
-        token_layers=token_layers(args, facts, attention, reliance),
-        attention_readers=tuple(attention_readers(args, funcs)) if attention else (),
-        other_readers=tuple(other_readers(args, funcs)),
-        attention_requests=tuple(attention_requests(args, funcs, user_named_rewards=named is not None)),
-        reliance=reliance,
-        reliance_why=reliance_why,
+        token_layers=token_layers(args, facts, attention, counterfactual),
+        attention_readers=tuple(attention_readers(args, rewards)) if attention else (),
+        other_readers=tuple(other_readers(args, rewards)),
+        attention_requests=tuple(attention_requests(args, rewards, user_named_rewards=named is not None)),
+        counterfactual=counterfactual,
+        counterfactual_why=counterfactual_why,
         perturbed_forward=bool(args.uses_perturbed_forward),
-        shared_counterfactual=reliance and args.shares_counterfactual_forward,
+        shared_counterfactual=counterfactual and args.shares_counterfactual_forward,
         think_prefilled=prefilled,
     )
 
@@ -308,7 +333,8 @@ def reward_stack_for_model(named: Sequence | None, weights: Sequence[float] | No
     return names, weights
 
 
-def attention_metrics(args, facts: ModelFacts, funcs: Sequence, user_named_rewards: bool) -> tuple[bool, str]:
+def attention_metrics(args, facts: ModelFacts, rewards: Sequence[RewardInputs], user_named_rewards: bool
+                      ) -> tuple[bool, str]:
     """Whether attention metrics run on this model (``compute_attention_metrics``: None = auto), and why.
 
     A vision-language model: on unless set False. A text-only model: off, with one warning, unless something
@@ -327,7 +353,7 @@ def attention_metrics(args, facts: ModelFacts, funcs: Sequence, user_named_rewar
             return False, "compute_attention_metrics=False"
         return True, "a vision-language model" + (": compute_attention_metrics=True"
                                                   if args.compute_attention_metrics else "")
-    requests = attention_requests(args, funcs, user_named_rewards)
+    requests = attention_requests(args, rewards, user_named_rewards)
     if requests:
         raise ValueError(
             f"the model ({facts.model_type}) is text-only: its config names no image token, so there is no image "
@@ -341,7 +367,7 @@ def attention_metrics(args, facts: ModelFacts, funcs: Sequence, user_named_rewar
     return False, "a text-only model: no image token"
 
 
-def attention_requests(args, funcs: Sequence, user_named_rewards: bool) -> list[str]:
+def attention_requests(args, rewards: Sequence[RewardInputs], user_named_rewards: bool) -> list[str]:
     """What explicitly asks for attention: ``compute_attention_metrics=True``, a reward the user named that reads an
     ``mdi*`` / ``aei*`` field, perception filtering or trajectory reweighting (both measure how tokens depend on the
     image), the attention perception signal."""
@@ -349,10 +375,8 @@ def attention_requests(args, funcs: Sequence, user_named_rewards: bool) -> list[
     if args.compute_attention_metrics:
         requests.append("compute_attention_metrics=True")
     if user_named_rewards:
-        for f in funcs:
-            fields = [n for n in inspect.signature(f).parameters if reads_attention(n)] if callable(f) else []
-            if fields:
-                requests.append(f"reward {reward_name(f)!r} (reads {', '.join(fields)})")
+        requests += [f"reward {r.name!r} (reads {', '.join(r.attention_fields)})" for r in rewards
+                     if r.attention_fields]
     for flag in ("enable_perception_filtering", "enable_trajectory_reweighting"):
         if getattr(args, flag):
             requests.append(f"{flag}=True")
@@ -381,20 +405,19 @@ def model_segments(args, facts: ModelFacts, attention: bool) -> dict[str, tuple[
     return {name: tuple(layers) for name, layers in segments.items()}
 
 
-def token_layers(args, facts: ModelFacts, attention: bool, reliance: bool) -> tuple[int, ...]:
+def token_layers(args, facts: ModelFacts, attention: bool, counterfactual: bool) -> tuple[int, ...]:
     """The measured layers of the probe's per-token image mass (``perception_attention_segment``, ``all`` where the
     model lacks it): used by the attention perception signal and by ``answer_image_attention``; () when unused."""
-    if not facts.is_vlm or not (args.uses_attention_signal or (attention and reliance)):
+    if not facts.is_vlm or not (args.uses_attention_signal or (attention and counterfactual)):
         return ()
     return M.token_segment_layers(facts.num_layers, args.attention_layer_segments, list(facts.measured_layers),
                                   args.perception_attention_segment)
 
 
-def reliance_plan(args, facts: ModelFacts, funcs: Sequence) -> tuple[bool, str]:
+def counterfactual_plan(args, facts: ModelFacts, rewards: Sequence[RewardInputs]) -> tuple[bool, str]:
     """Whether the counterfactual forward runs, and why: ``reliance_signals=True``, or a reward reads a reliance
     field. They compare the image with a counterfactual, so a text-only model cannot have them."""
-    readers = [f"reward {reward_name(f)} reads {', '.join(fields)}" for f in funcs
-               if (fields := reliance_fields(f))]
+    readers = [f"reward {r.name} reads {', '.join(r.counterfactual_fields)}" for r in rewards if r.counterfactual_fields]
     why = "; ".join((["reliance_signals=True"] if args.reliance_signals else []) + readers)
     if why and not facts.is_vlm:
         raise ValueError(f"the model ({facts.model_type}) is text-only, but {why} compare(s) its answer with and "
@@ -402,29 +425,17 @@ def reliance_plan(args, facts: ModelFacts, funcs: Sequence) -> tuple[bool, str]:
     return bool(why), why + (f"; counterfactual image: {args.counterfactual_image}" if why else "")
 
 
-def reliance_fields(f) -> list[str]:
-    """The fields a reward names as parameters that need the counterfactual forward (the signal table's
-    counterfactual signals and the group signals ranking them)."""
-    return [n for n in inspect.signature(f).parameters if reads_counterfactual(n)] if callable(f) else []
-
-
-def other_readers(args, funcs: Sequence) -> list[str]:
+def other_readers(args, rewards: Sequence[RewardInputs]) -> list[str]:
     """What needs the policy forward of a batch before the loss besides attention: rewards reading reliance fields
     (they need the real image's log-probs) and TPRL (its filters and multipliers enter the loss)."""
-    needs = [f"reward {reward_name(f)} reads {', '.join(fields)}" for f in funcs
-             if (fields := [n for n in reliance_fields(f) if not reads_attention(n)])]
+    needs = [f"reward {r.name} reads {', '.join(r.policy_fields)}" for r in rewards if r.policy_fields]
     return needs + (["TPRL"] if args.uses_tprl else [])
 
 
-def attention_readers(args, funcs: Sequence) -> list[str]:
+def attention_readers(args, rewards: Sequence[RewardInputs]) -> list[str]:
     """What needs this batch's attention before the loss: rewards reading an ``mdi*`` / ``aei*`` field (online filtering
     included: it filters on rewards), and the perception-signal comparison. [] = metrics and logs only."""
-    needs = []
-    for f in funcs:
-        # Every named parameter, optional ones included (``mdi=None``): a reward reads the signals it names.
-        fields = [n for n in inspect.signature(f).parameters if reads_attention(n)] if callable(f) else []
-        if fields:
-            needs.append(f"reward {reward_name(f)} reads {', '.join(fields)}")
+    needs = [f"reward {r.name} reads {', '.join(r.attention_fields)}" for r in rewards if r.attention_fields]
     if args.perception_signal_compare:
         needs.append("perception_signal_compare")  # compares both perception signals before the loss
     return needs

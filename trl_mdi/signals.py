@@ -33,9 +33,8 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +42,7 @@ import torch
 from . import counterfactual as C
 from .attention import ModalityAttention
 from .attention import metrics as M
+from .tprl import fit_width
 
 PROBE, COUNTERFACTUAL, GROUP = "probe", "counterfactual", "group"
 """The sources a signal is computed from (``Signal.source``)."""
@@ -52,6 +52,47 @@ LOW, HIGH = "low", "high"
 """``Signal.direction``: the signal's value at which a rollout follows the language prior rather than the image."""
 
 
+# ------------------------------------------------------------------------------------------------ the forwards' records
+@dataclass
+class PolicyForward:
+    """What the policy forward over prompt + completion measured (TRL's old-log-prob forward, the training forward,
+    or the trainer's own): the record the trainer builds and the probe and counterfactual signals read. Local rows,
+    TRL's order.
+
+    ``attention``: the probe's result (None with attention metrics off); ``logps`` / ``entropies``: the completion's
+    log-probs under the real image and the token entropies, (B, C), when read; ``perception``: the per-token
+    perception signals computed this batch, by kind (``"perturbation"``, ``"attention"``), (B, C) each.
+    """
+
+    attention: ModalityAttention | None = None
+    logps: torch.Tensor | None = None
+    entropies: torch.Tensor | None = None
+    perception: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def measured(cls, attention: ModalityAttention | None, completion_length: int, logps=None,
+                 entropies=None) -> PolicyForward:
+        """A probed forward's record, with the attention perception signal a_t (B, C) when the probe kept per-token
+        image masses (the one place it is read off the probe)."""
+        forward = cls(attention=attention, logps=logps, entropies=entropies)
+        if attention is not None and attention.query_image_mass is not None:
+            forward.perception["attention"] = attention.attention_signal(completion_length)
+        return forward
+
+
+@dataclass(frozen=True)
+class CounterfactualForward:
+    """What the counterfactual forward measured (``RunPlan.counterfactual``; local rows, TRL's order): the completion's
+    log-probs with the counterfactual image I', (B, C); the counterfactual's logits of the row's choice letters at
+    the position that chose the answer letter, (B, K) (None: not read); and where each rollout wrote its answer
+    (``trl_mdi.answer_tokens.AnswerTokens``)."""
+
+    logps: torch.Tensor
+    choice_logits: torch.Tensor | None
+    answers: Any
+
+
+# ------------------------------------------------------------------------------------------------ what signals read
 @dataclass(frozen=True)
 class ProbeInputs:
     """What a probe signal is computed from: the probe's result, the metrics of one layer segment (all measured
@@ -65,7 +106,8 @@ class ProbeInputs:
 @dataclass(frozen=True)
 class CounterfactualInputs:
     """What a counterfactual signal is computed from (local rows, TRL's order; B rollouts, C completion tokens, K
-    choice letters). Build it with :meth:`of`, which brings every (B, C) tensor to the completion mask's width.
+    choice letters): the policy forward's and the counterfactual forward's records side by side. Build it with
+    :meth:`of`, which brings every (B, C) tensor to the completion mask's width.
 
     ``logps`` / ``cf_logps``: the sampled tokens' log-probs with the real image I and with the counterfactual I';
     ``answers``: where each rollout wrote its answer (``trl_mdi.answer_tokens.AnswerTokens``); ``choice_logits``:
@@ -81,18 +123,17 @@ class CounterfactualInputs:
     attention: torch.Tensor | None = None  # (B, C)
 
     @classmethod
-    def of(cls, logps: torch.Tensor, cf_logps: torch.Tensor, completion_mask: torch.Tensor, answers,
-           choice_logits: torch.Tensor | None, has_image: torch.Tensor,
-           attention: torch.Tensor | None = None) -> CounterfactualInputs:
-        """The record on the log-probs' device, every (B, C) tensor cut or padded to the mask's width (TRL pads a
-        batch's completions to its longest; a forward may have kept fewer positions)."""
-        from .batch import fit_width
-
+    def of(cls, policy: PolicyForward, counterfactual: CounterfactualForward, completion_mask: torch.Tensor,
+           has_image: torch.Tensor) -> CounterfactualInputs:
+        """The record of both forwards on the policy log-probs' device, every (B, C) tensor cut or padded to the
+        mask's width (TRL pads a batch's completions to its longest; a forward may have kept fewer positions); the
+        probe's per-token image mass is the policy forward's attention perception signal, when it ran."""
         width = completion_mask.shape[1]
-        logps = fit_width(logps.float(), width)
+        logps = fit_width(policy.logps.float(), width)
         device = logps.device
-        return cls(logps=logps, cf_logps=fit_width(cf_logps.float().to(device), width),
-                   completion_mask=completion_mask.to(device), answers=answers,
+        attention, choice_logits = policy.perception.get("attention"), counterfactual.choice_logits
+        return cls(logps=logps, cf_logps=fit_width(counterfactual.logps.float().to(device), width),
+                   completion_mask=completion_mask.to(device), answers=counterfactual.answers,
                    choice_logits=None if choice_logits is None else choice_logits.to(device),
                    has_image=has_image.bool().to(device),
                    attention=None if attention is None else fit_width(attention.float().to(device), width))
@@ -108,8 +149,6 @@ class CounterfactualInputs:
     def answer_span(self) -> torch.Tensor:
         """(B, C) bool: the answer's tokens inside the completion."""
         span = self.answers.span_mask.to(self.logps.device)
-        from .batch import fit_width
-
         return fit_width(span, self.completion_mask.shape[1]).bool() & (self.completion_mask != 0)
 
     def at_answer_letter(self, values: torch.Tensor) -> torch.Tensor:
@@ -341,16 +380,9 @@ def reliance_names() -> list[str]:
     return [s.name for s in SIGNALS if s.source == COUNTERFACTUAL]
 
 
-def reliance_fields() -> list[str]:
+def counterfactual_fields() -> list[str]:
     """Every field that needs the counterfactual forward: its signals and the group signals ranking them."""
     return [s.name for s in SIGNALS if COUNTERFACTUAL in needed_forwards(s)]
-
-
-RELIANCE_SIGNALS = tuple(reliance_names())
-"""The counterfactual reliance signals of the built-in table (code reads :func:`reliance_names`)."""
-
-RELIANCE_FIELDS = tuple(reliance_fields())
-"""The fields of the built-in table that need the counterfactual forward (code reads :func:`reliance_fields`)."""
 
 
 def trainer_field(name: str) -> bool:
@@ -388,11 +420,11 @@ def reads_counterfactual(name: str) -> bool:
     return trainer_field(name) and COUNTERFACTUAL in sources_of(name)
 
 
-def provided_fields(segments: Sequence[str], *, attention: bool, reliance: bool) -> set[str]:
+def provided_fields(segments: Sequence[str], *, attention: bool, counterfactual: bool) -> set[str]:
     """The reward fields a run provides: the probe's (for these segments) with attention metrics on, the
     counterfactual ones when the counterfactual forward can run (those also reading the probe need attention too),
     and the group signals whose inputs are provided."""
-    forwards = ({PROBE} if attention else set()) | ({COUNTERFACTUAL} if reliance else set())
+    forwards = ({PROBE} if attention else set()) | ({COUNTERFACTUAL} if counterfactual else set())
     return set(field_names(segments, reward=True, forwards=forwards))
 
 
@@ -528,18 +560,6 @@ def counterfactual_signals(inputs: CounterfactualInputs) -> dict[str, torch.Tens
     return out
 
 
-def reliance_signals(logps: torch.Tensor, cf_logps: torch.Tensor, completion_mask: torch.Tensor, answers,
-                     cf_choice_logits: torch.Tensor | None, has_image: torch.Tensor,
-                     attention_signal: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Every counterfactual signal of a batch from explicit tensors, (B,) float each, NaN where undefined:
-    ``visual_gain`` (mean g_t over the completion), ``answer_visual_gain`` (sum of g_t over the answer span),
-    ``blind_agrees`` (needs ``cf_choice_logits``), ``answer_image_attention`` (needs the probe's per-token
-    ``attention_signal`` a_t, (B, C)), and any counterfactual entry added to the table. ``answers``: the batch's
-    ``trl_mdi.answer_tokens.AnswerTokens``. The profile's reference computes them here, as the trainer does."""
-    return counterfactual_signals(CounterfactualInputs.of(logps, cf_logps, completion_mask, answers, cf_choice_logits,
-                                                          has_image, attention_signal))
-
-
 def check_measured_layers(attention: ModalityAttention, expected_layers: Sequence[int]) -> None:
     """RuntimeError when the probe measured other layers than the model's config predicts: a config whose
     ``layer_types`` this project does not understand, never a silent mislabelling."""
@@ -553,8 +573,8 @@ def check_measured_layers(attention: ModalityAttention, expected_layers: Sequenc
 
 def rollout_values(*, attention: ModalityAttention | None = None, counterfactual: CounterfactualInputs | None = None,
                    segments_spec=None, balance_ratio: float = 2.0) -> dict[str, torch.Tensor]:
-    """This process's per-rollout values from the records that ran (the probe's result, the counterfactual
-    forward's inputs): ``{name: (B,) float32 CPU tensor}``, group signals excepted (:func:`batch_signals`)."""
+    """This process's per-rollout values from the records that ran (the probe's result, both forwards' record for
+    the counterfactual signals): ``{name: (B,) float32 CPU tensor}``, group signals excepted (:func:`batch_signals`)."""
     values = rollout_signals(attention, segments_spec, balance_ratio) if attention is not None else {}
     if counterfactual is not None:
         values.update(counterfactual_signals(counterfactual))
@@ -564,64 +584,44 @@ def rollout_values(*, attention: ModalityAttention | None = None, counterfactual
 @dataclass(frozen=True)
 class BatchSignals:
     """A generation batch's per-rollout values and metrics: ``local`` (this process's rows, (B,) each, group signals
-    included) and ``metrics`` (``attention/*``, ``reliance/*`` of the batch gathered from every process)."""
+    included), ``metrics`` (``attention/*``, ``reliance/*`` of the batch gathered from every process: computed once
+    here, read by the trainer's log and the live logs alike) and ``counterfactual`` (the record the counterfactual
+    signals were computed from, None without the counterfactual forward: the live logs read its per-token gains)."""
 
     local: dict[str, torch.Tensor]
     metrics: dict[str, float]
+    counterfactual: CounterfactualInputs | None = None
 
     def reward_rows(self) -> list[dict[str, float | None]]:
         """One dict per local rollout of the reward fields (None where undefined): what rewards read by name."""
         return rollout_rows({n: v for n, v in self.local.items() if trainer_field(n)})
 
 
-def batch_signals(values: dict[str, torch.Tensor], *, gather: Callable[[torch.Tensor], torch.Tensor],
-                  local: Callable[[torch.Tensor], torch.Tensor], group_size: int) -> BatchSignals:
-    """The batch's signals from this process's ``values`` (:func:`rollout_values`): gathers them in one collective,
-    adds the group signals (a group can span processes), and computes the metrics. All processes must call it.
+def batch_signals(policy: PolicyForward, counterfactual: CounterfactualForward | None, *, completion_mask: torch.Tensor,
+                  has_image: torch.Tensor, segments_spec, balance_ratio: float,
+                  gather: Callable[[torch.Tensor], torch.Tensor], local: Callable[[torch.Tensor], torch.Tensor],
+                  group_size: int) -> BatchSignals:
+    """The batch's signals from the forwards' records (the counterfactual's None when it did not run): this process's
+    values (:func:`rollout_values`), gathered in one collective, the group signals added (a group can span
+    processes), and the metrics computed. All processes must call it.
 
-    ``gather`` concatenates a (B, K) tensor over processes; ``local`` takes this process's rows back out of an
-    (N_global,) one.
+    ``completion_mask`` (B, C) and ``has_image`` (B,) are the batch's; ``gather`` concatenates a (B, K) tensor over
+    processes; ``local`` takes this process's rows back out of an (N_global,) one.
     """
+    inputs = (CounterfactualInputs.of(policy, counterfactual, completion_mask, has_image)
+              if counterfactual is not None else None)
+    values = rollout_values(attention=policy.attention, counterfactual=inputs, segments_spec=segments_spec,
+                            balance_ratio=balance_ratio)
     names = list(values)
     if not names:
-        return BatchSignals({}, {})
+        return BatchSignals({}, {}, inputs)
     table = gather(torch.stack([values[n] for n in names], dim=1))
     gathered = {n: table[:, i] for i, n in enumerate(names)}
     out = dict(values)
     for name, column in group_signals(gathered, group_size).items():
         gathered[name] = column
         out[name] = local(column).float()
-    return BatchSignals(out, batch_metrics(gathered))
-
-
-def attach_signals(attention: ModalityAttention, rows: list[dict], *, segments_spec, balance_ratio: float,
-                   expected_layers: list[int], gather: Callable[[torch.Tensor], torch.Tensor],
-                   local: Callable[[torch.Tensor], torch.Tensor], group_size: int,
-                   ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Deprecated: :func:`rollout_values`, :func:`batch_signals` and ``BatchSignals.reward_rows`` (the trainer hands
-    the rows to the rewards in a step of its own)."""
-    warnings.warn("trl_mdi.signals.attach_signals is deprecated: use rollout_values, batch_signals and "
-                  "BatchSignals.reward_rows", FutureWarning, stacklevel=2)
-    check_measured_layers(attention, expected_layers)
-    batch = batch_signals(rollout_values(attention=attention, segments_spec=segments_spec,
-                                         balance_ratio=balance_ratio), gather=gather, local=local, group_size=group_size)
-    for row, fields in zip(rows, batch.reward_rows()):
-        row.update(fields)
-    return batch.local, batch.metrics
-
-
-def attach_reliance(values: dict[str, torch.Tensor], rows: list[dict] | None, *,
-                    gather: Callable[[torch.Tensor], torch.Tensor], local: Callable[[torch.Tensor], torch.Tensor],
-                    group_size: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Deprecated: :func:`batch_signals` over the counterfactual values, and ``BatchSignals.reward_rows``."""
-    warnings.warn("trl_mdi.signals.attach_reliance is deprecated: use batch_signals and BatchSignals.reward_rows",
-                  FutureWarning, stacklevel=2)
-    batch = batch_signals({k: v.float().cpu() for k, v in values.items()}, gather=gather, local=local,
-                          group_size=group_size)
-    if rows is not None:
-        for row, fields in zip(rows, batch.reward_rows()):
-            row.update(fields)
-    return batch.local, batch.metrics
+    return BatchSignals(out, batch_metrics(gathered), inputs)
 
 
 def group_signals(gathered: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:
@@ -653,12 +653,6 @@ def batch_metrics(gathered: dict[str, torch.Tensor]) -> dict[str, float]:
                 key = signal.metric_name or f"{METRIC_PREFIX[signal.source]}/{name}"
                 values[key] = float(v.mean())
     return values
-
-
-def as_python(value) -> float | None:
-    """One rollout's value for rewards and logs: a float, or None where undefined (NaN)."""
-    v = float(value)
-    return None if math.isnan(v) else v
 
 
 def rollout_rows(table: dict[str, torch.Tensor]) -> list[dict[str, float | None]]:
@@ -728,12 +722,3 @@ def group_rank_score(values: torch.Tensor, num_generations: int, *, higher_is_be
     score = torch.where(n_valid > 1, 1 - 2 * rank / (n_valid - 1).clamp(min=1), torch.zeros_like(rank))
     score = torch.where(valid, score, torch.full_like(score, math.nan))
     return score.reshape(-1)
-
-
-
-def __getattr__(name: str):
-    # SignalInputs is ProbeInputs since the table gained counterfactual and group sources.
-    if name == "SignalInputs":
-        warnings.warn("trl_mdi.signals.SignalInputs is now ProbeInputs", FutureWarning, stacklevel=2)
-        return ProbeInputs
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -53,9 +53,9 @@ from .attention import ModalityAttention, probe_attention, trailing_completion_l
 from .attention.model_facts import load_model_config, unwrap_model
 from .attention.model_parts import choice_logits, hidden_states_at
 from .attention.probe import probe_support
-from .batch import encode_prompts, fit_width, pad_rows, policy_batch, rng_untouched
+from .batch import check_counterfactual_encodes, encode_prompts, pad_rows, policy_batch, rng_untouched
 from .config import MDIGRPOConfig
-from .counterfactual import NO_IMAGE, check_counterfactual_encodes, counterfactual_prompts
+from .counterfactual import NO_IMAGE, counterfactual_prompts
 from .data.columns import check_choice_counts
 from .data.images import decode_row_images, lazy_images, report_bad_images, row_images
 from .diagnostics import (
@@ -79,7 +79,7 @@ from .run_plan import (
     plan_run,
     trl_runs_policy_forward,
 )
-from .tprl import apply_tprl, perturbation_signal, signal_rank_corr
+from .tprl import apply_tprl, fit_width, perturbation_signal, signal_rank_corr
 from .vision_pass import drop_empty_image_inputs, images_on_some_processes_only, vision_pass_for_run
 from .vllm_prompts import (
     check_vllm_prompts,
@@ -102,43 +102,6 @@ class PromptEncoding:
 
     ids: list  # per row, the prompt's token ids
     multimodal: dict  # the processor's image fields (pixel_values, image_grid_thw, ...)
-
-
-@dataclass
-class PolicyForward:
-    """What the policy forward over prompt + completion measured (TRL's old-log-prob forward, the training forward,
-    or the trainer's own). Local rows, TRL's order.
-
-    ``attention``: the probe's result (None with attention metrics off); ``logps`` / ``entropies``: the completion's
-    log-probs under the real image and the token entropies, (B, C), when read; ``perception``: the per-token
-    perception signals computed this batch, by kind (``"perturbation"``, ``"attention"``), (B, C) each.
-    """
-
-    attention: ModalityAttention | None = None
-    logps: torch.Tensor | None = None
-    entropies: torch.Tensor | None = None
-    perception: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @classmethod
-    def measured(cls, attention: ModalityAttention | None, completion_length: int, logps=None,
-                 entropies=None) -> PolicyForward:
-        """A probed forward's record, with the attention perception signal a_t (B, C) when the probe kept per-token
-        image masses (the one place it is read off the probe)."""
-        forward = cls(attention=attention, logps=logps, entropies=entropies)
-        if attention is not None and attention.query_image_mass is not None:
-            forward.perception["attention"] = attention.attention_signal(completion_length)
-        return forward
-
-
-@dataclass
-class CounterfactualForward:
-    """The counterfactual forward of a batch (``RunPlan.reliance``): the completion's log-probs with the
-    counterfactual image, (B, C), the counterfactual's logits of the choice letters at the position that chose the
-    answer letter, (B, K), and where each rollout wrote its answer (``trl_mdi.answer_tokens.AnswerTokens``)."""
-
-    logps: torch.Tensor
-    choice_logits: torch.Tensor
-    answers: Any
 
 
 @dataclass
@@ -179,8 +142,8 @@ class BatchRecord:
     has_image: torch.Tensor | None = None  # (B,) bool: local rows with an image
     encoded: PromptEncoding | None = None
     completion_mask: torch.Tensor | None = None  # (B, C) the generated tokens, right-padded: what signals average
-    forward: PolicyForward | None = None  # set once the policy forward ran: never run a second one
-    counterfactual: CounterfactualForward | None = None
+    forward: S.PolicyForward | None = None  # set once the policy forward ran: never run a second one
+    counterfactual: S.CounterfactualForward | None = None
     signals: S.BatchSignals | None = None  # the per-rollout values, once the forwards that feed them ran
     scored: ScoredRollouts | None = None
     timing: StepTiming = field(default_factory=StepTiming)
@@ -237,14 +200,14 @@ class PendingMeasurement:
         """Positions in the active slice of the rows the attention maps want."""
         return [i for i, row in enumerate(self.active_rows or []) if row in self.record.map_rows]
 
-    def forward(self) -> PolicyForward:
+    def forward(self) -> S.PolicyForward:
         """The whole batch's measurement, rows back in generation order."""
         rows = [r for s in self.slices for r in s.rows]
         order = sorted(range(len(rows)), key=rows.__getitem__)
         logps = torch.cat([s.logps for s in self.slices])[order]
         parts = [s.attention for s in self.slices]
         attention = ModalityAttention.cat(parts).take(order) if parts[0] is not None else None
-        return PolicyForward.measured(attention, logps.shape[1], logps=logps)
+        return S.PolicyForward.measured(attention, logps.shape[1], logps=logps)
 
 
 # ------------------------------------------------------------------------------------------------ the trainer
@@ -352,7 +315,7 @@ class MDIGRPOTrainer(GRPOTrainer):
                                                             self.vllm_importance_sampling_correction),
             vision_pass=self.vision_pass is not None,
             probe_unsupported=probe_support(self.model) if plan.attention_metrics else None)
-        if loaded.reliance:
+        if loaded.counterfactual:
             check_counterfactual_encodes(self.processing_class, self.args.counterfactual_image,
                                          self.chat_template_kwargs, self.chat_template)
         if loaded.reward_names != plan.reward_names:  # the default stack lost mdi_balance: metrics are off
@@ -446,7 +409,7 @@ class MDIGRPOTrainer(GRPOTrainer):
             seconds = time.perf_counter() - start
             record.timing.scoring += seconds
             record.timing.scoring_in_generation += seconds
-            record.forward = PolicyForward.measured(attention, logits_to_keep, logps=out[0], entropies=out[1])
+            record.forward = S.PolicyForward.measured(attention, logits_to_keep, logps=out[0], entropies=out[1])
         else:
             pending.slices.append(MeasuredSlice(pending.active_rows, attention, out[0].detach()))
             pending.active_rows = None  # one measurement per slice
@@ -577,7 +540,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         if plan.batch_placement(self._mode()) is ProbePlacement.EXTRA_FORWARD:
             record.forward = self._extra_forward(record.map_rows, self._policy_batch(record.encoded, prompts, inputs,
                                                                                      completion_ids_list))
-        if plan.reliance:
+        if plan.counterfactual:
             record.counterfactual = self._counterfactual_forward(inputs, prompts, completion_ids_list,
                                                                  record.completion_mask)
         forward = record.forward
@@ -596,20 +559,13 @@ class MDIGRPOTrainer(GRPOTrainer):
         """The one place a batch's per-rollout values are assembled (``trl_mdi.signals``), from the policy forward's
         record and the counterfactual forward's, whichever stage completes them (before the rewards, or once the last
         training slice has been measured); logged as attention/* and reliance/*. Every process calls it."""
-        forward, cf = record.forward, record.counterfactual
-        if forward.attention is not None:
-            S.check_measured_layers(forward.attention, self.run_plan.facts.measured_layers)
-        counterfactual = None
-        if cf is not None:
-            counterfactual = S.CounterfactualInputs.of(forward.logps, cf.logps, record.completion_mask, cf.answers,
-                                                       cf.choice_logits, record.has_image,
-                                                       forward.perception.get("attention"))
-        values = S.rollout_values(attention=forward.attention, counterfactual=counterfactual,
-                                  segments_spec=self.args.attention_layer_segments,
-                                  balance_ratio=self.args.mdi_balance_ratio)
+        if record.forward.attention is not None:
+            S.check_measured_layers(record.forward.attention, self.run_plan.facts.measured_layers)
         n = len(record.has_image)
-        signals = S.batch_signals(values, gather=self._gather_cpu, local=lambda t: self._local(t, n),
-                                  group_size=self._group_size(mode))
+        signals = S.batch_signals(record.forward, record.counterfactual, completion_mask=record.completion_mask,
+                                  has_image=record.has_image, segments_spec=self.args.attention_layer_segments,
+                                  balance_ratio=self.args.mdi_balance_ratio, gather=self._gather_cpu,
+                                  local=lambda t: self._local(t, n), group_size=self._group_size(mode))
         self._log(mode, signals.metrics)
         return signals
 
@@ -664,11 +620,11 @@ class MDIGRPOTrainer(GRPOTrainer):
                 batch_size=batch_size, compute_entropy=self.args.enable_entropy_filtering, **inputs)
         return logps, entropies
 
-    def _extra_forward(self, map_rows: list[int], layout) -> PolicyForward:
+    def _extra_forward(self, map_rows: list[int], layout) -> S.PolicyForward:
         """The one extra no-grad forward: attention probe (with the attention signal when asked) and, when TPRL needs
         them, log-probs under the real image (the perturbation signal) and entropies (the entropy filter)."""
         completion_length = layout.logits_to_keep
-        needs_head = self.args.uses_perturbed_forward or self.args.enable_entropy_filtering or self.run_plan.reliance
+        needs_head = self.args.uses_perturbed_forward or self.args.enable_entropy_filtering or self.run_plan.counterfactual
         if not needs_head:
             # Only attention is wanted: let the LM head score one position per row instead of the whole completion
             # (TRL's fused head skips positions whose label is -100). At Qwen's 152k vocabulary the head is about a
@@ -677,10 +633,10 @@ class MDIGRPOTrainer(GRPOTrainer):
         with self._probe(map_rows, completion_length) as probe:
             logps, entropies = self._policy_logps(layout)
         attention = probe.result() if probe is not None else None
-        return PolicyForward.measured(attention, completion_length, *((logps, entropies) if needs_head else ()))
+        return S.PolicyForward.measured(attention, completion_length, *((logps, entropies) if needs_head else ()))
 
     def _perturbation_signal(self, inputs, prompts, completion_ids_list, logps: torch.Tensor, has_image: torch.Tensor,
-                             counterfactual: CounterfactualForward | None) -> torch.Tensor:
+                             counterfactual: S.CounterfactualForward | None) -> torch.Tensor:
         """s_t from one no-grad forward with perturbed images (re-encoded: other pixels, same token positions); the
         counterfactual forward's log-probs when it used the same perturbation (``RunPlan.shared_counterfactual``)."""
         if self.run_plan.shared_counterfactual:
@@ -703,7 +659,7 @@ class MDIGRPOTrainer(GRPOTrainer):
             prob=a.perturbation_prob, noise_std=a.perturbation_noise_std, blur_radius=a.perturbation_blur_radius)
 
     def _counterfactual_forward(self, inputs, prompts, completion_ids_list,
-                                completion_mask: torch.Tensor) -> CounterfactualForward:
+                                completion_mask: torch.Tensor) -> S.CounterfactualForward:
         """The reliance signals' one extra no-grad forward: the same rollouts with the counterfactual image
         (``counterfactual_image``), keeping the completion's log-probs and, at the position that chose each answer
         letter, the logits of the row's choice letters (read off the backbone's hidden state through the LM head's
@@ -718,7 +674,7 @@ class MDIGRPOTrainer(GRPOTrainer):
                               layout.logits_to_keep) as hidden:
             logps, _ = self._policy_logps(layout)
         letters = choice_logits(self.model, hidden.result(), answers.candidates)
-        return CounterfactualForward(logps=logps, choice_logits=letters, answers=answers)
+        return S.CounterfactualForward(logps=logps, choice_logits=letters, answers=answers)
 
     # ------------------------------------------------------------------------------------ small pieces
     def _mode(self) -> str:
@@ -751,29 +707,16 @@ class MDIGRPOTrainer(GRPOTrainer):
                                        top_p=self.args.top_p_perception_tokens, signal=self.args.perception_signal,
                                        rows=self.args.log_full_rollouts_per_step)
         evidence = None
-        if record.counterfactual is not None and self.accelerator.process_index == 0:
-            gains = S.CounterfactualInputs.of(forward.logps, record.counterfactual.logps, record.completion_mask,
-                                              record.counterfactual.answers, None, record.has_image).token_gain
-            evidence = image_evidence(gains, out["completion_ids"], out["completion_mask"], self._tokenizer,
-                                      rows=self.args.log_full_rollouts_per_step)
+        counterfactual = record.signals.counterfactual if record.signals is not None else None
+        if counterfactual is not None and self.accelerator.process_index == 0:
+            evidence = image_evidence(counterfactual.token_gain, out["completion_ids"], out["completion_mask"],
+                                      self._tokenizer, rows=self.args.log_full_rollouts_per_step)
         scored = record.scored
         log = BatchLog(step=record.step, epoch=float(self.state.epoch or 0.0), rows=inputs, prompts=scored.prompts,
                          completions=scored.completions, completion_lengths=scored.lengths, rewards=scored.rewards,
                          advantages=self.accelerator.gather(out["advantages"]), reward_names=self.reward_func_names,
                          reward_weights=self.reward_weights,
-                         signals=record.signals.local if record.signals is not None else None, attention=attention,
+                         signals=record.signals.local if record.signals is not None else None,
+                         metrics=record.signals.metrics if record.signals is not None else None, attention=attention,
                          map_rows=record.map_rows, strips=strips, evidence=evidence)
         write_batch(self.live_logs, log, processing_class=self.processing_class, answer_format=self.answer_format)
-
-
-
-def __getattr__(name: str):
-    # The model-level helpers moved next to the model facts (trl_mdi.attention.model_parts).
-    if name in ("hidden_states_at", "gathered_parameters", "_HiddenStates"):
-        import warnings
-
-        from .attention import model_parts
-
-        warnings.warn(f"trl_mdi.trainer.{name} moved to trl_mdi.attention.model_parts", FutureWarning, stacklevel=2)
-        return getattr(model_parts, "HiddenStates" if name == "_HiddenStates" else name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,7 @@ rows, MDI as a ratio of means, the curves the plots draw, and the comparison of 
 
 Pure functions of a ``ModalityAttention`` (and of their own outputs), so both readers import them from here without
 importing each other: the profile command (``trl_mdi.profile``) and the trainer's live logs
-(``trl_mdi.diagnostics.live``). Formerly ``trl_mdi.profile.stats`` (kept as a deprecated alias).
+(``trl_mdi.diagnostics.live``).
 
 Which rows count. The rows that carry an MDI are the *measured* ones: at least one measured query and at least one
 image key. Rows without image tokens have no MDI (the index is undefined there) and rows without a measured query
@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 
-from ..signals import as_python
 from . import metrics as M
-from .result import ModalityAttention
+from .result import ModalityAttention, as_python
 
 
 def _summary(a_t: torch.Tensor, a_o: torch.Tensor, a_c: torch.Tensor, n_t: torch.Tensor, n_o: torch.Tensor) -> dict:

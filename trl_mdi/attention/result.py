@@ -14,6 +14,16 @@ GROUPS = ("image", "prompt_text", "completion", "special")
 IMAGE, PROMPT_TEXT, COMPLETION, SPECIAL = range(len(GROUPS))
 
 
+def as_python(value) -> float | None:
+    """One value of a result for rewards, logs and JSON: a float, or None where undefined (NaN).
+
+    >>> as_python(torch.tensor(0.5)), as_python(float("nan"))
+    (0.5, None)
+    """
+    v = float(value)
+    return None if math.isnan(v) else v
+
+
 # --------------------------------------------------------------------------------------------------
 # Result
 # --------------------------------------------------------------------------------------------------

@@ -40,6 +40,9 @@ class BatchLog:
     reward_weights: Sequence[float] | torch.Tensor  # (F,)
     # local per-rollout signals (trl_mdi.signals): attention and / or reliance ones; None: neither computed
     signals: dict[str, torch.Tensor] | None = None
+    # the batch's attention/* and reliance/* metrics over every process (trl_mdi.signals.BatchSignals.metrics),
+    # computed once: the rollout log's step summary reads them; None: neither computed
+    metrics: dict[str, float] | None = None
     attention: ModalityAttention | None = None  # the probe's local result, None: metrics off
     map_rows: Sequence[int] = ()  # local rows that get an attention map (their per-image-token masses were kept)
     strips: Sequence[dict | None] | None = None  # local perception strips (:func:`perception_strips`)
@@ -126,8 +129,7 @@ def perception_strips(scores: torch.Tensor, completion_ids: torch.Tensor, comple
                       top_p: float, signal: str, rows: int) -> list[dict | None]:
     """For the first ``rows`` local rollouts, each completion token with its perception score and whether the
     perception filter keeps it (the same per-sequence top-p selection, ``top_p_token_mask``); None for the others."""
-    from ..batch import fit_width
-    from ..tprl import top_p_token_mask
+    from ..tprl import fit_width, top_p_token_mask
 
     mask = completion_mask.bool().cpu()
     scores = fit_width(scores.float().cpu(), mask.shape[1])
@@ -170,7 +172,7 @@ def image_evidence(token_gain: torch.Tensor, completion_ids: torch.Tensor, compl
     ([3], [], [' the', ' shape', ' is', ' red'])
     """
     from ..answer_tokens import completion_token_texts
-    from ..batch import fit_width
+    from ..tprl import fit_width
 
     mask = completion_mask.bool().cpu()
     gains = fit_width(token_gain.float().cpu(), mask.shape[1])

@@ -104,13 +104,14 @@ class LiveDiagnostics(TrainerCallback):
         return os.path.relpath(path, self.attention.path.parent)
 
     def write(self, step: int, epoch: float, records: list[dict], maps: list[dict],
-              layers: ModalityAttention | None = None) -> None:
+              layers: ModalityAttention | None = None, metrics: dict[str, float] | None = None) -> None:
         """Write one generation batch (main process). ``records``: every process's ``rollout_records``; ``maps``:
-        ``attention_map_records``; ``layers``: the batch's gathered attention on steps that get a per-layer picture."""
+        ``attention_map_records``; ``layers``: the batch's gathered attention on steps that get a per-layer picture;
+        ``metrics``: the batch's attention/* and reliance/* metrics (``BatchLog.metrics``)."""
         if not self.is_main:
             return
         self.open(step - 1)
-        self.rollouts.write_step(step, epoch, [r["rollout"] for r in records])
+        self.rollouts.write_step(step, epoch, [r["rollout"] for r in records], metrics=metrics)
         if self.attention is None:
             return
         summary: dict[str, Any] = {}
@@ -162,7 +163,7 @@ def write_batch(live_logs: LiveDiagnostics, batch: BatchLog, *, processing_class
     if batch.attention is not None and live_logs.wants_layer_picture(batch.step):  # the same decision on every rank
         light = dataclasses.replace(batch.attention, image_token_mass={}, query_image_mass=None, token_layers=None)
         layers = ModalityAttention.cat(gather_object([light]))
-    live_logs.write(batch.step, batch.epoch, records, maps, layers)
+    live_logs.write(batch.step, batch.epoch, records, maps, layers, metrics=batch.metrics)
 
 
 class ConsoleSummaryCallback(TrainerCallback):

@@ -9,8 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
-import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -184,8 +183,11 @@ class RolloutLogWriter(StepLogFile):
             return [[r.get("reward") for r in rollouts[i : i + g]] for i in range(0, len(rollouts), g)]
         return None
 
-    def write_step(self, step: int, epoch: float | None, rollouts: list[dict], summary: dict | None = None) -> bool:
-        """Append one step block; returns False when it was not written (failed or disabled log)."""
+    def write_step(self, step: int, epoch: float | None, rollouts: list[dict], summary: dict | None = None,
+                   metrics: Mapping[str, float] | None = None) -> bool:
+        """Append one step block; returns False when it was not written (failed or disabled log). ``metrics``: the
+        batch's ``reliance/*`` metrics as the trainer logged them (``trl_mdi.signals.BatchSignals.metrics``), read by
+        the step summary's reliance rows (:func:`reliance_summary`); None: computed from ``rollouts``."""
         if self.failed:
             self.dropped_writes += 1
             return False
@@ -221,7 +223,7 @@ class RolloutLogWriter(StepLogFile):
                              *[cells[key] for key, _ in task],
                              *[table.rollout_log_cell(key, r.get(key)) for key, _ in reliance], preview])
             parts.append(md_table(header, rows))
-        stats = self._summary(rollouts, names)
+        stats = self._summary(rollouts, names, metrics)
         if show_images:
             stats["rollouts by images in the prompt"] = " · ".join(
                 f"{k} image{'s' if k != 1 else ''}: {n_images.count(k)}" for k in sorted(set(n_images)))
@@ -290,7 +292,8 @@ class RolloutLogWriter(StepLogFile):
             return None
         return ("✅ asked" if ok else "✗ not the asked format") if self.colorize else ("asked" if ok else "not asked")
 
-    def _summary(self, rollouts: list[dict], names: list[str]) -> dict[str, Any]:
+    def _summary(self, rollouts: list[dict], names: list[str], metrics: Mapping[str, float] | None = None
+                 ) -> dict[str, Any]:
         stats: dict[str, Any] = {"rollouts": len(rollouts)}
         stats["reward (weighted) mean"] = _mean(r.get("reward") for r in rollouts)
         for n in names:
@@ -315,7 +318,7 @@ class RolloutLogWriter(StepLogFile):
                 flat += len(vals) <= 1 or max(vals) == min(vals)
             stats["groups with zero reward spread"] = f"{flat} / {len(groups)}"
         if any(name in r for r in rollouts for name in _table().reliance_names()):
-            stats.update(reliance_summary(rollouts))
+            stats.update(reliance_summary(rollouts, metrics))
         return stats
 
 
@@ -345,11 +348,12 @@ def _flag_trends() -> list[tuple[str, str, str]]:
     return out
 
 
-def reliance_summary(rollouts: list[dict]) -> dict[str, float | None]:
-    """The step summary's reliance rows, computed as the trainer's ``reliance/*`` metrics are (over the same gathered
-    rollouts): one row per counterfactual metric signal of the table that some rollout carries, in table order (the
-    mean where finite; a 0/1 flag's mean is its rate over the rollouts with a verdict), then the answer rate, the
-    share of all rollouts with an answer visual gain (an image and an answer).
+def reliance_summary(rollouts: list[dict], metrics: Mapping[str, float] | None = None) -> dict[str, float | None]:
+    """The step summary's reliance rows, read from the batch's ``reliance/*`` metrics (``metrics``: computed once by
+    ``trl_mdi.signals.batch_metrics`` over the gathered batch, the values the trainer logs; None: that function over
+    these rollouts' values): one row per counterfactual metric signal of the table that some rollout carries, in
+    table order (the mean where finite; a 0/1 flag's mean is its rate over the rollouts with a verdict), then the
+    answer rate (``reliance/answer_rate``), the share of all rollouts with an answer visual gain.
 
     >>> stats = reliance_summary([{"visual_gain": 0.5, "answer_visual_gain": 2.0, "blind_agrees": 0.0},
     ...                           {"visual_gain": 0.1, "answer_visual_gain": -1.0, "blind_agrees": 1.0},
@@ -357,28 +361,20 @@ def reliance_summary(rollouts: list[dict]) -> dict[str, float | None]:
     >>> [round(v, 3) for v in stats.values()]  # gain, answer gain, blind agreement, answer rate
     [0.333, 0.5, 0.5, 0.667]
     """
-    table, stats = _table(), {}
-    for s in table.SIGNALS:
-        if s.source == table.COUNTERFACTUAL and s.metric and any(s.name in r for r in rollouts):
-            stats[summary_label(s)] = _mean(r.get(s.name) for r in rollouts)
-    if any("answer_visual_gain" in r for r in rollouts):  # reliance/answer_rate (trl_mdi.signals.BATCH_METRICS)
-        answered = sum(1 for r in rollouts if r.get("answer_visual_gain") is not None
-                       and not math.isnan(float(r["answer_visual_gain"])))
-        stats[ANSWER_RATE] = answered / len(rollouts)
+    table = _table()
+    carried = [s for s in table.SIGNALS if s.source == table.COUNTERFACTUAL and s.metric
+               and any(s.name in r for r in rollouts)]
+    if metrics is None:
+        import torch
+
+        names = {s.name for s in carried} | ({"answer_visual_gain"} if any("answer_visual_gain" in r for r in rollouts)
+                                             else set())
+        metrics = table.batch_metrics({n: torch.tensor([math.nan if r.get(n) is None else float(r[n])
+                                                        for r in rollouts], dtype=torch.float64) for n in names})
+    stats = {summary_label(s): metrics.get(s.metric_key) for s in carried}
+    if any("answer_visual_gain" in r for r in rollouts):
+        stats[ANSWER_RATE] = metrics.get("reliance/answer_rate")
     return stats
-
-
-def __getattr__(name: str) -> Any:
-    # The reliance columns are read from the signal table since counterfactual signals became table entries.
-    if name == "RELIANCE_COLUMNS":
-        warnings.warn("trl_mdi.diagnostics.writers.RELIANCE_COLUMNS is deprecated: the rollout log's reliance columns "
-                      "are trl_mdi.signals.rollout_log_columns()", FutureWarning, stacklevel=2)
-        return tuple(_table().rollout_log_columns())
-    if name == "BLIND_RATE":
-        warnings.warn("trl_mdi.diagnostics.writers.BLIND_RATE is deprecated: the step summary's row of a reliance "
-                      "signal is summary_label(trl_mdi.signals.signal_of(name))", FutureWarning, stacklevel=2)
-        return summary_label(_table().signal_of("blind_agrees"))
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def image_evidence_line(evidence: dict) -> str:

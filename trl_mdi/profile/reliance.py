@@ -18,7 +18,7 @@ Per rollout, with y the completion, I the real images, I' the counterfactual (``
 letter's tokens; ``blind_agrees`` = whether I''s most likely choice letter, at the position that wrote the
 answer letter, is the rollout's; ``answer_image_attention`` = the probe's image mass (``token_segment`` layers)
 at that position; and any other counterfactual entry of the signal table (``trl_mdi.signals.reliance_names``), all
-computed by ``trl_mdi.signals.reliance_signals`` from these passes. ``mdi`` / ``mdi_<segment>`` come from the
+computed by ``trl_mdi.signals.counterfactual_signals`` from these passes. ``mdi`` / ``mdi_<segment>`` come from the
 same probe forward.
 
 The choice letters' logits are the one quantity not read off the full logits: as in the trainer, the backbone's
@@ -42,14 +42,21 @@ from ..attention.model_facts import unwrap_model
 from ..attention.model_parts import choice_logits, hidden_states_at
 from ..batch import (
     PolicyBatch,
+    check_counterfactual_encodes,
     completion_mask_until_eos,
     encode_prompts,
     eos_token_ids,
     pad_rows,
     policy_batch,
 )
-from ..counterfactual import check_counterfactual_encodes, counterfactual_kinds, counterfactual_prompts
-from ..signals import reliance_names, reliance_signals
+from ..counterfactual import counterfactual_kinds, counterfactual_prompts
+from ..signals import (
+    CounterfactualForward,
+    CounterfactualInputs,
+    PolicyForward,
+    counterfactual_signals,
+    reliance_names,
+)
 
 __all__ = ["RelianceMeasurement", "check_counterfactuals", "completion_logits", "generate_completions",
            "measure_reliance", "reference_signals"]
@@ -178,8 +185,11 @@ def _signals(model, processor, prompts, images, completion_ids, kinds: Sequence[
                               cf_batch.logits_to_keep) as hidden:
             _, cf_logps = completion_logits(model, cf_batch, temperature)
         cf_choice = choice_logits(model, hidden.result(), answers.candidates).cpu()
-        signals = reliance_signals(logps.cpu(), cf_logps.cpu(), c_mask.cpu(), answers, cf_choice, has_image,
-                                   attention_signal)
+        policy = PolicyForward(logps=logps.cpu(), perception={} if attention_signal is None
+                               else {"attention": attention_signal})
+        signals = counterfactual_signals(CounterfactualInputs.of(policy, CounterfactualForward(cf_logps.cpu(), cf_choice,
+                                                                                               answers),
+                                                                 c_mask.cpu(), has_image))
         per_kind[kind] = {**signals, "cf_logps": cf_logps.cpu(), "cf_choice_logits": cf_choice}
     return real, per_kind
 
@@ -237,7 +247,7 @@ def reference_signals(model, processor, prompts: Sequence[list[dict]], images: S
 def check_counterfactuals(processor, prompt: list[dict], images: Sequence[Any], kinds: Sequence[str],
                           seed: int = 0) -> None:
     """Encode one row's counterfactual prompt of every kind (no weights needed): ValueError naming the kind when the
-    processor cannot (``trl_mdi.counterfactual.check_counterfactual_encodes``, as the trainer checks at
+    processor cannot (``trl_mdi.batch.check_counterfactual_encodes``, as the trainer checks at
     construction), or when a kind is unknown."""
     known = counterfactual_kinds()
     for kind in kinds:

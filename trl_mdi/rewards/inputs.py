@@ -39,7 +39,7 @@ def check_reward_inputs(reward_funcs: Sequence, splits: Mapping[str, Sequence[st
     ValueError: split 'train': reward 'mc_idx_reward' needs column(s) ['label_idx'], which the dataset lacks (its columns: ['image', 'prompt']). Label columns: 'label_idx' for mc_idx (A-OKVQA: trl_mdi.aokvqa.prepare_aokvqa writes it); 'solution' for accuracy (math VQA). Add the column or drop the reward.
     """
     funcs = [f for f in reward_funcs if callable(f) and not isinstance(f, torch.nn.Module)]
-    provided = provided_fields(segments, attention=attention, reliance=reliance)  # the signal table's reward fields
+    provided = provided_fields(segments, attention=attention, counterfactual=reliance)  # the signal table's reward fields
     if not attention:
         for f in funcs:
             needed = [n for n in required_reward_inputs(f) if reads_attention(n)]

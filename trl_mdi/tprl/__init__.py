@@ -14,6 +14,7 @@ from .formulas import (
     TrajectoryScaling,
     average_ranks,
     combine_masks,
+    fit_width,
     perturbation_signal,
     rank_correlation,
     sequence_mean,
@@ -26,7 +27,7 @@ from .perturb import PERTURBATIONS, check_perturbation, image_generator, perturb
 
 __all__ = [
     "DEGENERATE_SPREAD", "LOG_RATIO_CLAMP", "PERCEPTION_SIGNALS", "PERTURBATIONS", "SCORE_CLAMP", "TrajectoryScaling",
-    "apply_tprl", "average_ranks", "check_perturbation", "combine_masks", "image_generator", "perturb_image",
+    "apply_tprl", "average_ranks", "check_perturbation", "combine_masks", "fit_width", "image_generator", "perturb_image",
     "perturb_images", "rank_correlation", "sequence_mean", "signal_rank_corr",
     "perturbation_signal", "top_p_token_mask", "trajectory_scaling", "validate_scaling_min", "validate_top_p",
 ]

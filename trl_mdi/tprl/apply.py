@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..batch import fit_width
-from ..filtering import Gather
-from .formulas import combine_masks, rank_correlation, sequence_mean, top_p_token_mask, trajectory_scaling
+from .formulas import (
+    combine_masks,
+    fit_width,
+    rank_correlation,
+    sequence_mean,
+    top_p_token_mask,
+    trajectory_scaling,
+)
+
+Gather = Callable[[torch.Tensor], torch.Tensor]  # concatenates a tensor over processes (the trainer's gather)
 
 
 def _kept_fraction(mask: torch.Tensor, completion_mask: torch.Tensor, gather: Gather) -> float:

@@ -39,6 +39,20 @@ DEGENERATE_SPREAD = 1e-6
 PERCEPTION_SIGNALS = ("perturbation", "attention")
 
 
+def fit_width(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad with zeros or cut (B, C) to (B, width): TRL may pad completions to a multiple of N, and a forward
+    may keep fewer positions. Every per-token tensor of the project (TPRL's, the signals', the logs') is brought to
+    the completion mask's width with it.
+
+    >>> fit_width(torch.ones(1, 2), 3).tolist(), fit_width(torch.ones(1, 2), 1).tolist()
+    ([[1.0, 1.0, 0.0]], [[1.0]])
+    """
+    if t.shape[1] >= width:
+        return t[:, :width]
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+
 def validate_top_p(value: float, name: str = "top_p") -> float:
     """Return ``value`` as a float if it lies in (0, 1]; else raise ValueError naming ``name``.
 
