@@ -16,13 +16,13 @@ conflict prompts all fail alike), 0.1 to 0.2 a model that already reads the imag
 0.05 one in between (conflict accuracy 0.36 to 0.46, non-conflict 1.0, blank non-conflict 0.69 to 0.94).
 
 Reliance (issue 25): rollouts sampled at temperature 1 on the held-out conflict rows (default 200 prompts x 8) are
-scored by `trl_mdi.profile.reliance.measure_reliance` with the real image and a counterfactual one, and every
+scored by `trl_mdi.profile.reference.measure_reliance` with the real image and a counterfactual one, and every
 per-rollout signal (MDI all / late, answer_image_attention, visual_gain, answer_visual_gain, blind_agrees) gets its
 AUROC at separating prior-following rollouts (they answer the object's usual colour: the data's own label) from
 image-following ones (the drawn colour), pooled and within prompts (pairs of rollouts of one prompt: what GRPO's
 group-relative advantage sees), each with a 95% interval from a bootstrap over prompts, every signal on one common
 set of rollouts (those where all are defined; n per signal beside it), and its within-group variance share
-(`trl_mdi.reliance.signal_table`, through `trl_mdi.profile.reliance_report.summarize_reliance`), and the general
+(`trl_mdi.profile.validation.signal_table`, through `trl_mdi.profile.reliance_report.summarize_reliance`), and the general
 rule's agreement with that label (`label_agreement`). Under every counterfactual kind for the warm-up model, twice
 (two jobs of their own, beside the runs): on a development split (`DEV_SPLIT`: the generator's own stream, rows
 sharing an image with the test rows, the GRPO pool or the warm-up's rows dropped), where the kind of the reported
@@ -31,8 +31,8 @@ the trainer's default), and on the test rows (the first 200 held-out conflict ro
 choose nothing. The runs keep the trainer's default counterfactual whatever the development split picks. With the
 runs' counterfactual kind only at the end of every run. Training verdicts:
 each variant's final accuracy minus the baseline's on the same seed, with a 95% t interval over the paired seeds
-(`trl_mdi.reliance.paired_seed_difference`); "shown" only when that interval excludes 0 and the other goals hold
-(`trl_mdi.reliance.verdict`).
+(`benchmarks.stats.paired_seed_difference`); "shown" only when that interval excludes 0 and the other goals hold
+(`benchmarks.stats.verdict`).
 
 GRPO (`MDIGRPOTrainer`) from that warm-up on a 2000-row pool with conflict rate 0.5 (trials, answer + format only,
 120 steps: conflict accuracy 0.36 -> 0.41 with pool conflict rate 0.2, too little signal to tell variants apart;
@@ -294,7 +294,7 @@ def warmup_reliance(model_dir: Path, held: HeldOut, s: Settings, log) -> dict:
     from transformers import AutoModelForImageTextToText
 
     from trl_mdi.data.images import row_images
-    from trl_mdi.profile.reliance import check_counterfactuals
+    from trl_mdi.profile.reference import check_counterfactuals
 
     started_at = time.time()
     model = AutoModelForImageTextToText.from_pretrained(model_dir)

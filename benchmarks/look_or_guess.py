@@ -21,7 +21,7 @@ text (:func:`fixtures.synthetic.look_or_guess.read_reasoning`, no model signal),
 4. the guess style answering the prior on conflict rows; the clean-format rate;
 5. where the image enters: per style, the mean per-token visual gain g_t = log p(y_t | image) - log p(y_t | black)
    at each completion position, teacher-forced on the sampled tokens with plain no-grad forwards
-   (``trl_mdi.profile.reliance.reference_signals``, the project's reference for the trainer's signals). The two
+   (``trl_mdi.profile.reference.reference_signals``, the project's reference for the trainer's signals). The two
    styles of one object have the same length and end in the same answer line, so positions are counted from the
    end of the completion, where they line up across objects.
 
@@ -139,7 +139,7 @@ def sample_rollouts(model, processor, ds, *, samples: int, max_new_tokens: int, 
     index), ``sample``, ``ids`` (its tokens up to and including the end token), ``ended`` (the end token was
     generated within ``max_new_tokens``) and ``text``."""
     from trl_mdi.batch import eos_token_ids
-    from trl_mdi.profile.reliance import generate_completions
+    from trl_mdi.profile.reference import generate_completions
 
     tok = processor.tokenizer
     eos = set(eos_token_ids(model, tok))
@@ -184,10 +184,10 @@ def label_rollouts(rollouts: list[dict], ds) -> list[dict]:
 def score_rollouts(model, processor, rollouts: list[dict], ds, *, kind: str = "black", batch_size: int = 32) -> None:
     """Per rollout, the per-token visual gain ``gains`` (g_t = log p(y_t | real image) - log p(y_t | ``kind``
     image), teacher-forced on its own tokens) and its ``visual_gain`` (mean) and ``answer_visual_gain`` (answer
-    letter), from ``trl_mdi.profile.reliance.reference_signals``: plain no-grad forwards, the trainer's
+    letter), from ``trl_mdi.profile.reference.reference_signals``: plain no-grad forwards, the trainer's
     reference. Each prompt's counterfactual is drawn as its row index (the same for all its rollouts)."""
     from trl_mdi.batch import pad_rows
-    from trl_mdi.profile.reliance import reference_signals
+    from trl_mdi.profile.reference import reference_signals
 
     tok = processor.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -623,7 +623,7 @@ def gain_form_table(rollouts: list[dict], n_boot: int = 1000) -> dict:
     (``within_prompt_auroc``, look = positive, prompt-bootstrap interval), the raw gain's within-prompt AUROC, and
     the reward's zero-spread share over groups (every rollout of the group, either style or neither). ``rollouts``:
     labelled and scored (``label_rollouts``, ``score_rollouts``), sampled ones only."""
-    from trl_mdi.reliance import HIGH, within_prompt_auroc
+    from trl_mdi.profile.validation import HIGH, within_prompt_auroc
     from trl_mdi.rewards.functions import VISUAL_GAIN_CLIP, VISUAL_GAIN_SUM_CLIP
 
     clips = {"visual_gain": VISUAL_GAIN_CLIP, "visual_gain_sum": VISUAL_GAIN_SUM_CLIP}
@@ -774,10 +774,10 @@ def headline(ev: dict) -> dict:
 def detection_records(model, processor, ds, s: ExperimentSettings, seed: int = 0) -> dict:
     """Rollouts sampled from ``model`` on the first ``s.detect_prompts`` rows of ``ds`` (``s.detect_samples`` per
     prompt at temperature 1) and every per-rollout signal of :data:`DETECTION_SIGNALS` from plain forwards
-    (``trl_mdi.profile.reliance.measure_reliance``: the probe's MDI and the counterfactual pass against
+    (``trl_mdi.profile.reference.measure_reliance``: the probe's MDI and the counterfactual pass against
     ``s.counterfactual``). One record per sampled rollout: ``prompt``, ``conflict``, ``style`` (its text's, the
     label), ``answers_prior`` and the signals (None where undefined)."""
-    from trl_mdi.profile.reliance import measure_reliance
+    from trl_mdi.profile.reference import measure_reliance
 
     was_training = model.training
     model.eval()
@@ -802,11 +802,11 @@ def detection_records(model, processor, ds, s: ExperimentSettings, seed: int = 0
 
 
 def detection_tables(records: list[dict], n_boot: int = 1000, seed: int = 0) -> dict:
-    """Per row kind (``plain``: non-conflict, the detection goal; ``conflict``), ``trl_mdi.reliance.signal_table``
+    """Per row kind (``plain``: non-conflict, the detection goal; ``conflict``), ``trl_mdi.profile.validation.signal_table``
     of every signal against the style label (guess = positive: it follows the prior; look = 0; other rollouts left
     out), on the common set of rollouts, prompts resampled; plus on conflict rows the same signals against the
     language-prior benchmark's answer label (``answer``: the answer is the object's usual colour)."""
-    from trl_mdi.reliance import signal_table
+    from trl_mdi.profile.validation import signal_table
 
     out = {}
     for name, keep in (("plain", False), ("conflict", True)):
@@ -1030,9 +1030,9 @@ def by_variant(runs: list[dict]) -> dict[str, list[dict]]:
 
 def variant_verdicts(groups: dict[str, list[dict]], metric: str = "conflict") -> dict[str, dict]:
     """Per variant other than the baseline: the paired difference of its final ``metric`` to the baseline's, seed by
-    seed (``paired_seed_difference``), and ``trl_mdi.reliance.verdict`` with issue 30's goals (difference >= +0.30
+    seed (``paired_seed_difference``), and ``benchmarks.stats.verdict`` with issue 30's goals (difference >= +0.30
     with the interval above 0, non-conflict >= 0.98, clean >= 0.9; means over seeds)."""
-    from trl_mdi.reliance import paired_seed_difference, verdict
+    from benchmarks.stats import paired_seed_difference, verdict
 
     base = {r["seed"]: r["final"][metric] for r in groups.get(BASELINE, [])}
     out = {}
@@ -1078,7 +1078,8 @@ def report(*, choice: dict | None, warm: dict | None, runs: list[dict], s: Exper
     the goals, then what did not finish."""
     from _results import result_args
 
-    from trl_mdi.reliance import format_paired_difference, format_signal_table
+    from benchmarks.stats import format_paired_difference
+    from trl_mdi.profile.validation import format_signal_table
 
     groups = by_variant(runs)
     names = [n for n in s.variants if n in groups]
@@ -1182,7 +1183,7 @@ def report(*, choice: dict | None, warm: dict | None, runs: list[dict], s: Exper
     if others:
         L += ["", "Most frequent sampled text in neither style (the first seed's test rollouts, with its count): "
               + "; ".join(f"{lab}: `{t!r}` ({c})" for lab, (t, c) in others) + "."]
-    L += ["", "Verdict: `trl_mdi.reliance.verdict`: \"shown\" only when the paired 95% t interval over seeds lies above 0, "
+    L += ["", "Verdict: `benchmarks.stats.verdict`: \"shown\" only when the paired 95% t interval over seeds lies above 0, "
           f"the mean difference reaches +{GOAL_CONFLICT_GAIN:.2f}, non-conflict accuracy >= {GOAL_PLAIN} and clean "
           f"format >= {GOAL_CLEAN} (means over seeds). A mid-run evaluation: "
           + ("at step " + str(s.steps // 2) + " (in the run records)." if s.eval_mid else "none (cut for time)."), ""]
@@ -1213,7 +1214,7 @@ def report(*, choice: dict | None, warm: dict | None, runs: list[dict], s: Exper
         t = tables[wl]
         L += ["### Which signal sees the style (the detection table)", "",
               f"Rollouts sampled at T=1 ({s.detect_samples} per prompt, first {s.detect_prompts} test prompts), every "
-              "signal from plain forwards (`trl_mdi.profile.reliance.measure_reliance`, counterfactual "
+              "signal from plain forwards (`trl_mdi.profile.reference.measure_reliance`, counterfactual "
               f"`{s.counterfactual}`), against the style label: guess = positive (it follows the prior), look = "
               "negative, rollouts in neither style left out; one common set of rollouts per table (n per signal: "
               "before the restriction), prompts resampled for the 95% intervals, within-prompt AUROC over pairs of "

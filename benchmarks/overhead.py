@@ -81,7 +81,7 @@ from fixtures.tiny import save_tiny_vlm  # noqa: E402
 from trl_mdi.aokvqa import prepare_aokvqa  # noqa: E402
 from trl_mdi.config import MDIGRPOConfig  # noqa: E402
 from trl_mdi.data import to_conversational  # noqa: E402
-from trl_mdi.reliance import paired_seed_difference  # noqa: E402
+from benchmarks.stats import paired_seed_difference  # noqa: E402
 from trl_mdi.rewards import mc_idx_reward, mdi_balance_reward, think_format_reward  # noqa: E402
 from trl_mdi.trainer import MDIGRPOTrainer  # noqa: E402
 

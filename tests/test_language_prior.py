@@ -448,7 +448,7 @@ def test_benchmark_reruns_a_result_from_another_code_version(tmp_path):
 
 def _measurement():
     """A hand-made RelianceMeasurement: 3 conflict prompts x 4 sampled rollouts, one kind, every signal known."""
-    from trl_mdi.profile.reliance import RelianceMeasurement
+    from trl_mdi.profile.reference import RelianceMeasurement
 
     prompts = [{"row": j, "has_image": True, "gold": "A", "answer": "A", "blind": {"black": "D"}, "conflict": True,
                 "prior": "D"} for j in range(3)]

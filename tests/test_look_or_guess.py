@@ -503,7 +503,7 @@ def test_a_detection_goal_is_met_only_by_its_interval_on_enough_pairs(bench):
 
 
 def test_report_from_stored_records(bench):
-    from trl_mdi.reliance import format_paired_difference, paired_seed_difference
+    from benchmarks.stats import format_paired_difference, paired_seed_difference
 
     s = bench.ExperimentSettings(steps=2, detect_prompts=7)
     recipe = bench.look_or_guess_recipe()

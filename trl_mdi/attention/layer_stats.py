@@ -3,7 +3,7 @@ rows, MDI as a ratio of means, the curves the plots draw, and the comparison of 
 
 Pure functions of a ``ModalityAttention`` (and of their own outputs), so both readers import them from here without
 importing each other: the profile command (``trl_mdi.profile``) and the trainer's live logs
-(``trl_mdi.diagnostics.live``). Formerly ``trl_mdi.profile.stats`` (kept as a deprecated alias).
+(``trl_mdi.diagnostics.live``).
 
 Which rows count. The rows that carry an MDI are the *measured* ones: at least one measured query and at least one
 image key. Rows without image tokens have no MDI (the index is undefined there) and rows without a measured query
