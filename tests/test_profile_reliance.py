@@ -14,9 +14,9 @@ from PIL import Image
 from test_profile import run_profile
 
 from fixtures.testing import shape_image
-from trl_mdi.profile import validation as R
 from trl_mdi import signals as S
 from trl_mdi.profile import parse_args
+from trl_mdi.profile import validation as R
 from trl_mdi.profile.reference import reference_signals
 from trl_mdi.profile.reliance_report import data_prior_label
 from trl_mdi.tprl.perturb import perturb_images

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 import transformers
-from _language_prior_eval import KIND_SIGNALS, SIGNALS
-from _results import describe_version, result_args
 
-from trl_mdi.config import MDIGRPOConfig
+from benchmarks.language_prior_eval import KIND_SIGNALS, SIGNALS
+from benchmarks.results import describe_version, result_args
 from benchmarks.stats import format_paired_difference, paired_seed_difference
 from benchmarks.stats import verdict as paired_verdict
+from trl_mdi.config import MDIGRPOConfig
 
 SECTION = "## Language prior"
 CHANCE = 0.25
@@ -591,7 +591,7 @@ def budget_line(s, span_minutes: float | None, runs: list[dict], workers: int) -
 
 def code_lines(runs: list[dict], warm: dict, warm_rel: dict | None, version: dict | None,
                dev_rel: dict | None = None) -> list[str]:
-    """The code version every result came from (``_results.code_version`` of the files that decide a result), and
+    """The code version every result came from (``results.code_version`` of the files that decide a result), and
     the jobs that came from another one (reused with --reuse_other_code) by name."""
     jobs = [("warm-up", warm), *((["warm-up reliance (test rows)", warm_rel],) if warm_rel else ()),
             *((["warm-up reliance (development split)", dev_rel],) if dev_rel else ()),
@@ -619,7 +619,7 @@ def report(runs: list[dict], warm: dict, warm_rel: dict | None, s, recipe, varia
     groups = by_variant(runs, variants)
     pick, _ = pick_kind(dev_rel, _default_counterfactual())
     size = ", ".join(f"{k}={v}" for k, v in recipe.model_size.items())
-    cmd = " ".join(["benchmarks/language_prior.py", *map(shlex.quote, result_args(argv, OUTPUT_ONLY_FLAGS))])
+    cmd = " ".join(["-m benchmarks.language_prior", *map(shlex.quote, result_args(argv, OUTPUT_ONLY_FLAGS))])
     measured = warm["seconds"] + sum(r["wall_seconds"] for r in runs) + (warm_rel or {}).get("seconds", 0.0) \
         + (dev_rel or {}).get("seconds", 0.0)
     ends = [r.get("ended_at") for r in runs] + [m.get("ended_at") for m in (warm_rel, dev_rel) if m]
