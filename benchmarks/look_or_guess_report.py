@@ -167,10 +167,25 @@ def report(*, choice: dict | None, warm: dict | None, runs: list[dict], s: Exper
            workers: int, threads: int, load: float | None = None, variants: dict | None = None) -> str:
     """The RESULTS.md section, from stored records only (no model): the design, the warm-up, the dev-split choice,
     per variant the held-out figures and paired verdicts, the look-rate trajectories, the detection tables and
-    the goals, then what did not finish."""
+    the goals, then what did not finish; one function per part, in that order."""
     groups = by_variant(runs)
     names = [n for n in s.variants if n in groups]
     variants = variants or experiment_variants(choice["form"] if choice else "visual_gain")
+    verdicts = variant_verdicts(groups)
+    models = ([("warm-up", warm)] if warm and warm.get("detection") else []) + [
+        (f"{variants[r['variant']].label}, seed {r['seed']}", r) for n in names for r in groups[n] if r.get("detection")]
+    tables = {label: detection_tables(rec["detection"]["records"], s.n_boot) for label, rec in models}
+    L = [*header_lines(warm, runs, argv, code), *design_lines(s, recipe), *warmup_lines(warm, s),
+         *choice_lines(choice, s), *expected_lines(s, variants),
+         *variant_lines(groups, names, variants, verdicts, warm, s), *trajectory_lines(groups, names, variants),
+         *detection_lines(models, tables, s), *goal_lines(names, variants, verdicts, models, tables, choice, s),
+         *status_lines(runs, s, missing, failed, minutes, workers, threads, load)]
+    return "\n".join(L).rstrip() + "\n"
+
+
+def header_lines(warm: dict | None, runs: list[dict], argv: list[str], code: dict) -> list[str]:
+    """The title, the command that reproduces the records and the code versions they came from."""
+    L = []
     codes = sorted({code_label(r.get("code")) for r in runs + ([warm] if warm else [])})
     L = [SECTION, ""]
     args = result_args(argv, OUTPUT_ONLY_FLAGS)
@@ -179,6 +194,12 @@ def report(*, choice: dict | None, warm: dict | None, runs: list[dict], s: Exper
     L += [f"Reproduce: `{cmd}` (resumable: finished runs are JSON files in `--work_dir`; `report` rewrites this "
           "section from them). Code: " + ", ".join(f"`{c}`" for c in codes or [code_label(code)])
           + (f" (this report: `{code_label(code)}`)" if codes and code_label(code) not in codes else "") + ".", ""]
+    return L
+
+
+def design_lines(s: ExperimentSettings, recipe) -> list[str]:
+    """The experiment's design, in one paragraph."""
+    L = []
     L += ["Design (issue 30 items 2-3). Task: the prior-colour questions answered by a short chain of thought in one of "
           "two styles of equal length per object: *look* (`<think> the shape is red</think>`, the colour read off the "
           "image) or *guess* (`<think> a tomato is red</think>`, the object's usual colour), each rollout's style "
@@ -197,7 +218,12 @@ def report(*, choice: dict | None, warm: dict | None, runs: list[dict], s: Exper
           "conflict rate) or fixed in advance: the reward form (below), the clip (the registry's: 0.5 nats per token "
           "for the mean, 4 nats for the sum), weight 1 beside 4:1 (the brief's stack), the counterfactual kind (below), "
           "the steps (the time budget).", ""]
-    # ---- warm-up
+    return L
+
+
+def warmup_lines(warm: dict | None, s: ExperimentSettings) -> list[str]:
+    """The warm-up model's figures on the test split."""
+    L = []
     if warm:
         w = warm["eval"]["sampled"]
         g = warm["eval"]["greedy"]
@@ -214,7 +240,12 @@ def report(*, choice: dict | None, warm: dict | None, runs: list[dict], s: Exper
               f"{_cell(g['plain']['accuracy'])}.", ""]
     else:
         L += ["Warm-up figures on the test split: not finished.", ""]
-    # ---- the choice
+    return L
+
+
+def choice_lines(choice: dict | None, s: ExperimentSettings) -> list[str]:
+    """The development split's choice of the counterfactual kind and the reward's form."""
+    L = []
     if choice and choice.get("tables"):
         L += ["### The counterfactual and the reward form, chosen on the development split", "",
               f"{choice['rollouts']} rollouts of the warm-up ({choice['prompts']} dev prompts x {s.dev_samples}, one "
@@ -237,12 +268,22 @@ def report(*, choice: dict | None, warm: dict | None, runs: list[dict], s: Exper
                   f"{_cell(where[LOOK]['elsewhere'])}, guess {_cell(where[GUESS]['elsewhere'])}."]
         L += ["", f"Chosen: counterfactual `{choice['kind']}`: {choice['why_kind']}; reward `{choice['form']}`: "
               f"{choice['why']}. TPRL's perturbation: `{choice['tprl_perturbation']}`.", ""]
-    # ---- expectations
+    return L
+
+
+def expected_lines(s: ExperimentSettings, variants: dict) -> list[str]:
+    """Each variant's expected outcome, stated before the runs."""
+    L = []
     L += ["### Expected outcomes, stated before the runs", ""]
     L += [f"- **{variants[n].label}**: {EXPECTED[n]}" for n in s.variants]
     L += [""]
-    # ---- variants
-    verdicts = variant_verdicts(groups)
+    return L
+
+
+def variant_lines(groups: dict[str, list[dict]], names: list[str], variants: dict, verdicts: dict, warm: dict | None,
+                  s: ExperimentSettings) -> list[str]:
+    """The held-out figures per variant, with the paired difference to the baseline and its verdict."""
+    L = []
     L += [f"### Held-out figures per variant (test split, {s.eval_samples} samples per prompt at T=1; mean ± sd over "
           "seeds)", "",
           "| variant | seeds | conflict accuracy | = look rate x look accuracy | + guess rate x guess accuracy | "
@@ -274,7 +315,12 @@ def report(*, choice: dict | None, warm: dict | None, runs: list[dict], s: Exper
           f"the mean difference reaches +{GOAL_CONFLICT_GAIN:.2f}, non-conflict accuracy >= {GOAL_PLAIN} and clean "
           f"format >= {GOAL_CLEAN} (means over seeds). A mid-run evaluation: "
           + ("at step " + str(s.steps // 2) + " (in the run records)." if s.eval_mid else "none (cut for time)."), ""]
-    # ---- trajectories
+    return L
+
+
+def trajectory_lines(groups: dict[str, list[dict]], names: list[str], variants: dict) -> list[str]:
+    """The training rollouts' look rate per window of steps, and the rewards' zero-spread shares."""
+    L = []
     if groups:
         traj = {n: trajectory(groups[n]) for n in names}
         ends = [e for e, _ in next(iter(traj.values()))]
@@ -292,10 +338,12 @@ def report(*, choice: dict | None, warm: dict | None, runs: list[dict], s: Exper
             L.append(f"| {variants[n].label} | {_cell(zs('mc_idx'))} | {_cell(zs('think_format'))} | "
                      + (f"{third}: {_cell(zs(third))}" if third else "—") + " |")
         L += [""]
-    # ---- detection
-    models = ([("warm-up", warm)] if warm and warm.get("detection") else []) + [
-        (f"{variants[r['variant']].label}, seed {r['seed']}", r) for n in names for r in groups[n] if r.get("detection")]
-    tables = {label: detection_tables(rec["detection"]["records"], s.n_boot) for label, rec in models}
+    return L
+
+
+def detection_lines(models: list[tuple[str, dict]], tables: dict, s: ExperimentSettings) -> list[str]:
+    """The detection tables: which signal tells the styles apart, on the warm-up and every measured model."""
+    L = []
     if models:
         wl = models[0][0]
         t = tables[wl]
@@ -329,7 +377,13 @@ def report(*, choice: dict | None, warm: dict | None, runs: list[dict], s: Exper
                 for lab, _ in models if tables[lab].get("plain")) + ".", ""]
     else:
         L += ["Detection table: not finished.", ""]
-    # ---- goals
+    return L
+
+
+def goal_lines(names: list[str], variants: dict, verdicts: dict, models: list[tuple[str, dict]], tables: dict,
+               choice: dict | None, s: ExperimentSettings) -> list[str]:
+    """Issue 30's goals as they came out (training, detection, the controls), and what was tried where one missed."""
+    L = []
     L += ["### Goals, as they came out", ""]
     reliance_names_ = [n for n in names if n not in (BASELINE, "answer_visual_gain", "tprl_counterfactual")]
     best = max((n for n in reliance_names_ if n in verdicts),
@@ -362,7 +416,8 @@ def report(*, choice: dict | None, warm: dict | None, runs: list[dict], s: Exper
             L.append(f"- Control {variants[n].label}: Δ conflict {format_paired_difference(d)}; expected no "
                      "difference (rewards tie between the styles): "
                      + ("**not as expected: the interval excludes 0**." if moved else "as expected, none shown."))
-    misses = [line for line in L[-(len(models) + 5):] if "not met" in line or "not shown" in line]
+    # The goals' lines that missed (the lines above these hold neither phrase).
+    misses = [line for line in L if "not met" in line or "not shown" in line]
     if misses or not best:
         L.append(f"- Tried: reward `{choice['form'] if choice else RELIANCE}` ({choice['why'] if choice else 'no form'}), "
                  "clip the registry's (0.5 nats per token mean / 4 nats sum), weight 1 beside mc_idx 4 and "
@@ -371,7 +426,13 @@ def report(*, choice: dict | None, warm: dict | None, runs: list[dict], s: Exper
                  "look-rate trajectory (is the style moving?), the zero-spread share (does the reward tie inside "
                  "groups?) and the detection tables above (does the signal still separate the styles?).")
     L.append("")
-    # ---- what did not finish
+    return L
+
+
+def status_lines(runs: list[dict], s: ExperimentSettings, missing: list[str], failed: list[tuple[str, str]],
+                 minutes: float | None, workers: int, threads: int, load: float | None) -> list[str]:
+    """How many runs finished, their times, and what did not finish or failed."""
+    L = []
     done_jobs = len(runs)
     L += [f"Runs finished: {done_jobs} of {len(s.variants) * len(s.seeds)}"
           + (f"; wall time {minutes:.1f} min on {workers} worker(s) x {threads} thread(s)" if minutes else "")
@@ -384,7 +445,7 @@ def report(*, choice: dict | None, warm: dict | None, runs: list[dict], s: Exper
         L.append("Not finished (rerun the command above to finish them): " + ", ".join(missing) + ".")
     if failed:
         L.append("Failed: " + "; ".join(f"{k}: {e}" for k, e in failed) + ".")
-    return "\n".join(L).rstrip() + "\n"
+    return L
 
 
 def _median(xs) -> float:
