@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Peak memory and wall time of the attention probe, against a plain SDPA forward and eager attention.
 
-    .venv/bin/python benchmarks/attention_memory.py            # 512 ... 8192 tokens, writes RESULTS.md
-    .venv/bin/python benchmarks/attention_memory.py --quick    # 512, 1024, 2048
-    .venv/bin/python benchmarks/attention_memory.py --lengths 1024 4096 --no-write
+    .venv/bin/python -m benchmarks.attention_memory            # 512 ... 8192 tokens, writes RESULTS.md
+    .venv/bin/python -m benchmarks.attention_memory --quick    # 512, 1024, 2048
+    .venv/bin/python -m benchmarks.attention_memory --lengths 1024 4096 --no-write
 
 Variants, all no-grad, on the same GRPO-shaped inputs and the same forward kwargs
 (input_ids, attention_mask, use_cache=False, pixel_values, image_grid_thw, mm_token_type_ids, and
@@ -55,13 +55,11 @@ import time
 from pathlib import Path
 
 # Offline, as the test-suite: nothing may come from the Hub. Set before any HF import.
-from _results import replace_section, set_offline_env
+from benchmarks.results import replace_section, set_offline_env
 
 set_offline_env()
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # fixtures/ (tiny models, test helpers) is a folder of the checkout, not installed
-    sys.path.insert(0, str(ROOT))
 
 SECTION = "## Attention probe: memory and time"
 ALL_LENGTHS = (512, 1024, 2048, 4096, 8192)
@@ -392,7 +390,7 @@ def worker_kernels(args) -> dict:
 # Orchestration
 # ------------------------------------------------------------------------------------------------
 def _run_worker(kind: str, args, timeout: float, env_extra: dict | None = None, **extra) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--model-dir", args.model_dir,
+    cmd = [sys.executable, "-m", "benchmarks.attention_memory", "--worker", kind, "--model-dir", args.model_dir,
            "--threads", str(args.threads), "--batch", str(args.batch), "--image-tokens", str(args.image_tokens),
            "--warmup-length", str(args.warmup_length)]
     for k, v in extra.items():
@@ -613,7 +611,7 @@ def orchestrate(args) -> int:
 
 def render(args, machine, info, rows, vocab_rows, kernels, total) -> str:
     s = info["size"]
-    cmd = " ".join([".venv/bin/python", "benchmarks/attention_memory.py", *map(shlex.quote, args.argv)])
+    cmd = " ".join([".venv/bin/python", "-m", "benchmarks.attention_memory", *map(shlex.quote, args.argv)])
     first = next((r["mem"][v] for r in rows for v in MAIN_VARIANTS if v in r["mem"]), None)
     n_img = first["n_image"] if first else "?"
     probe_ltk = sorted({str(r["mem"]["b"]["logits_to_keep"]) for r in rows if "b" in r["mem"]})
@@ -753,7 +751,7 @@ def _ensure_readme() -> None:
     path = ROOT / "benchmarks" / "README.md"
     line = ("- `attention_memory.py`: peak memory and time of `measure_modality_attention` vs a plain SDPA forward vs "
             "eager `output_attentions=True`, tiny Qwen2.5-VL, L = 512 ... 8192 (CPU, ~10 min idle): "
-            "`.venv/bin/python benchmarks/attention_memory.py` (`--quick`: L ≤ 2048; `--lengths N ...`).\n")
+            "`.venv/bin/python -m benchmarks.attention_memory` (`--quick`: L ≤ 2048; `--lengths N ...`).\n")
     text = path.read_text(encoding="utf-8") if path.exists() else (
         "# Benchmarks\n\nRun from the repository root; each one replaces its own section of `benchmarks/RESULTS.md`.\n\n")
     if "attention_memory.py" not in text:

@@ -1,7 +1,7 @@
 """The demo's figures, measured: runs ``examples/demo.sh`` (what ``make demo`` runs) and writes its numbers to the
 "## Demo" section of benchmarks/RESULTS.md, where docs/demo.md and the README quote them from.
 
-    .venv/bin/python benchmarks/demo.py [--work_dir demo_bench]
+    .venv/bin/python -m benchmarks.demo [--work_dir demo_bench]
 
 Recorded: the wall time of the whole demo and of its GRPO step, the demo's CPU time and the load average (the
 machine may be shared); held-out greedy accuracy (and clean-format rate) after the warm-up and after GRPO; from the
@@ -29,8 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import replace_section, result_args  # noqa: E402
+from benchmarks.results import replace_section, result_args
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Demo"
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     body = "\n".join([
         SECTION,
         "",
-        f"Reproduce: `.venv/bin/python benchmarks/demo.py{flags}` (runs `examples/demo.sh`, what `make demo` runs, "
+        f"Reproduce: `.venv/bin/python -m benchmarks.demo{flags}` (runs `examples/demo.sh`, what `make demo` runs, "
         "with `.venv` installed).",
         "",
         f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "

@@ -2,11 +2,11 @@
 """Time and peak memory of the attention probe against a plain forward on one GPU, at Qwen2.5-VL-3B's text widths.
 
     # on the GPU machine (torch and transformers there; trl travels as a wheel, read for its chat templates only):
-    python3 benchmarks/gpu_probe.py --out gpu_probe.json
+    python3 -m benchmarks.gpu_probe --out gpu_probe.json
     # here, afterwards: the section "## Attention probe on a GPU" of benchmarks/RESULTS.md from that file
-    .venv/bin/python benchmarks/gpu_probe.py --write-results gpu_probe.json
+    .venv/bin/python -m benchmarks.gpu_probe --write-results gpu_probe.json
     # a smoke run at tiny widths on the CPU (what tests/test_gpu_probe_script.py runs)
-    .venv/bin/python benchmarks/gpu_probe.py --tiny --device cpu --out /tmp/gpu_probe_tiny.json
+    .venv/bin/python -m benchmarks.gpu_probe --tiny --device cpu --out /tmp/gpu_probe_tiny.json
 
 The GPU half of ``attention_memory.py``'s comparison (same variants, same forward kwargs, its ``_call``):
 
@@ -60,9 +60,18 @@ import traceback
 from pathlib import Path
 
 # Offline: nothing may come from the Hub. Importing attention_memory sets the offline variables (before any HF
-# import) and puts the repository root on sys.path.
-import attention_memory as am
-from _results import RESULTS, ROOT, code_version, describe_version, replace_section, result_args, write_json
+# import). `python -m benchmarks.gpu_probe` from the repository root puts the root on sys.path, so benchmarks/,
+# fixtures/ and trl_mdi/ import from the checkout on a machine with only torch, transformers and trl's wheel.
+from benchmarks import attention_memory as am
+from benchmarks.results import (
+    RESULTS,
+    ROOT,
+    code_version,
+    describe_version,
+    replace_section,
+    result_args,
+    write_json,
+)
 
 SECTION = "## Attention probe on a GPU"
 CODE_PATHS = ("trl_mdi", "fixtures", "benchmarks")  # the files that decide the figures (code_version's scope)
@@ -431,7 +440,7 @@ def render(report: dict) -> str:
     rope = t.get("rope_parameters") or {}
     card = m["name"] + (f" ({m['total_memory_gib']:.1f} GiB, compute capability "
                         f"{'.'.join(map(str, m['capability']))}, CUDA {m['cuda']})" if "cuda" in m else "")
-    cmd = " ".join(["python3", "benchmarks/gpu_probe.py", *report["argv"]])
+    cmd = " ".join(["python3", "-m", "benchmarks.gpu_probe", *report["argv"]])
     rows = report["rows"]
     cuda = "cuda" in m
     memory = ("peak `torch.cuda.max_memory_allocated()` minus `torch.cuda.memory_allocated()` before the call, after "
@@ -441,7 +450,7 @@ def render(report: dict) -> str:
         SECTION,
         "",
         f"Reproduce: `{cmd}` on {'the GPU machine' if cuda else 'the CPU'} (it writes a JSON), then "
-        "`.venv/bin/python benchmarks/gpu_probe.py --write-results <that JSON>` here. Run time "
+        "`.venv/bin/python -m benchmarks.gpu_probe --write-results <that JSON>` here. Run time "
         f"{report.get('total_s', 0):.0f} s, of which {report['build_s']:.0f} s building the model.",
         "",
         f"- Date: {report['date']}; {describe_version(report.get('code'))}"

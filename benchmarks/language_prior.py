@@ -1,8 +1,8 @@
 """Language prior: does a tiny VLM that leans on the question's wording read the image after GRPO, and which
 per-rollout signal sees whether an answer came from the image?
 
-    .venv/bin/python benchmarks/language_prior.py            # full run: 7 variants, 3 or 5 seeds, 2 at a time
-    .venv/bin/python benchmarks/language_prior.py --quick    # pipeline check: 1 seed, 4 steps; prints only
+    .venv/bin/python -m benchmarks.language_prior            # full run: 7 variants, 3 or 5 seeds, 2 at a time
+    .venv/bin/python -m benchmarks.language_prior --quick    # pipeline check: 1 seed, 4 steps; prints only
 
 Task (`fixtures.synthetic`, kind prior_color): "What color is the banana?" about one big drawn shape; options A. red
 B. green C. blue D. yellow. Each object (tomato, grass, sky, banana) has a canonical colour, the shape is drawn in it
@@ -16,23 +16,23 @@ conflict prompts all fail alike), 0.1 to 0.2 a model that already reads the imag
 0.05 one in between (conflict accuracy 0.36 to 0.46, non-conflict 1.0, blank non-conflict 0.69 to 0.94).
 
 Reliance (issue 25): rollouts sampled at temperature 1 on the held-out conflict rows (default 200 prompts x 8) are
-scored by `trl_mdi.profile.reliance.measure_reliance` with the real image and a counterfactual one, and every
+scored by `trl_mdi.profile.reference.measure_reliance` with the real image and a counterfactual one, and every
 per-rollout signal (MDI all / late, answer_image_attention, visual_gain, answer_visual_gain, blind_agrees) gets its
 AUROC at separating prior-following rollouts (they answer the object's usual colour: the data's own label) from
 image-following ones (the drawn colour), pooled and within prompts (pairs of rollouts of one prompt: what GRPO's
 group-relative advantage sees), each with a 95% interval from a bootstrap over prompts, every signal on one common
 set of rollouts (those where all are defined; n per signal beside it), and its within-group variance share
-(`trl_mdi.reliance.signal_table`, through `trl_mdi.profile.reliance_report.summarize_reliance`), and the general
+(`trl_mdi.profile.validation.signal_table`, through `trl_mdi.profile.reliance_report.summarize_reliance`), and the general
 rule's agreement with that label (`label_agreement`). Under every counterfactual kind for the warm-up model, twice
 (two jobs of their own, beside the runs): on a development split (`DEV_SPLIT`: the generator's own stream, rows
 sharing an image with the test rows, the GRPO pool or the warm-up's rows dropped), where the kind of the reported
-signals is ranked (`_language_prior_report.pick_kind`: the highest within-prompt AUROC of answer_visual_gain, ties to
+signals is ranked (`language_prior_report.pick_kind`: the highest within-prompt AUROC of answer_visual_gain, ties to
 the trainer's default), and on the test rows (the first 200 held-out conflict rows), which report every kind and
 choose nothing. The runs keep the trainer's default counterfactual whatever the development split picks. With the
 runs' counterfactual kind only at the end of every run. Training verdicts:
 each variant's final accuracy minus the baseline's on the same seed, with a 95% t interval over the paired seeds
-(`trl_mdi.reliance.paired_seed_difference`); "shown" only when that interval excludes 0 and the other goals hold
-(`trl_mdi.reliance.verdict`).
+(`benchmarks.stats.paired_seed_difference`); "shown" only when that interval excludes 0 and the other goals hold
+(`benchmarks.stats.verdict`).
 
 GRPO (`MDIGRPOTrainer`) from that warm-up on a 2000-row pool with conflict rate 0.5 (trials, answer + format only,
 120 steps: conflict accuracy 0.36 -> 0.41 with pool conflict rate 0.2, too little signal to tell variants apart;
@@ -62,7 +62,7 @@ stale one once stood in RESULTS.md, answer_visual_gain seed 0 at 0.430 / 0.580, 
 at gives as 0.505 / 0.710), unless --reuse_other_code, which reuses it and makes the section list the jobs that came
 from another version. Every reliance measurement keeps its per-rollout records (prompt, answer, every signal per
 counterfactual kind) beside its tables, so its statistics can be recomputed without measuring again
-(`_language_prior_eval.recompute`). Outputs: benchmarks/language_prior.png and the section "## Language prior" of
+(`language_prior_eval.recompute`). Outputs: benchmarks/language_prior.png and the section "## Language prior" of
 benchmarks/RESULTS.md (only when every job finished; --quick prints only unless --write). --quick also prints the
 projected time of the full benchmark, from its own per-step and per-row timings.
 """
@@ -73,36 +73,35 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import multiprocessing
 import os
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from _results import (
+from benchmarks.results import (
     code_version,
     describe_version,
     replace_section,
     run_and_save,
+    run_pool,
     set_offline_env,
     write_json,
 )
 
 set_offline_env()
-# fixtures/ (tiny models, synthetic data, warm-up) is a folder of the checkout, not an installed package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep (see learning_curve.py)
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from _language_prior_eval import HeldOut, image_keys  # noqa: E402
-from _language_prior_report import SECTION, plot, projection_lines, report  # noqa: E402
-from transformers import AutoProcessor, TrainerCallback  # noqa: E402
+from transformers import AutoProcessor  # noqa: E402
 from transformers.trainer_callback import PrinterCallback, ProgressCallback  # noqa: E402
 
+from benchmarks.callbacks import EvaluateEvery, every  # noqa: E402
+from benchmarks.language_prior_eval import HeldOut, image_keys  # noqa: E402
+from benchmarks.language_prior_report import SECTION, plot, projection_lines, report  # noqa: E402
+from benchmarks.variants import COUNTERFACTUAL, Variant, grpo_config  # noqa: E402
 from fixtures.warmup import WarmupRecipe, synthetic_dataset, warm_start  # noqa: E402
 from trl_mdi.config import MDIGRPOConfig  # noqa: E402
 from trl_mdi.counterfactual import NO_IMAGE, counterfactual_kinds  # noqa: E402
@@ -116,34 +115,16 @@ LOGGED = ("reward", "rewards/", "attention/mdi", "tprl/", "reliance/", "completi
 DEV_SPLIT = "language_prior_dev"
 """The development split's name: the synthetic generator's own random stream for it (rows drawn independently of
 the test rows, split validation, of the GRPO pool and of the warm-up's rows, split train). The counterfactual kind
-of the reported signals is ranked on its conflict rows (``_language_prior_report.pick_kind``), never on the test
+of the reported signals is ranked on its conflict rows (``language_prior_report.pick_kind``), never on the test
 rows."""
-COUNTERFACTUAL = "counterfactual"
-"""``Variant.perturbation`` value: TPRL's perturbed image is the runs' counterfactual kind (``--counterfactual``)."""
-CODE_PATHS = ("trl_mdi", "fixtures", "benchmarks/language_prior.py", "benchmarks/_language_prior_eval.py",
-              "benchmarks/_results.py", "pyproject.toml")
+CODE_PATHS = ("trl_mdi", "fixtures", "benchmarks/language_prior.py", "benchmarks/language_prior_eval.py",
+              "benchmarks/results.py", "benchmarks/callbacks.py", "benchmarks/variants.py", "pyproject.toml")
 """The files whose code decides a stored result (the report's file only formats it): their uncommitted changes
 count in the code version."""
-RELIANCE_REWARDS = frozenset({"answer_visual_gain", "answer_visual_gain_group"})
-"""Rewards that read the reliance signals (they turn the counterfactual forward on whatever the flag says)."""
 
 
 def _config_default(name: str):
     return next(f.default for f in dataclasses.fields(MDIGRPOConfig) if f.name == name)
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    label: str
-    rewards: tuple[str, ...]
-    weights: tuple[float, ...]
-    tprl: str | None = None  # the perception signal, with TPRL on
-    perturbation: str | None = None  # TPRL's perturbed image: None = the trainer's default, COUNTERFACTUAL = the runs'
-    all_seeds: bool = False  # runs on every seed of --seeds; the others on the first --seeds_other
-
-    @property
-    def reads_reliance(self) -> bool:
-        return bool(RELIANCE_REWARDS & set(self.rewards))
 
 
 VARIANTS = {
@@ -294,7 +275,7 @@ def warmup_reliance(model_dir: Path, held: HeldOut, s: Settings, log) -> dict:
     from transformers import AutoModelForImageTextToText
 
     from trl_mdi.data.images import row_images
-    from trl_mdi.profile.reliance import check_counterfactuals
+    from trl_mdi.profile.reference import check_counterfactuals
 
     started_at = time.time()
     model = AutoModelForImageTextToText.from_pretrained(model_dir)
@@ -319,64 +300,22 @@ def warmup_reliance(model_dir: Path, held: HeldOut, s: Settings, log) -> dict:
 # --------------------------------------------------------------------------------------------------- GRPO
 
 
-class Recorder(TrainerCallback):
-    """Held-out scores every N steps (their time kept out of the training time), each step's own time and the
-    logged metrics."""
+def recorder(run: dict, processor, held: HeldOut, s: Settings, log) -> EvaluateEvery:
+    """Held-out scores every ``s.eval_every`` steps (their time kept out of the training time), each step's own time
+    and the logged metrics, into ``run``."""
 
-    def __init__(self, run: dict, processor, held: HeldOut, s: Settings, log):
-        self.run, self.processor, self.held, self.s, self.log = run, processor, held, s, log
-        self.t0, self.eval_seconds, self.last = 0.0, 0.0, 0.0
+    def evaluate(model, step: int, elapsed: float) -> float:
+        e = held.evaluate(model, processor)
+        run["evals"].append({"step": step, "train_seconds": round(elapsed, 2), **e})
+        log(f"  [{run['key']}] step {step:4d} {elapsed:6.1f} s  conflict {e['conflict']:.3f}  "
+            f"non-conflict {e['plain']:.3f}  clean {e['clean']:.3f}  MDI all {e['mdi_all']:.3f} "
+            f"late {e['mdi_late']:.3f}")
+        return e["seconds"]
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.t0 = time.perf_counter()
+    def record_step(step: int, logs: dict) -> None:
+        run["steps"].append({"step": step, **{k: v for k, v in logs.items() if k.startswith(LOGGED)}})
 
-    def train_seconds(self) -> float:
-        return time.perf_counter() - self.t0 - self.eval_seconds
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        step = state.global_step
-        elapsed = self.train_seconds()
-        self.run["step_seconds"].append(round(elapsed - self.last, 3))
-        self.last = elapsed
-        if step % self.s.eval_every == 0 or step == state.max_steps:
-            e = self.held.evaluate(model, self.processor)
-            self.eval_seconds += e["seconds"]
-            self.run["evals"].append({"step": step, "train_seconds": round(elapsed, 2), **e})
-            self.log(f"  [{self.run['key']}] step {step:4d} {elapsed:6.1f} s  conflict {e['conflict']:.3f}  "
-                     f"non-conflict {e['plain']:.3f}  clean {e['clean']:.3f}  MDI all {e['mdi_all']:.3f} "
-                     f"late {e['mdi_late']:.3f}")
-            self.last = self.train_seconds()
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "reward" in logs:
-            self.run["steps"].append({"step": state.global_step,
-                                      **{k: v for k, v in logs.items() if k.startswith(LOGGED)}})
-
-
-def grpo_config(variant: Variant, seed: int, s: Settings, out: Path) -> MDIGRPOConfig:
-    # Every run computes the reliance signals (one no-grad forward with the counterfactual image per step) so that
-    # the live reliance/* metrics compare across variants; a reward reading them turns them on in any case.
-    extra = dict(reliance_signals=s.reliance_everywhere or variant.reads_reliance, counterfactual_image=s.counterfactual)
-    if variant.tprl is not None:
-        extra.update(enable_entropy_filtering=True, enable_perception_filtering=True,
-                     enable_trajectory_reweighting=True, perception_signal=variant.tprl)
-        if variant.perturbation is not None:
-            # The counterfactual as TPRL's perturbed image: the trainer runs one forward for both.
-            extra["perception_perturbation"] = s.counterfactual if variant.perturbation == COUNTERFACTUAL \
-                else variant.perturbation
-        elif variant.tprl == "perturbation":
-            # Also the attention signal, free here (the probe runs anyway): logs tprl/signal_rank_corr, how well
-            # the probe's per-token image attention ranks tokens as the perturbed forward does. Trains the same.
-            extra["perception_signal_compare"] = True
-    return MDIGRPOConfig(
-        output_dir=str(out), use_cpu=True, bf16=False, report_to="none", save_strategy="no", disable_tqdm=True,
-        seed=seed, max_steps=s.steps, logging_steps=1,
-        per_device_train_batch_size=s.prompts_per_step * s.num_generations, num_generations=s.num_generations,
-        max_completion_length=s.max_completion_length, learning_rate=s.learning_rate,
-        lr_scheduler_type=s.lr_scheduler_type, beta=0.0, temperature=1.0, gradient_checkpointing=False,
-        mask_truncated_completions=True, reward_funcs=list(variant.rewards), reward_weights=list(variant.weights),
-        compute_attention_metrics=True, realtime_rollout_logging=False, attention_map_every_n_steps=0, **extra,
-    )
+    return EvaluateEvery(evaluate, every(s.eval_every), step_seconds=run["step_seconds"], record_step=record_step)
 
 
 def run_one(name: str, seed: int, model_dir: Path, warm: dict, pool, held: HeldOut, s: Settings, work: Path,
@@ -393,11 +332,11 @@ def run_one(name: str, seed: int, model_dir: Path, warm: dict, pool, held: HeldO
     processor = AutoProcessor.from_pretrained(model_dir)
     # The warm-up's own scores are step 0: the same weights, greedy, the same rows.
     run["evals"].append({"step": 0, "train_seconds": 0.0, **warm["eval"]})
-    recorder = Recorder(run, processor, held, s, log)
-    trainer.add_callback(recorder)
+    callback = recorder(run, processor, held, s, log)
+    trainer.add_callback(callback)
     trainer.train()
-    run["grpo_seconds"] = recorder.train_seconds()
-    run["eval_seconds"] = recorder.eval_seconds
+    run["grpo_seconds"] = callback.train_seconds()
+    run["eval_seconds"] = callback.eval_seconds
     run["blank_final"] = held.evaluate(trainer.model, processor, blank=True)
     if s.end_samples and s.reliance_prompts:
         run["reliance_end"] = held.reliance(trainer.model, processor, [s.counterfactual], prompts=s.reliance_prompts,
@@ -418,7 +357,7 @@ _DATA: dict = {}
 
 def execute(job: dict) -> tuple[dict | None, str | None]:
     """Run one job and save its JSON: a (variant, seed) run or the warm-up's reliance measurement. Returns
-    ``(result, None)``, or ``(None, error)`` if it failed (``_results.run_and_save``). The held-out rows and the GRPO pool
+    ``(result, None)``, or ``(None, error)`` if it failed (``results.run_and_save``). The held-out rows and the GRPO pool
     are built once per process."""
     s, recipe, work = job["settings"], job["recipe"], job["work"]
 
@@ -567,15 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                                   dataclasses.asdict(recipe), dataclasses.asdict(VARIANTS[name]), seed, a.threads)
                 plan(f"{name}-s{seed}", work / "runs" / f"{name}-s{seed}.json", key, what="run", name=name, seed=seed,
                      warm=warm)
-        if a.workers > 1 and len(jobs) > 1:
-            # A job's result does not depend on the jobs run before it in its process: answer_visual_gain seed 0
-            # after the warm-up's reliance job and four GRPO jobs of other variants, in one process, logged the
-            # same values at every step as run alone (20-step runs, checked for issue 30).
-            ctx = multiprocessing.get_context("spawn")  # a fresh interpreter per worker: no forked torch state
-            with ProcessPoolExecutor(min(a.workers, len(jobs)), mp_context=ctx) as ex:
-                done |= dict(zip([j["label"] for j in jobs], ex.map(execute, jobs)))
-        else:
-            done |= {j["label"]: execute(j) for j in jobs}
+        done |= run_pool(jobs, execute, a.workers)
     order = [f"{n}-s{sd}" for sd in s.seeds for n in s.variants if sd in s.seeds_for(n)]
     runs = [done[k][0] for k in order if done[k][0] is not None]
     failed = [(k, done[k][1]) for k in [*order, "warmup_reliance", "warmup_reliance_dev"]

@@ -1,7 +1,7 @@
 """Learning check: does MDIGRPOTrainer with the 4:1:1 reward stack actually teach a tiny VLM to read images?
 
-    .venv/bin/python benchmarks/learning_curve.py            # full run, ~18 min on 2 shared CPU cores (1 thread)
-    .venv/bin/python benchmarks/learning_curve.py --quick    # smoke run, ~2 min, 30 GRPO steps (no targets); prints only unless --write
+    .venv/bin/python -m benchmarks.learning_curve            # full run, ~18 min on 2 shared CPU cores (1 thread)
+    .venv/bin/python -m benchmarks.learning_curve --quick    # smoke run, ~2 min, 30 GRPO steps (no targets); prints only unless --write
 
 Embedded default, fully offline: a ~1.2M-parameter Qwen2-VL built with `fixtures.tiny` (random weights, seed 0) and
 the synthetic A-OKVQA colour questions (`fixtures.synthetic`, kinds=color, option_order=fixed: every question offers
@@ -47,11 +47,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _results import replace_section, result_args, set_offline_env
+from benchmarks.results import replace_section, result_args, set_offline_env
 
 set_offline_env()
-# fixtures/ (tiny models, synthetic data, warm-up) is a folder of the checkout, not an installed package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
 # Idle OpenMP threads sleep instead of spinning: with --threads 2 on a shared machine, spinning threads that lose
 # their core to another job made steps up to 35x slower in trials here.
@@ -59,9 +57,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from transformers import AutoProcessor, TrainerCallback  # noqa: E402
+from transformers import AutoProcessor  # noqa: E402
 from transformers.trainer_callback import PrinterCallback, ProgressCallback  # noqa: E402
 
+from benchmarks.callbacks import EvaluateEvery, every  # noqa: E402
 from fixtures.tiny import save_tiny_vlm  # noqa: E402
 from fixtures.warmup import WarmupRecipe, evaluate_accuracy, synthetic_dataset, warm_start  # noqa: E402
 from trl_mdi.config import MDIGRPOConfig  # noqa: E402
@@ -128,37 +127,25 @@ class Run:
         return f"{self.kind}-s{self.seed}"
 
 
-class Recorder(TrainerCallback):
-    """Held-out greedy accuracy every N steps (its time kept out of the training time) and per-step metrics."""
+def recorder(run: Run, processor, held_out, settings: Settings, log) -> EvaluateEvery:
+    """Held-out greedy accuracy every ``eval_every`` steps (its time kept out of the training time, summed in
+    ``run.eval_seconds``) and per-step metrics, into ``run``."""
 
-    def __init__(self, run: Run, processor, held_out, settings: Settings, log):
-        self.run, self.processor, self.held_out, self.s, self.log = run, processor, held_out, settings, log
-        self.t0 = None
+    def evaluate(model, step: int, elapsed: float) -> float:
+        result = evaluate_accuracy(model, processor, held_out, max_new_tokens=settings.eval_max_new_tokens)
+        run.eval_seconds += result.seconds
+        run.evals.append(_eval_row(step, elapsed, result))
+        log(f"  [{run.key}] step {step:4d}  {elapsed:6.1f} s  {result.summary()}  e.g. {result.completions[0]!r}")
+        return result.seconds
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.t0 = time.perf_counter()
-
-    def train_seconds(self) -> float:
-        return time.perf_counter() - self.t0 - self.run.eval_seconds
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        step = state.global_step
-        if step % self.s.eval_every == 0 or step == state.max_steps:
-            elapsed = self.train_seconds()
-            result = evaluate_accuracy(model, self.processor, self.held_out, max_new_tokens=self.s.eval_max_new_tokens)
-            self.run.eval_seconds += result.seconds
-            self.run.evals.append(_eval_row(step, elapsed, result))
-            self.log(f"  [{self.run.key}] step {step:4d}  {elapsed:6.1f} s  {result.summary()}  "
-                     f"e.g. {result.completions[0]!r}")
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not logs or "reward" not in logs:
-            return
-        row = {"step": state.global_step}
+    def record_step(step: int, logs: dict) -> None:
+        row = {"step": step}
         for short, key in STEP_KEYS.items():
             row[short] = logs.get(key, math.nan)
         row.update({k: v for k, v in logs.items() if k.startswith("tprl/")})
-        self.run.steps.append(row)
+        run.steps.append(row)
+
+    return EvaluateEvery(evaluate, every(settings.eval_every), record_step=record_step)
 
 
 def _eval_row(step: int, train_seconds: float, r) -> dict:
@@ -195,10 +182,10 @@ def run_grpo(run: Run, model_dir: Path, s: Settings, recipe: WarmupRecipe, work:
     run.start_acc = start.accuracy
     run.evals.append(_eval_row(0, 0.0, start))
     log(f"  [{run.key}] step    0  before GRPO: {start.summary()}  e.g. {start.completions[0]!r}")
-    recorder = Recorder(run, processor, held_out, s, log)
-    trainer.add_callback(recorder)
+    callback = recorder(run, processor, held_out, s, log)
+    trainer.add_callback(callback)
     trainer.train()
-    run.grpo_seconds = recorder.train_seconds()
+    run.grpo_seconds = callback.train_seconds()
     run.final_eval = run.evals[-1]
 
 
@@ -364,7 +351,7 @@ def report(runs: list[Run], s: Settings, recipe: WarmupRecipe, argv: list[str], 
            loads: tuple[float, float]) -> str:
     size = ", ".join(f"{k}={v}" for k, v in recipe.model_size.items())
     info = next((r.warmup_info for r in runs if r.warmup_info), None) or {}
-    cmd = " ".join(["benchmarks/learning_curve.py", *map(shlex.quote, result_args(argv, OUTPUT_ONLY_FLAGS))])
+    cmd = " ".join(["-m benchmarks.learning_curve", *map(shlex.quote, result_args(argv, OUTPUT_ONLY_FLAGS))])
     lines = [
         SECTION,
         "",

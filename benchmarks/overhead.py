@@ -1,7 +1,7 @@
 """Step-time overhead of MDIGRPOTrainer over stock GRPOTrainer, measured side by side in one process.
 
-    .venv/bin/python benchmarks/overhead.py            # completions of 32 and 128 tokens, ~10 min on 2 cores
-    .venv/bin/python benchmarks/overhead.py --quick    # fewer rounds
+    .venv/bin/python -m benchmarks.overhead            # completions of 32 and 128 tokens, ~10 min on 2 cores
+    .venv/bin/python -m benchmarks.overhead --quick    # fewer rounds
 
 Same tiny Qwen2.5-VL (built offline, deeper and wider than the test one), same synthetic A-OKVQA data, same seed
 for every variant:
@@ -20,7 +20,7 @@ min-max. The section "Trainer overhead" of benchmarks/RESULTS.md is replaced wit
 
 With vLLM generating (TRL's colocate mode on vLLM's CPU build, in the environment `make test-vllm` builds):
 
-    .venv-vllm/bin/python benchmarks/overhead.py --vllm          # 4 seeds, 5-7 min on 2 shared cores
+    .venv-vllm/bin/python -m benchmarks.overhead --vllm          # 4 seeds, 5-7 min on 2 shared cores
 
     stock          trl.GRPOTrainer as shipped; rewards mc_idx 4 + think_format 1
     stock_fixed    the same with the engine fixes MDIGRPOTrainer applies (fixtures.vllm_baseline): one image
@@ -58,11 +58,9 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from _results import replace_section, result_args, set_offline_env
+from benchmarks.results import replace_section, result_args, set_offline_env
 
 set_offline_env()
-# fixtures/ (tiny models, synthetic data, warm-up) is a folder of the checkout, not an installed package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if "--vllm" in sys.argv[1:]:
     # vLLM reads its environment once, at import, and TRL imports it with the trainer: set it before anything else.
     from fixtures import vllm_cpu
@@ -76,12 +74,12 @@ from datasets import load_dataset  # noqa: E402
 from transformers import AutoConfig, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+from benchmarks.stats import paired_seed_difference  # noqa: E402
 from fixtures.synthetic import write_synthetic_aokvqa  # noqa: E402
 from fixtures.tiny import save_tiny_vlm  # noqa: E402
 from trl_mdi.aokvqa import prepare_aokvqa  # noqa: E402
 from trl_mdi.config import MDIGRPOConfig  # noqa: E402
 from trl_mdi.data import to_conversational  # noqa: E402
-from trl_mdi.reliance import paired_seed_difference  # noqa: E402
 from trl_mdi.rewards import mc_idx_reward, mdi_balance_reward, think_format_reward  # noqa: E402
 from trl_mdi.trainer import MDIGRPOTrainer  # noqa: E402
 
@@ -201,7 +199,7 @@ def main() -> None:
     body = "\n".join([
         SECTION,
         "",
-        f"Reproduce: `.venv/bin/python benchmarks/overhead.py{''.join(' ' + x for x in result_args(sys.argv[1:], ()))}`"
+        f"Reproduce: `.venv/bin/python -m benchmarks.overhead{''.join(' ' + x for x in result_args(sys.argv[1:], ()))}`"
         " (from the repository root; "
         f"{(time.time() - started) / 60:.1f} min).",
         "",
@@ -508,7 +506,7 @@ def main_vllm(a: argparse.Namespace) -> None:
     body = "\n".join([
         VLLM_SECTION,
         "",
-        f"Reproduce: `.venv-vllm/bin/python benchmarks/overhead.py{''.join(' ' + x for x in result_args(sys.argv[1:], ()))}`"
+        f"Reproduce: `.venv-vllm/bin/python -m benchmarks.overhead{''.join(' ' + x for x in result_args(sys.argv[1:], ()))}`"
         " (from the repository root, in the environment `make test-vllm` builds; "
         f"{(time.time() - started) / 60:.1f} min).",
         "",

@@ -1,4 +1,4 @@
-"""benchmarks/_results.py: each benchmark replaces its own RESULTS.md section and nothing else."""
+"""benchmarks/results.py: each benchmark replaces its own RESULTS.md section and nothing else."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-from _results import replace_section  # noqa: E402
+from benchmarks.results import replace_section
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DOC = "# Benchmark results\n\n## A\n\nold a\n\n## B\n\nold b\n| x |\n\n## C\n\nold c\n"
 
@@ -40,9 +40,11 @@ def test_appends_a_missing_section_and_creates_the_file(tmp_path):
     assert path.read_text().endswith("## New\n\nbody\n\n## Newer\n\nx\n")  # "## New" is not a prefix match
 
 
-@pytest.mark.parametrize("script", ["attention_memory.py", "overhead.py", "learning_curve.py", "language_prior.py",
-                                    "gpu_probe.py"])
-def test_every_benchmark_imports_its_helpers(script):
-    proc = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("name", ["attention_memory", "overhead", "learning_curve", "language_prior", "gpu_probe",
+                                  "look_or_guess", "demo"])
+def test_every_benchmark_imports_its_helpers(name):
+    """Each benchmark runs as ``python -m benchmarks.<name>`` from the repository root, with no sys.path edit."""
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--help"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage:" in proc.stdout

@@ -3,17 +3,13 @@ pooled medians (or quartiles), and the per-step profile (step times, policy forw
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-from overhead import StepProfile, bootstrap_ratio, lower_quartile  # noqa: E402
+from benchmarks.overhead import StepProfile, bootstrap_ratio, lower_quartile
 
 
 def test_constant_runs_give_the_exact_ratio():

@@ -316,7 +316,7 @@ def test_reliance_signals_need_no_probe_on_a_model_it_cannot_measure(softmax_vlm
     from test_reliance_trainer import capture
 
     from trl_mdi import MDIGRPOConfig, MDIGRPOTrainer
-    from trl_mdi.profile.reliance import reference_signals
+    from trl_mdi.profile.reference import reference_signals
 
     seen = capture(monkeypatch)  # per batch: the rollouts the counterfactual forward saw, then their signals
     args = MDIGRPOConfig.from_grpo_config(grpo_args(tmp_path))

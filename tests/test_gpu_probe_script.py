@@ -20,7 +20,6 @@ import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-SCRIPT = BENCH / "gpu_probe.py"
 SECTION = "## Attention probe on a GPU"
 LENGTH, BATCHES, REPEATS = 256, (1, 2), 2
 TINY_TEXT = {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
@@ -29,8 +28,8 @@ TINY_TEXT = {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "num_kv_heads":
 def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     # One torch thread: on a shared 2-core machine, more threads spin against other jobs and time out.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=BENCH.parent)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_probe", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=BENCH.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -123,9 +122,8 @@ def test_the_section_is_rendered_into_results(report, tmp_path):
 def test_matching_commit_finds_the_commit_whose_files_a_dirty_base_held(tmp_path):
     """The GPU machine's copy records 'base commit + uncommitted changes (diff hash)'; matching_commit names the later
     commit whose files give that hash over the base, and None for files no commit holds."""
-    sys.path.insert(0, str(BENCH))
-    from _results import code_version
-    from gpu_probe import CODE_PATHS, matching_commit
+    from benchmarks.gpu_probe import CODE_PATHS, matching_commit
+    from benchmarks.results import code_version
 
     repo = tmp_path / "repo"
     (repo / CODE_PATHS[0]).mkdir(parents=True)

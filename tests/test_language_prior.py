@@ -139,15 +139,13 @@ def test_evaluate_accuracy_measures_the_mdi_of_greedy_answers(tiny_vlm_dir):
 
 
 def _benchmark():
-    """benchmarks/language_prior.py as a module (its folder holds the helpers it imports). Importing it sets
-    environment defaults for its own runs (offline, warnings, OpenMP): this process's environment is restored."""
+    """``benchmarks.language_prior``. Importing it sets environment defaults for its own runs (offline, warnings,
+    OpenMP): this process's environment is restored."""
     import os
 
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
     saved = dict(os.environ)
     try:
-        import language_prior
+        from benchmarks import language_prior
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -180,7 +178,7 @@ def test_benchmark_variants_configure_the_reliance_forward(tmp_path):
     # list (and the report says so), and asking for it is an error.
     _, s = lp.parse_settings(["--counterfactual", "none"])
     assert "tprl_counterfactual" not in s.variants and len(s.variants) == len(lp.VARIANTS) - 1
-    import _language_prior_report as rep
+    from benchmarks import language_prior_report as rep
 
     assert "TPRL with the counterfactual as its perturbation is left out" in rep.budget_line(s, None, [], 2)
     with pytest.raises(SystemExit):
@@ -207,7 +205,7 @@ def test_benchmark_report_pairs_by_seed_and_states_the_goals():
     import math
 
     lp = _benchmark()
-    import _language_prior_report as rep
+    from benchmarks import language_prior_report as rep
 
     runs = [_run("answer_format", 0, 0.5, 1.0, 1.0, 0.9), _run("answer_format", 1, 0.7, 1.0, 1.0, 0.8),
             _run("answer_visual_gain", 0, 0.7, 1.0, 0.95, 1.0), _run("answer_visual_gain", 1, 0.85, 0.99, 0.95, 1.0),
@@ -268,7 +266,7 @@ def test_dev_split_picks_the_kind_by_the_within_prompt_auroc_with_ties_to_the_de
     within-prompt AUROC is never picked. The section's choice paragraph names the split, the rule, the ranking, the
     pick, whether the runs use it, and where the fixed settings came from."""
     lp = _benchmark()
-    import _language_prior_report as rep
+    from benchmarks import language_prior_report as rep
 
     def dev(**kinds):
         return {"kinds": {k: {"table": {"answer_visual_gain": {"within_auroc": w, "auroc": a}}}
@@ -343,7 +341,7 @@ def test_benchmark_verdict_is_shown_only_with_an_interval_above_zero():
     are "shown"; the same mean with differences of both signs is not, and neither is a variant that breaks the
     non-conflict rows; the comparison paragraph names only the interval that excludes 0."""
     lp = _benchmark()
-    import _language_prior_report as rep
+    from benchmarks import language_prior_report as rep
 
     base = [_run("answer_format", s, c, 1.0, 1.0) for s, c in ((0, 0.5), (1, 0.6), (2, 0.4))]
     good = [_run("answer_visual_gain", s, c, 0.99, 1.0) for s, c in ((0, 0.70), (1, 0.81), (2, 0.62))]
@@ -372,7 +370,7 @@ def test_code_version_reads_commit_dirty_flag_and_a_diff_hash(tmp_path):
     root, tmp_path = tmp_path, tmp_path / "repo"
     tmp_path.mkdir()
     _benchmark()
-    import _results
+    from benchmarks import results
 
     def git(*args):
         subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
@@ -385,27 +383,27 @@ def test_code_version_reads_commit_dirty_flag_and_a_diff_hash(tmp_path):
     git("add", ".")
     git("commit", "-q", "-m", "one")
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
-    assert _results.code_version(root=tmp_path) == {"commit": head, "dirty": False, "diff": None}
+    assert results.code_version(root=tmp_path) == {"commit": head, "dirty": False, "diff": None}
     (tmp_path / "notes.md").write_text("changed\n")
-    whole = _results.code_version(root=tmp_path)
+    whole = results.code_version(root=tmp_path)
     assert whole["commit"] == head and whole["dirty"] is True and len(whole["diff"]) == 16
     # Only the code's folder counts: the doc edit leaves it clean.
-    assert _results.code_version(("code",), root=tmp_path) == {"commit": head, "dirty": False, "diff": None}
+    assert results.code_version(("code",), root=tmp_path) == {"commit": head, "dirty": False, "diff": None}
     (tmp_path / "code" / "a.py").write_text("x = 2\n")
-    first = _results.code_version(("code",), root=tmp_path)
+    first = results.code_version(("code",), root=tmp_path)
     (tmp_path / "code" / "a.py").write_text("x = 3\n")
-    second = _results.code_version(("code",), root=tmp_path)
+    second = results.code_version(("code",), root=tmp_path)
     assert first["dirty"] and second["dirty"] and first["diff"] != second["diff"]
     (tmp_path / "code" / "a.py").write_text("x = 1\n")
     (tmp_path / "code" / "new.py").write_text("y = 1\n")  # untracked, not ignored: it can change what runs
-    assert _results.code_version(("code",), root=tmp_path)["dirty"] is True
-    assert _results.describe_version(first) == f"commit {head[:7]} + uncommitted changes (diff {first['diff']})"
-    assert _results.describe_version({"commit": head, "dirty": False, "diff": None}) == f"commit {head[:7]}"
+    assert results.code_version(("code",), root=tmp_path)["dirty"] is True
+    assert results.describe_version(first) == f"commit {head[:7]} + uncommitted changes (diff {first['diff']})"
+    assert results.describe_version({"commit": head, "dirty": False, "diff": None}) == f"commit {head[:7]}"
     outside = root / "plain"
     outside.mkdir()
     env_ceiling = subprocess.run(["git", "rev-parse", "HEAD"], cwd=outside, capture_output=True).returncode
     if env_ceiling != 0:  # the temp dir is in no checkout (the usual case): unknown
-        assert _results.code_version(root=outside) == {"commit": None, "dirty": None, "diff": None}
+        assert results.code_version(root=outside) == {"commit": None, "dirty": None, "diff": None}
 
 
 def test_benchmark_reruns_a_result_from_another_code_version(tmp_path):
@@ -413,7 +411,7 @@ def test_benchmark_reruns_a_result_from_another_code_version(tmp_path):
     another version, or from before the version was stored, are rerun, or with reuse_other_code reused with a note;
     the section names the jobs that came from another version."""
     lp = _benchmark()
-    import _language_prior_report as rep
+    from benchmarks import language_prior_report as rep
 
     now = {"commit": "a" * 40, "dirty": True, "diff": "0123456789abcdef"}
     old = {"commit": "b" * 40, "dirty": False, "diff": None}
@@ -448,7 +446,7 @@ def test_benchmark_reruns_a_result_from_another_code_version(tmp_path):
 
 def _measurement():
     """A hand-made RelianceMeasurement: 3 conflict prompts x 4 sampled rollouts, one kind, every signal known."""
-    from trl_mdi.profile.reliance import RelianceMeasurement
+    from trl_mdi.profile.reference import RelianceMeasurement
 
     prompts = [{"row": j, "has_image": True, "gold": "A", "answer": "A", "blind": {"black": "D"}, "conflict": True,
                 "prior": "D"} for j in range(3)]
@@ -473,7 +471,7 @@ def test_reliance_records_recompute_the_tables_and_use_prompts(tmp_path):
     import json as _json
 
     _benchmark()
-    import _language_prior_eval as ev
+    from benchmarks import language_prior_eval as ev
 
     summary = ev.summarize(_measurement(), n_boot=200, seed=3)
     stored = _json.loads(_json.dumps(summary))
@@ -497,14 +495,14 @@ def test_reliance_records_recompute_the_tables_and_use_prompts(tmp_path):
 
 @pytest.mark.slow
 def test_benchmark_quick_mode_runs_end_to_end_and_resumes(tmp_path):
-    """`language_prior.py --quick` trains every variant briefly from a shared warm-up, measures the reliance signals'
+    """`python -m benchmarks.language_prior --quick` trains every variant briefly from a shared warm-up, measures the reliance signals'
     AUROC on the warm-up model under every counterfactual kind and at the end of every run, and reports them with
     the full benchmark's projected time; it writes no RESULTS.md or plot, and a rerun in the same work dir skips
     the finished jobs."""
     from trl_mdi.counterfactual import counterfactual_kinds
 
     work, results, png = tmp_path / "work", tmp_path / "RESULTS.md", tmp_path / "plot.png"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "language_prior.py"), "--quick", "--work_dir", str(work),
+    cmd = [sys.executable, "-m", "benchmarks.language_prior", "--quick", "--work_dir", str(work),
            "--results", str(results), "--png", str(png)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

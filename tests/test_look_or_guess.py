@@ -1,16 +1,20 @@
 """The look-or-guess task (issue 30): the `look_or_guess` kind of `fixtures.synthetic`, its two reasoning styles and
 their reader, the warm-up recipe that redraws each row's style every epoch (`fixtures.warmup.LookOrGuessRecipe`),
-the figures of benchmarks/look_or_guess.py on handmade rollouts, and a short warm-up that writes both styles."""
+the figures of the look-or-guess benchmark (benchmarks/look_or_guess_*.py) on handmade rollouts, and a short warm-up that writes both styles."""
 
 from __future__ import annotations
 
 import collections
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import look_or_guess_evaluation as lg_eval
+from benchmarks import look_or_guess_report as lg_report
+from benchmarks import look_or_guess_runs as lg_runs
+from benchmarks import look_or_guess_task as lg_task
+from benchmarks import look_or_guess_variants as lg_variants
 from fixtures.synthetic import PRIOR_OBJECTS, generate_synthetic_rows
 from fixtures.synthetic.look_or_guess import (
     GUESS,
@@ -43,16 +47,6 @@ def tiny_tokenizer():
 
     _, processor = build_tiny_vlm("qwen2_vl", seed=0, **DEFAULT_MODEL_SIZE)  # the warm-up's model
     return processor.tokenizer
-
-
-@pytest.fixture(scope="module")
-def bench():
-    """benchmarks/look_or_guess.py as a module (its folder holds the helpers it imports)."""
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-    import look_or_guess
-
-    return look_or_guess
 
 
 # ------------------------------------------------------------------------------------------------------ rows
@@ -219,7 +213,7 @@ def _rollout(prompt, style, conflict, answer, *, named, gold, prior, clean=True,
             "answers_prior": answer == prior, "clean": clean, "gains": gains, "ids": ids}
 
 
-def test_style_metrics_on_handmade_rollouts(bench):
+def test_style_metrics_on_handmade_rollouts():
     rs = [
         # prompt 0, conflict (gold B, prior A): look right, look wrong, guess on the prior, other
         _rollout(0, LOOK, True, "B", named="B", gold="B", prior="A"),
@@ -230,7 +224,7 @@ def test_style_metrics_on_handmade_rollouts(bench):
         _rollout(1, GUESS, False, "D", named="D", gold="D", prior="D"),
         _rollout(1, GUESS, False, "D", named="D", gold="D", prior="D"),
     ]
-    m = bench.style_metrics(rs)
+    m = lg_task.style_metrics(rs)
     assert (m["rollouts"], m["prompts"]) == (6, 2)
     assert m["all"]["look_rate"] == pytest.approx(2 / 6) and m["all"]["other_rate"] == pytest.approx(1 / 6)
     assert m["conflict"]["look_rate"] == 0.5 and m["plain"]["guess_rate"] == 1.0
@@ -243,7 +237,7 @@ def test_style_metrics_on_handmade_rollouts(bench):
     assert m["conflict"]["accuracy"] == 0.25 and d == {LOOK: 0.25, GUESS: 0.0, OTHER: 0.0}
 
 
-def test_position_gains_line_up_from_the_end(bench, tiny_tokenizer):
+def test_position_gains_line_up_from_the_end(tiny_tokenizer):
     def ids(text):
         return tiny_tokenizer(text, add_special_tokens=False)["input_ids"] + [tiny_tokenizer.eos_token_id]
 
@@ -260,7 +254,7 @@ def test_position_gains_line_up_from_the_end(bench, tiny_tokenizer):
           _rollout(1, LOOK, True, "A", named="A", gold="A", prior="A", gains=lg_tom, ids=look_tomato),
           _rollout(2, GUESS, True, "C", named="C", gold="A", prior="C", gains=[0.1] * len(guess_sky), ids=guess_sky),
           _rollout(3, GUESS, True, "C", named="C", gold="A", prior="C", clean=False, gains=[9.0] * 13, ids=[1] * 13)]
-    p = bench.position_gains(rs, tiny_tokenizer)
+    p = lg_task.position_gains(rs, tiny_tokenizer)
     look = p[LOOK]["positions"]
     assert look[-7]["mean"] == pytest.approx(3.0) and look[-7]["n"] == 2 and look[-7]["token"] == " red"
     assert look[-1]["token"] == tiny_tokenizer.eos_token and look[-2]["token"] == " A"
@@ -273,9 +267,9 @@ def test_position_gains_line_up_from_the_end(bench, tiny_tokenizer):
 # ---------------------------------------------------------------------------------------------------- smoke
 
 
-def test_short_warmup_writes_both_styles(bench):
+def test_short_warmup_writes_both_styles():
     """A short look-or-guess warm-up (well under the full recipe) already writes both styles when sampled, each
-    answering from its reasoning; the full recipe's figures are benchmarks/look_or_guess.py warmup-check's."""
+    answering from its reasoning; the full recipe's figures are `python -m benchmarks.look_or_guess warmup-check`'s."""
     import torch
 
     from fixtures.warmup import warm_start
@@ -287,11 +281,11 @@ def test_short_warmup_writes_both_styles(bench):
         # (80 steps: a third of the rollouts followed it; this: 0.91, 25 look and 31 guess of 64, in 46 s).
         recipe = LookOrGuessRecipe(n_train=128, epochs=8.0, learning_rate=3e-3)
         model, processor, info = warm_start(recipe, log=lambda m: None)
-        ds = bench.held_out_rows(recipe, bench.Settings(n_eval=16))
-        rollouts = bench.label_rollouts(bench.sample_rollouts(model, processor, ds, samples=4, max_new_tokens=20,
+        ds = lg_task.held_out_rows(recipe, lg_task.Settings(n_eval=16))
+        rollouts = lg_task.label_rollouts(lg_task.sample_rollouts(model, processor, ds, samples=4, max_new_tokens=20,
                                                               greedy=False), ds)
         clean = [r for r in rollouts if r["clean"]]
-        bench.score_rollouts(model, processor, clean, ds)
+        lg_task.score_rollouts(model, processor, clean, ds)
     finally:
         torch.set_num_threads(threads)
     assert info["sft_steps"] == 128  # 8 blocks of 128 rows, batch 8, one pass in order
@@ -320,32 +314,32 @@ def test_style_loggers_read_each_rollouts_text():
     assert guess_rate(texts) == [0.0, 1.0, 0.0, 0.0]
 
 
-def test_every_variant_logs_the_style_with_weight_zero_and_the_trainer_resolves_the_loggers(bench):
+def test_every_variant_logs_the_style_with_weight_zero_and_the_trainer_resolves_the_loggers():
     from trl_mdi.rewards.registry import resolve_rewards
 
     for form in ("visual_gain", "visual_gain_sum"):
-        variants = bench.experiment_variants(form)
-        assert tuple(variants) == bench.ALL_VARIANTS
+        variants = lg_variants.experiment_variants(form)
+        assert tuple(variants) == lg_variants.ALL_VARIANTS
         for name, v in variants.items():
             weights = dict(zip(v.rewards, v.weights))
-            assert weights[bench.STYLE_LOGGERS[0]] == 0.0 and weights[bench.STYLE_LOGGERS[1]] == 0.0, name
+            assert weights[lg_variants.STYLE_LOGGERS[0]] == 0.0 and weights[lg_variants.STYLE_LOGGERS[1]] == 0.0, name
             assert v.rewards[:2] == ("mc_idx", "think_format") and v.weights[:2] == (4.0, 1.0)
-        assert variants[bench.RELIANCE].rewards[2] == form and variants[bench.RELIANCE].weights[2] == 1.0
+        assert variants[lg_variants.RELIANCE].rewards[2] == form and variants[lg_variants.RELIANCE].weights[2] == 1.0
         other = "visual_gain_sum" if form == "visual_gain" else "visual_gain"
-        assert variants[bench.OTHER_FORM].rewards[2] == other  # the form the development split did not choose
+        assert variants[lg_variants.OTHER_FORM].rewards[2] == other  # the form the development split did not choose
         assert variants["tprl_counterfactual"].tprl == "perturbation"
-    funcs, _ = resolve_rewards(list(bench.STYLE_LOGGERS), [0.0, 0.0])
+    funcs, _ = resolve_rewards(list(lg_variants.STYLE_LOGGERS), [0.0, 0.0])
     assert [f.__name__ for f in funcs] == ["look_rate", "guess_rate"]  # logged as rewards/look_rate/mean
     with pytest.raises(ValueError, match="gain_form"):
-        bench.experiment_variants("answer_visual_gain")
+        lg_variants.experiment_variants("answer_visual_gain")
 
 
-def test_step_logger_keeps_each_steps_look_rate(bench):
+def test_step_logger_keeps_each_steps_look_rate():
     run = {"steps": [], "step_seconds": []}
-    log = bench._step_logger_class()(run, evaluate=None, mid=None)
+    log = lg_runs.step_log(run, evaluate=None, mid=None)
 
     class State:
-        global_step = 1
+        global_step, max_steps = 1, 2
 
     log.on_train_begin(None, State, None)
     for step, rate in ((1, 0.25), (2, 0.5)):
@@ -358,10 +352,10 @@ def test_step_logger_keeps_each_steps_look_rate(bench):
     assert "loss" not in run["steps"][0] and len(run["step_seconds"]) == 2
 
 
-def test_trajectory_averages_windows_of_steps_over_seeds(bench):
+def test_trajectory_averages_windows_of_steps_over_seeds():
     runs = [{"steps": [{"rewards/look_rate/mean": x} for x in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)]},
             {"steps": [{"rewards/look_rate/mean": x} for x in (1.0, 1.0, 1.0, 1.0, 1.0, 1.0)]}]
-    t = bench.trajectory(runs, window=4)
+    t = lg_report.trajectory(runs, window=4)
     assert [e for e, _ in t] == [4, 6]
     assert t[0][1] == pytest.approx((0.0 + 0.2 + 0.4 + 0.6 + 4.0) / 8) and t[1][1] == pytest.approx((1.8 + 2.0) / 4)
 
@@ -370,7 +364,7 @@ def _scored(prompt, style, gains):
     return {"prompt": prompt, "sample": 1, "style": style, "gains": gains, "visual_gain": sum(gains) / len(gains)}
 
 
-def test_gain_form_choice_on_handmade_rollouts(bench):
+def test_gain_form_choice_on_handmade_rollouts():
     rs = [
         # prompt 0: two looks (mean 0.3 -> reward 0.6, sum 4.5 -> 1.0; mean 0.1 -> 0.2, sum 1.5 -> 0.375), two guesses
         _scored(0, LOOK, [0.0] * 14 + [4.5]), _scored(0, LOOK, [0.0] * 14 + [1.5]),
@@ -378,7 +372,7 @@ def test_gain_form_choice_on_handmade_rollouts(bench):
         # prompt 1: a look that gained nothing ties with the guess (reward 0 both: the group has zero spread)
         _scored(1, LOOK, [0.0] * 15), _scored(1, GUESS, [0.0] * 15), _scored(1, OTHER, [-1.0] * 15),
     ]
-    t = bench.gain_form_table(rs, n_boot=50)
+    t = lg_eval.gain_form_table(rs, n_boot=50)
     # 5 look-guess pairs inside prompts: 4 wins in prompt 0, one tie (1/2) in prompt 1.
     for form in ("visual_gain", "visual_gain_sum"):
         assert t[form]["within_auroc"] == pytest.approx(4.5 / 5) and t[form]["pairs"] == 5
@@ -387,9 +381,9 @@ def test_gain_form_choice_on_handmade_rollouts(bench):
     assert t["visual_gain"]["reward_look"] == pytest.approx((0.6 + 0.2 + 0.0) / 3)
     assert t["visual_gain_sum"]["reward_look"] == pytest.approx((1.0 + 0.375 + 0.0) / 3)
     assert t["visual_gain_sum"]["saturated_look"] == pytest.approx(1 / 3)
-    form, why = bench.pick_gain_form(t)
+    form, why = lg_eval.pick_gain_form(t)
     assert form == "visual_gain" and "tied" in why
-    assert bench.zero_spread_share([0.2, 0.2, 0.0, 0.0, 0.1], [0, 0, 1, 1, 1]) == 0.5
+    assert lg_eval.zero_spread_share([0.2, 0.2, 0.0, 0.0, 0.1], [0, 0, 1, 1, 1]) == 0.5
 
 
 def _final(conflict, plain=0.99, clean=0.95, look=0.5):
@@ -407,14 +401,14 @@ def _runs(name, conflicts, **kw):
 BASE = [0.50, 0.52, 0.48, 0.50, 0.55]
 
 
-def test_verdicts_pair_seeds_with_the_baseline(bench):
+def test_verdicts_pair_seeds_with_the_baseline():
     import statistics
 
     push = [0.90, 0.88, 0.95, 0.92, 0.90]
-    groups = bench.by_variant(_runs("answer_format", BASE) + _runs("visual_gain", push)
+    groups = lg_report.by_variant(_runs("answer_format", BASE) + _runs("visual_gain", push)
                               + _runs("answer_visual_gain", [0.51, 0.50, 0.49, 0.52, 0.54])
                               + _runs("mdi_balance", push, plain=0.90))
-    v = bench.variant_verdicts(groups)
+    v = lg_report.variant_verdicts(groups)
     assert set(v) == {"visual_gain", "answer_visual_gain", "mdi_balance"}
     diffs = [p - b for p, b in zip(push, BASE)]
     half = 2.7764451052 * statistics.stdev(diffs) / 5 ** 0.5  # t(0.975, 4) sd / sqrt(n)
@@ -442,11 +436,11 @@ def _records(n_prompts, conflict):
     return out
 
 
-def test_detection_tables_on_handmade_records(bench):
-    t = bench.detection_tables(_records(4, False) + _records(3, True), n_boot=50)
+def test_detection_tables_on_handmade_records():
+    t = lg_eval.detection_tables(_records(4, False) + _records(3, True), n_boot=50)
     assert set(t) == {"plain", "conflict", "conflict_answer"}
     rows = {r["signal"]: r for r in t["plain"]}
-    assert list(rows) == list(bench.DETECTION_SIGNALS)
+    assert list(rows) == list(lg_variants.DETECTION_SIGNALS)
     assert rows["visual_gain"]["n"] == 16 and rows["visual_gain"]["n_prior"] == 8  # the 'other' rollouts left out
     assert rows["visual_gain"]["within_auroc"] == 1.0 and rows["visual_gain"]["auroc"] == 1.0
     assert rows["visual_gain"]["within_pairs"] == 16  # 2 x 2 pairs in each of 4 prompts
@@ -456,22 +450,22 @@ def test_detection_tables_on_handmade_records(bench):
     assert rows["mdi"]["within_auroc"] == 1.0 and rows["mdi"]["auroc"] == pytest.approx(40 / 64)
     assert rows["blind_agrees"]["within_auroc"] == 0.5  # constant: every pair a tie
     assert {r["signal"]: r["n"] for r in t["conflict"]}["visual_gain"] == 12
-    assert bench.best_within(t["plain"])[1] == 1.0
-    assert bench.steadiest_signal({"a": t["plain"], "b": [{"signal": "mdi", "within_auroc": 0.7},
+    assert lg_eval.best_within(t["plain"])[1] == 1.0
+    assert lg_eval.steadiest_signal({"a": t["plain"], "b": [{"signal": "mdi", "within_auroc": 0.7},
                                                           {"signal": "visual_gain", "within_auroc": 0.96}]}) == (
         "visual_gain", 0.96)
 
 
-def test_a_job_saves_its_stamped_result_and_a_failing_job_loses_nothing(bench, tmp_path, monkeypatch, capsys):
-    """execute (through _results.run_job): a job's result is stamped with its fingerprint and code version and
+def test_a_job_saves_its_stamped_result_and_a_failing_job_loses_nothing(tmp_path, monkeypatch, capsys):
+    """execute (through results.run_job): a job's result is stamped with its fingerprint and code version and
     written where the resume looks for it; a job that raises is logged with its traceback and returned as an error,
     nothing written, so the other jobs of the pool go on."""
-    monkeypatch.setattr(bench, "_DATA", {"test": "rows"})
+    monkeypatch.setattr(lg_runs, "_DATA", {"test": "rows"})
     job = dict(settings=None, recipe=None, work=tmp_path, threads=1, started=0.0, what="warmup", model_dir="m",
                label="warm-up", key="k1", code={"commit": "abc"}, path=tmp_path / "warmup.json")
-    monkeypatch.setattr(bench, "warmup_figures", lambda model_dir, rows, s, log: {"look_rate": 0.5, "rows": rows,
+    monkeypatch.setattr(lg_runs, "warmup_figures", lambda model_dir, rows, s, log: {"look_rate": 0.5, "rows": rows,
                                                                                  "auroc": float("nan")})
-    result, error = bench.execute(job)
+    result, error = lg_runs.execute(job)
     assert error is None and result["fingerprint"] == "k1" and result["code"] == {"commit": "abc"}
     saved = json.loads(job["path"].read_text())
     assert saved["look_rate"] == 0.5 and saved["fingerprint"] == "k1"
@@ -480,51 +474,51 @@ def test_a_job_saves_its_stamped_result_and_a_failing_job_loses_nothing(bench, t
     def broken(model_dir, rows, s, log):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(bench, "warmup_figures", broken)
+    monkeypatch.setattr(lg_runs, "warmup_figures", broken)
     job["path"] = tmp_path / "broken.json"
-    assert bench.execute(job) == (None, "RuntimeError: out of memory")
+    assert lg_runs.execute(job) == (None, "RuntimeError: out of memory")
     assert not job["path"].exists()
     assert "[warm-up] FAILED: RuntimeError: out of memory" in capsys.readouterr().out
 
 
-def test_a_detection_goal_is_met_only_by_its_interval_on_enough_pairs(bench):
+def test_a_detection_goal_is_met_only_by_its_interval_on_enough_pairs():
     """A model that keeps 2 guessing rollouts gives a within-prompt AUROC of 1.000 with a degenerate interval on a
     handful of pairs: that is no evidence either way. The handmade table's 16 pairs are too few; the same rows with
     the pair count and interval of the warm-up's real row meet the goal; a point value at the goal with an interval
     below it does not."""
-    t = bench.detection_tables(_records(4, False) + _records(3, True), n_boot=50)
-    row = bench.best_within_row(t["plain"])
+    t = lg_eval.detection_tables(_records(4, False) + _records(3, True), n_boot=50)
+    row = lg_eval.best_within_row(t["plain"])
     assert row["within_auroc"] == 1.0 and row["within_pairs"] == 16
-    assert bench.detection_verdict(row) == "too few pairs to tell (16 pairs)"
-    assert bench.detection_verdict({**row, "within_pairs": 223, "within_low": 0.959}) == "met"
-    assert bench.detection_verdict({**row, "within_auroc": 0.97, "within_pairs": 223, "within_low": 0.93}) == (
+    assert lg_eval.detection_verdict(row) == "too few pairs to tell (16 pairs)"
+    assert lg_eval.detection_verdict({**row, "within_pairs": 223, "within_low": 0.959}) == "met"
+    assert lg_eval.detection_verdict({**row, "within_auroc": 0.97, "within_pairs": 223, "within_low": 0.93}) == (
         "not met (interval from 0.930)")
-    assert bench.detection_verdict(None) == "not met (no pair)"
+    assert lg_eval.detection_verdict(None) == "not met (no pair)"
 
 
-def test_report_from_stored_records(bench):
-    from trl_mdi.reliance import format_paired_difference, paired_seed_difference
+def test_report_from_stored_records():
+    from benchmarks.stats import format_paired_difference, paired_seed_difference
 
-    s = bench.ExperimentSettings(steps=2, detect_prompts=7)
-    recipe = bench.look_or_guess_recipe()
+    s = lg_variants.ExperimentSettings(steps=2, detect_prompts=7)
+    recipe = lg_task.look_or_guess_recipe()
     push = [0.90, 0.88, 0.95, 0.92, 0.90]
     runs = _runs("answer_format", BASE) + _runs("visual_gain", push)
     runs[0]["detection"] = {"records": _records(4, False) + _records(3, True)}
     row = {"clip": 1.0, "within_auroc": 0.9, "low": 0.8, "high": 1.0, "pairs": 5, "raw_within_auroc": 0.9,
            "zero_spread": 0.5, "reward_look": 0.3, "reward_guess": 0.0, "saturated_look": 0.1}
-    tables = {"black": {f: row for f in bench.GAIN_FORMS}, "none": {f: {**row, "within_auroc": 0.99}
-                                                                     for f in bench.GAIN_FORMS}}
-    kind, why_kind = bench.pick_kind(tables, ("black", "none"))
+    tables = {"black": {f: row for f in lg_variants.GAIN_FORMS}, "none": {f: {**row, "within_auroc": 0.99}
+                                                                     for f in lg_variants.GAIN_FORMS}}
+    kind, why_kind = lg_eval.pick_kind(tables, ("black", "none"))
     assert kind == "none" and why_kind.startswith("within-prompt AUROC of its reward 0.990 (others: black 0.900)")
     choice = {"form": "visual_gain", "why": "tied", "rollouts": 16, "prompts": 2, "look_rate": 0.5,
               "both_styles": 1.0, "tables": tables, "kind": kind, "why_kind": why_kind, "tprl_perturbation": "black",
               "where": {LOOK: {"colour_word": 4.4, "elsewhere": 0.001}, GUESS: {"colour_word": 0.0, "elsewhere": 0.0}}}
-    body = bench.report(choice=choice, warm=None, runs=runs, s=s, recipe=recipe, argv=["experiment", "--steps", "2",
+    body = lg_report.report(choice=choice, warm=None, runs=runs, s=s, recipe=recipe, argv=["experiment", "--steps", "2",
                         "--work_dir", "/tmp/x"], missing=["warmup", "mdi_balance-s0"], failed=[],
                         code={"commit": "abcdef123456", "dirty": True, "diff": "0123456789"}, minutes=None, workers=2,
                         threads=1)
-    assert body.startswith(bench.SECTION + "\n")
-    assert "`python benchmarks/look_or_guess.py experiment --steps 2`" in body  # output-only flags dropped
+    assert body.startswith(lg_report.SECTION + "\n")
+    assert "`python -m benchmarks.look_or_guess experiment --steps 2`" in body  # output-only flags dropped
     assert "`abcdef123456`" in body and "this report: `abcdef123456+dirty(diff 0123456789)`" in body
     expected = format_paired_difference(paired_seed_difference(dict(enumerate(push)), dict(enumerate(BASE))))
     row = next(line for line in body.splitlines() if line.startswith("| + visual_gain (4:1:1) | 5 |"))
@@ -534,40 +528,40 @@ def test_report_from_stored_records(bench):
     assert "**shown**" in body  # the training goal
     assert "Detection, answer + format only, seed 0: best within-prompt AUROC on non-conflict rows 1.000" in body
     assert "look 4.400, guess 0.000 nats" in body
-    for name in bench.VARIANT_NAMES:  # every expected outcome stated, whatever ran
-        assert bench.EXPECTED[name][:40] in body
+    for name in lg_variants.VARIANT_NAMES:  # every expected outcome stated, whatever ran
+        assert lg_variants.EXPECTED[name][:40] in body
     assert "| none | visual_gain | 1 | 0.990 [0.800, 1.000] (5) |" in body
     assert "Chosen: counterfactual `none`: within-prompt AUROC of its reward 0.990" in body
     assert "TPRL's perturbation: `black`" in body
     # Nothing finished yet: the section says so.
-    empty = bench.report(choice=None, warm=None, runs=[], s=s, recipe=recipe, argv=["report", "--work_dir", "/w"],
+    empty = lg_report.report(choice=None, warm=None, runs=[], s=s, recipe=recipe, argv=["report", "--work_dir", "/w"],
                          missing=["warmup"], failed=[], code={"commit": "abcdef123456", "dirty": False}, minutes=None,
                          workers=2, threads=1)
     assert "Detection table: not finished." in empty and "Runs finished: 0 of 25." in empty
-    assert "Reproduce: `python benchmarks/look_or_guess.py experiment` (" in empty  # the command behind the records
+    assert "Reproduce: `python -m benchmarks.look_or_guess experiment` (" in empty  # the command behind the records
 
 
-def test_code_version_names_the_commit_and_the_dirty_tree(bench):
+def test_code_version_names_the_commit_and_the_dirty_tree():
     import re
 
-    code = bench.code_version()
+    code = lg_runs.code_version()
     assert re.fullmatch(r"[0-9a-f]{40}", code["commit"]) and isinstance(code["dirty"], bool)
-    assert bench.code_label({"commit": "abc", "dirty": False, "diff": None}) == "abc"
-    assert bench.code_label({"commit": "abc", "dirty": True, "diff": "d1"}) == "abc+dirty(diff d1)"
-    assert bench.code_label(None) == "unknown"
+    assert lg_runs.code_label({"commit": "abc", "dirty": False, "diff": None}) == "abc"
+    assert lg_runs.code_label({"commit": "abc", "dirty": True, "diff": "d1"}) == "abc+dirty(diff d1)"
+    assert lg_runs.code_label(None) == "unknown"
 
 
 # ------------------------------------------------------------------------------------ the replication (issue 35)
 
 
-def test_placebo_permutes_the_guarded_values_within_each_group(bench):
+def test_placebo_permutes_the_guarded_values_within_each_group():
     from trl_mdi.rewards import guarded_visual_gain_reward
 
     ok = "<think> the shape is red</think>\nAnswer: A"
     gains = [0.0, 0.2, 0.4, 0.6, 0.05, 0.35, 0.9, None] * 2  # 4 groups of 4
     kw = dict(visual_gain_max=gains, label_idx=[0] * 16)
     real = guarded_visual_gain_reward([ok] * 16, **kw)
-    placebo = bench.placebo_reward(seed=3, group_size=4)
+    placebo = lg_variants.placebo_reward(seed=3, group_size=4)
 
     class State:
         global_step = 5
@@ -585,14 +579,14 @@ def test_placebo_permutes_the_guarded_values_within_each_group(bench):
         placebo([ok] * 3, visual_gain_max=[0.1] * 3, label_idx=[0] * 3)
 
 
-def test_the_trainer_binds_the_format_to_the_placebo_as_to_the_real_reward(bench):
+def test_the_trainer_binds_the_format_to_the_placebo_as_to_the_real_reward():
     from trl_mdi.rewards import bind_think_format
 
-    bound = bind_think_format([bench.placebo_reward(seed=1, group_size=8)], think_prefilled=True)[0]
+    bound = bind_think_format([lg_variants.placebo_reward(seed=1, group_size=8)], think_prefilled=True)[0]
     assert bound.think_prefilled and bound.seed == 1 and bound.group_size == 8
 
 
-def test_colour_word_gains_align_every_style_at_the_colour_word(bench, tiny_tokenizer):
+def test_colour_word_gains_align_every_style_at_the_colour_word(tiny_tokenizer):
     def ids(text):
         return tiny_tokenizer(text, add_special_tokens=False)["input_ids"] + [tiny_tokenizer.eos_token_id]
 
@@ -610,7 +604,7 @@ def test_colour_word_gains_align_every_style_at_the_colour_word(bench, tiny_toke
         rows.append({"prompt": 0, "style": style, "ids": t, "gains": gains, "text": text,
                      "visual_gain": sum(gains) / len(gains)})
     ds = [{"label_idx": 0, "choices": choices}]
-    out = bench.colour_word_gains(rows, tiny_tokenizer, ds)
+    out = lg_task.colour_word_gains(rows, tiny_tokenizer, ds)
     assert out[LOOK]["aligned"] == 1 and out[LOOK]["offsets"][0]["mean"] == pytest.approx(2.0)
     assert out[LOOK]["offsets"][0]["token"] == " red"
     assert out[OTHER]["rollouts"] == 2 and out[OTHER]["aligned"] == 1  # the text without </think> is not aligned

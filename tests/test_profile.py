@@ -151,10 +151,10 @@ def test_layer_profile_counts_zero_image_rows_and_rows_without_image():
     assert p["layers"][1]["rows_mdi_inf"] == 0 and math.isfinite(p["segments"]["all"]["mdi"])
 
 
-def test_layer_stats_live_under_attention_and_the_old_module_warns():
+def test_layer_stats_live_under_attention():
     """The per-layer statistics are pure over ModalityAttention: importing them pulls in neither the profile command
     nor the live logs (which import them in turn); ``trl_mdi.profile``'s names are the same functions, without a
-    warning; the old ``trl_mdi.profile.stats`` still works and says where they went."""
+    warning."""
     code = """
 import sys, warnings
 warnings.filterwarnings("error", message=".*trl_mdi")
@@ -162,17 +162,11 @@ import trl_mdi.attention.layer_stats as L
 assert not {m for m in sys.modules if m.startswith(("trl_mdi.profile", "trl_mdi.diagnostics"))}
 import trl_mdi.profile as P
 assert all(getattr(P, n) is getattr(L, n) for n in ("layer_profile", "mdi_curve", "mass_curve", "compare"))
-assert "trl_mdi.profile.stats" not in sys.modules
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    import trl_mdi.profile.stats as old
-assert old.layer_profile is L.layer_profile and old.row_counts is L.row_counts
-print([f"{w.category.__name__}: {w.message}" for w in caught])
+print("ok")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "['FutureWarning: trl_mdi.profile.stats is deprecated: import from " \
-        "trl_mdi.attention.layer_stats (same names)']"
+    assert done.stdout.strip() == "ok"
 
 
 def test_plots_take_plain_arrays(tmp_path):

@@ -1,4 +1,4 @@
-"""``trl_mdi.profile.reliance``: the reference reliance signals equal a brute-force computation (two plain forwards per
+"""``trl_mdi.profile.reference``: the reference reliance signals equal a brute-force computation (two plain forwards per
 rollout, unbatched, written here) within 1e-5; on a model whose image cannot change the output they are 0 and the
 blind answer agrees; ``python -m trl_mdi.profile --reliance`` runs end to end and writes its section; bad flags fail
 before any weight is loaded."""
@@ -14,10 +14,10 @@ from PIL import Image
 from test_profile import run_profile
 
 from fixtures.testing import shape_image
-from trl_mdi import reliance as R
 from trl_mdi import signals as S
 from trl_mdi.profile import parse_args
-from trl_mdi.profile.reliance import reference_signals
+from trl_mdi.profile import validation as R
+from trl_mdi.profile.reference import reference_signals
 from trl_mdi.profile.reliance_report import data_prior_label
 from trl_mdi.tprl.perturb import perturb_images
 
@@ -214,7 +214,7 @@ def test_a_model_blind_to_its_image_has_zero_gain_and_the_blind_answer_agrees(bl
 
 
 def test_a_processor_that_cannot_encode_a_counterfactual_is_a_clear_error(tiny):
-    from trl_mdi.profile.reliance import check_counterfactuals
+    from trl_mdi.profile.reference import check_counterfactuals
 
     _, proc = tiny
     prompt, imgs = [{"role": "user", "content": QUESTION}], [shape_image(56, 0)]
@@ -381,7 +381,7 @@ def test_a_counterfactual_entry_added_to_the_table_reaches_the_reliance_report(t
     per-token gain of two plain forwards by hand), and the report gives its mean, its AUROC rows with the table's
     direction (the AUROC counted pair by pair), a column, its glossary line, and a picture."""
     from fixtures.warmup import synthetic_dataset
-    from trl_mdi.profile.reliance import measure_reliance
+    from trl_mdi.profile.reference import measure_reliance
     from trl_mdi.profile.reliance_report import plot_reliance, render_reliance, summarize_reliance
 
     monkeypatch.setattr(S, "SIGNALS", (*S.SIGNALS, MAX_TOKEN_GAIN))
@@ -414,7 +414,7 @@ def test_a_counterfactual_entry_added_to_the_table_reaches_the_reliance_report(t
     by_hand = _data_label_aurocs({"prompts": m.prompts, "rollouts": m.rollouts}, "grey", names)["max_token_gain"]
     assert row["direction"] == "low" and (row["n"], row["n_prior"]) == by_hand[1:] and 1 <= by_hand[2] < by_hand[1]
     assert row["auroc"] == pytest.approx(by_hand[0], abs=1e-12)
-    assert R.default_direction("max_token_gain") == R.LOW == S.LOW  # trl_mdi.reliance orients it too, unedited
+    assert R.default_direction("max_token_gain") == R.LOW == S.LOW  # trl_mdi.profile.validation orients it too, unedited
     assert [r["signal"] for r in k["rule_table"]][-1] == "max_token_gain"
 
     md = "\n".join(render_reliance([{"label": "tiny", "reliance": {"summary": summary}}],
@@ -427,12 +427,8 @@ def test_a_counterfactual_entry_added_to_the_table_reaches_the_reliance_report(t
     assert (tmp_path / "reliance_max_token_gain.png").is_file() and len(paths) == len(S.reliance_names())
 
 
-def test_the_reports_former_constants_warn_and_read_the_table():
+def test_the_reports_names_read_the_table():
     from trl_mdi.profile import reliance_report
 
-    with pytest.warns(FutureWarning, match="KIND_SIGNALS is deprecated: use trl_mdi.signals.reliance_names"):
-        assert reliance_report.KIND_SIGNALS == tuple(S.reliance_names())
-    with pytest.warns(FutureWarning, match="PICTURES is deprecated"):
-        assert reliance_report.PICTURES["blind_agrees"] == "reliance_blind_agrees.png"
-    with pytest.warns(FutureWarning, match="HOW_TO_READ is deprecated"):
-        assert "**visual_gain**: mean over the completion" in reliance_report.HOW_TO_READ
+    assert reliance_report.picture_file("blind_agrees") == "reliance_blind_agrees.png"
+    assert "**visual_gain**: mean over the completion" in reliance_report.how_to_read()

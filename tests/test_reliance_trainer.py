@@ -127,10 +127,10 @@ def expected_signals(model_dir, batch) -> dict[str, list[float]]:
 
 
 def profile_reference(path, batch, kind: str, temperature: float, attention: bool) -> dict[str, torch.Tensor]:
-    """``trl_mdi.profile.reliance.reference_signals`` of the batch's rollouts (the prompts, images, choices and
+    """``trl_mdi.profile.reference.reference_signals`` of the batch's rollouts (the prompts, images, choices and
     completion tokens the trainer's counterfactual forward saw) on a fresh copy of the model from the checkpoint:
     plain no-grad forwards through the project's batch builder, none of TRL's log-prob path."""
-    from trl_mdi.profile.reliance import reference_signals
+    from trl_mdi.profile.reference import reference_signals
 
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
     processor = AutoProcessor.from_pretrained(path)

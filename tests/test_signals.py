@@ -237,7 +237,7 @@ def test_worked_example_counterfactual_signal(tiny_vlm_dir, grpo_train_dataset, 
     assert float(summary["gain share mean"]) == pytest.approx(sum(want) / len(want), abs=1e-4)
     # It is no attention-log column: the attention log reads the probe signals only.
     assert "gain share" not in (tmp_path / "logs" / "attention.md").read_text()
-    # The glossary, and trl_mdi.reliance's direction.
+    # The glossary, and trl_mdi.profile.validation's direction.
     assert ("reliance/gain_token_share", GAIN_TOKEN_SHARE.help) in S.glossary()
     assert f"| `reliance/gain_token_share` | {GAIN_TOKEN_SHARE.help} |" in render_signal_glossary().splitlines()
     assert S.direction("gain_token_share") == S.LOW

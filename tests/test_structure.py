@@ -17,10 +17,9 @@ MATHS = ("trl_mdi.attention", "trl_mdi.tprl", "trl_mdi.counterfactual")
 # What the maths may import from outside trl_mdi besides the standard library.
 MATHS_THIRD_PARTY = {"torch", "numpy", "PIL", "transformers", "deepspeed"}
 
-# Modules that still hold a deprecation alias (a FutureWarning, or a module __getattr__ that is not a package's lazy
-# loader) or sit on an import cycle, until the branch that removes them merges: removed by the profile restructure
-# (issue 34). Empty this set when it lands.
-PENDING = {"trl_mdi.profile.stats", "trl_mdi.profile.reliance_report"}
+# Modules exempt from the cycle and alias checks: none (issue 34 removed the last deprecation aliases). A module added
+# here must say why, and when it leaves.
+PENDING: set[str] = set()
 
 
 def module_name(path: Path) -> str:

@@ -14,11 +14,11 @@ and says where the value goes: handed to reward functions as a named argument (`
 ``attention/<name>`` (probe) or ``reliance/<name>`` (counterfactual) (``metric``: the mean over the generation
 batch where finite; a 0/1 ``flag`` makes it a rate), shown as a column of its log (``log``: the attention log for
 probe signals, the rollout log for counterfactual ones), where a rollout that follows the language prior lies
-(``direction``, for ``trl_mdi.reliance``'s AUROC), and its glossary line (``help``). A name holding ``{segment}``
+(``direction``, for ``trl_mdi.profile.validation``'s AUROC), and its glossary line (``help``). A name holding ``{segment}``
 stands for one value per layer segment (``mdi_{segment}`` -> ``mdi_early``, ``mdi_middle``, ``mdi_late``).
 Everything else reads this table: the trainer (which forwards feed it, reward fields, metrics), the reward-input
 check at construction, the run plan (a reward reading a counterfactual field turns the counterfactual forward on),
-the live logs (columns, summaries), the profile's reliance report, ``trl_mdi.reliance`` (directions) and the docs'
+the live logs (columns, summaries), the profile's reliance report, ``trl_mdi.profile.validation`` (directions) and the docs'
 glossary (tests/test_readme.py checks it).
 
 Adding a signal is one entry here plus its test: docs/signals.md shows one of each source.
@@ -178,7 +178,7 @@ class Signal:
     log: str | None = None  # column header of its log (attention log: probe; rollout log: counterfactual)
     label: str | None = None  # its step-summary row: attention log, when no column (default: log); rollout log
     # (default: "<log> mean", "<log> rate" for a flag; trl_mdi.diagnostics.writers.summary_label)
-    direction: str | None = None  # LOW / HIGH: where prior-following rollouts lie (trl_mdi.reliance); None: unknown
+    direction: str | None = None  # LOW / HIGH: where prior-following rollouts lie (trl_mdi.profile.validation); None: unknown
     reads: tuple[str, ...] = ()  # group: the signals it ranks; counterfactual: PROBE when it needs the probe too
     flag: bool = False  # a 0/1 verdict: its metric is a rate, its log cell yes / no
     metric_name: str | None = None  # the metric's name when not <prefix>/<name>

@@ -3,7 +3,7 @@ tokens (gathered under DeepSpeed ZeRO-3), and the choice-letter logits made of t
 
 ``model_facts`` reads what a model *is* from its config, before any weight is loaded; this module works on the loaded
 modules at run time (a forward hook, parameter gathering). Both the trainer's counterfactual forward and the
-profile's reference (``trl_mdi.profile.reliance``) compute the counterfactual's choice-letter logits with
+profile's reference (``trl_mdi.profile.reference``) compute the counterfactual's choice-letter logits with
 :func:`choice_logits`, so the two agree by construction on what ``blind_agrees`` compares::
 
     with hidden_states_at(unwrap_model(model).base_model, answers.letter_position, completion_length) as hidden:

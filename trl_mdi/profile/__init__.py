@@ -14,13 +14,15 @@ loaded (``arguments``, ``rows``).
 With ``--reliance`` it also asks whether the answers come from the image: every rollout (greedy, and sampled with
 ``--samples_per_row``) is scored again with a counterfactual image in plain no-grad forwards, and the section reports
 accuracy with and without the image and how well each per-rollout signal separates prior-following rollouts
-(``reliance``, ``reliance_report``). ``reference_signals`` is that measurement on explicit tensors: the reference
-the trainer's counterfactual signals are tested against.
+(``reference``, ``reliance_report``, ``validation``). ``reference_signals`` is that measurement on explicit tensors:
+the reference the trainer's counterfactual signals are tested against.
 
 Layout: ``arguments`` (flags, model checks), ``rows`` (the split, sampled and prepared with ``trl_mdi.data``),
-``measure`` (generation and measurement of one model), ``report`` (the files), ``reliance`` (the counterfactual
-measurement), ``reliance_report`` (its summary, Markdown and pictures), ``command`` (``main``); ``stats`` is a
-deprecated alias of ``trl_mdi.attention.layer_stats``. docs/profile.md has the ``--help`` output and worked examples.
+``measure`` (generation and measurement of one model), ``report`` (the files), ``reference`` (the counterfactual
+measurement in plain forwards: the signals' reference values), ``validation`` (a signal against labels: AUROC,
+prompt bootstrap, within-prompt AUROC, the signal table; for your own data too), ``reliance_report`` (the
+``--reliance`` section: summary, Markdown and pictures), ``command`` (``main``). docs/profile.md has the ``--help``
+output and worked examples.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ..attention.layer_stats import compare, layer_profile, mass_curve, mdi_curv
 # The command's names load on first use (PEP 562): the numbers and curves above, which the trainer's live logs may
 # use, then import no entry-point code (argument parsing, model checks, TRL's config).
 _LAZY = {"ProfileArguments": "arguments", "build_parser": "arguments", "parse_args": "arguments", "main": "command",
-         "run": "command", "measure_reliance": "reliance", "reference_signals": "reliance",
+         "run": "command", "measure_reliance": "reference", "reference_signals": "reference",
          "summarize_reliance": "reliance_report"}
 
 __all__ = ["ProfileArguments", "build_parser", "compare", "layer_profile", "main", "mass_curve", "measure_reliance",

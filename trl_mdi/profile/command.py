@@ -57,7 +57,7 @@ def profile_model(name: str, label: str, config, processor, rows: ProfileRows, a
 
 def _reliance(model, processor, rows: ProfileRows, args: ProfileArguments, label: str) -> dict:
     """The reliance section's measurement of one model (``reliance.measure_reliance``) and its summary."""
-    from .reliance import measure_reliance
+    from .reference import measure_reliance
     from .reliance_report import summarize_reliance
 
     m = measure_reliance(model, processor, rows.dataset, args.counterfactual_image, samples=args.samples_per_row,
@@ -71,7 +71,7 @@ def _reliance(model, processor, rows: ProfileRows, args: ProfileArguments, label
 def _check_counterfactuals(processors: dict, rows: ProfileRows, args: ProfileArguments) -> None:
     """Every processor encodes every counterfactual kind of the first row with an image (no weights needed)."""
     from ..data.images import decode_row_images, row_images
-    from .reliance import check_counterfactuals
+    from .reference import check_counterfactuals
 
     for i in range(min(rows.dataset.num_rows, 64)):
         row = dict(rows.dataset[i])

@@ -1,4 +1,4 @@
-"""The profile's reliance section: a ``RelianceMeasurement`` (``trl_mdi.profile.reliance``) summarised per
+"""The profile's reliance section: a ``RelianceMeasurement`` (``trl_mdi.profile.reference``) summarised per
 counterfactual kind, its Markdown, and one picture per signal (distributions per model).
 
 Summary per kind, over the rows that have an image:
@@ -7,7 +7,7 @@ Summary per kind, over the rows that have an image:
   blind answer: the greedy answer to the counterfactual prompt); their difference is MMStar's multimodal gain;
 * same-answer rate: the share of rows whose rollout-0 answer (where one parses) the blind answer repeats;
 * per-signal means over every rollout with a value;
-* with gold answers, ``trl_mdi.reliance.signal_table`` against the general rule (prior-following: the answer is the
+* with gold answers, ``trl_mdi.profile.validation.signal_table`` against the general rule (prior-following: the answer is the
   blind answer and not the gold one; other: the answer is the gold one; any other wrong answer is left out), and,
   where rows carry their own prior label (``conflict`` + ``prior_idx``: :func:`data_prior_label`), against that
   label too, with ``label_agreement`` between the rule and the data. Groups are rows (GRPO's prompts).
@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import math
 import textwrap
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from .. import signals as S
-from ..reliance import format_signal_table, label_agreement, prior_following, signal_table
-from .reliance import RelianceMeasurement
+from .reference import RelianceMeasurement
+from .validation import format_signal_table, label_agreement, prior_following, signal_table
 
 _HOW_TO_READ_START = (
     "Each rollout (prompt + completion, teacher-forced) is scored with the real image I and with the counterfactual "
@@ -60,29 +59,6 @@ def _kind_signals(m: RelianceMeasurement | Mapping[str, Any], kind: str) -> list
     rollouts = m.rollouts if isinstance(m, RelianceMeasurement) else m["rollouts"]
     carried = set().union(*(r["signals"].get(kind, {}) for r in rollouts)) if rollouts else set()
     return [n for n in S.reliance_names() if n in carried]
-
-
-def _deprecated_kind_signals() -> tuple[str, ...]:
-    return tuple(S.reliance_names())
-
-
-def _deprecated_pictures() -> dict[str, str]:
-    return {n: picture_file(n) for n in S.reliance_names()}
-
-
-_DEPRECATED = {"KIND_SIGNALS": (_deprecated_kind_signals, "trl_mdi.signals.reliance_names()"),
-               "PICTURES": (_deprecated_pictures, "picture_file(name) over trl_mdi.signals.reliance_names()"),
-               "HOW_TO_READ": (how_to_read, "how_to_read()")}
-
-
-def __getattr__(name: str) -> Any:
-    """The former constants, now read from the signal table (PEP 562), with a FutureWarning."""
-    if name in _DEPRECATED:
-        value, instead = _DEPRECATED[name]
-        warnings.warn(f"trl_mdi.profile.reliance_report.{name} is deprecated: use {instead}", FutureWarning,
-                      stacklevel=2)
-        return value()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def data_prior_label(answer: str | None, gold: str | None, prior: str | None, conflict: bool | None) -> bool | None:

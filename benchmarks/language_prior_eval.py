@@ -1,5 +1,5 @@
 """benchmarks/language_prior.py's held-out evaluation: accuracy on conflict and non-conflict rows and MDI, and the
-reliance experiment's measurement (``trl_mdi.profile.reliance.measure_reliance`` on the held-out conflict rows)."""
+reliance experiment's measurement (``trl_mdi.profile.reference.measure_reliance`` on the held-out conflict rows)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ class HeldOut:
         where all are defined, its within-group variance share, and the general rule's agreement with that label.
         Returns a JSON-ready dict (see :func:`compact_summary`) with the per-rollout ``records`` beside the tables
         (:func:`rollout_records`; :func:`recompute` rebuilds the tables from them)."""
-        from trl_mdi.profile.reliance import measure_reliance
+        from trl_mdi.profile.reference import measure_reliance
 
         was_training = model.training
         model.eval()
@@ -121,7 +121,7 @@ def rollout_records(m) -> dict:
 def recompute(summary: dict, *, n_boot: int | None = None, seed: int | None = None) -> dict:
     """:func:`summarize` again from a stored summary's ``records`` (the same ``n_boot`` and ``seed`` unless given):
     the tables a current ``summarize_reliance`` makes of the same rollouts."""
-    from trl_mdi.profile.reliance import RelianceMeasurement
+    from trl_mdi.profile.reference import RelianceMeasurement
 
     rec = summary.get("records")
     if not rec:

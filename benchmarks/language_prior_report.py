@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 import transformers
-from _language_prior_eval import KIND_SIGNALS, SIGNALS
-from _results import describe_version, result_args
 
+from benchmarks.language_prior_eval import KIND_SIGNALS, SIGNALS
+from benchmarks.results import describe_version, result_args
+from benchmarks.stats import format_paired_difference, paired_seed_difference
+from benchmarks.stats import verdict as paired_verdict
 from trl_mdi.config import MDIGRPOConfig
-from trl_mdi.reliance import format_paired_difference, paired_seed_difference
-from trl_mdi.reliance import verdict as paired_verdict
 
 SECTION = "## Language prior"
 CHANCE = 0.25
@@ -91,14 +91,14 @@ def paired(groups: dict[str, list[dict]], name: str, key: str) -> list[float]:
 
 
 def paired_difference(groups: dict[str, list[dict]], name: str, key: str) -> dict:
-    """``trl_mdi.reliance.paired_seed_difference`` of a variant's final held-out ``key`` against the baseline's,
+    """``benchmarks.stats.paired_seed_difference`` of a variant's final held-out ``key`` against the baseline's,
     seed by seed: the mean difference with its 95% t interval over the paired seeds."""
     return paired_seed_difference({r["seed"]: final(r)[key] for r in groups.get(name, [])},
                                   {r["seed"]: final(r)[key] for r in groups.get(BASELINE, [])})
 
 
 def training_goal(groups: dict[str, list[dict]], name: str) -> tuple[bool, str] | None:
-    """Issue 25's training goal for a variant, as ``trl_mdi.reliance.verdict`` reads it: "shown" only when the
+    """Issue 25's training goal for a variant, as ``benchmarks.stats.verdict`` reads it: "shown" only when the
     paired conflict-accuracy difference to the baseline has its 95% interval above 0 and its mean >= +0.10, and the
     variant's non-conflict accuracy >= 0.98 and clean format >= 0.9 (means over its seeds); otherwise "not shown"
     with every failed condition (a mean that reaches +0.10 with an interval that includes 0 is not shown: over 3 to
@@ -591,7 +591,7 @@ def budget_line(s, span_minutes: float | None, runs: list[dict], workers: int) -
 
 def code_lines(runs: list[dict], warm: dict, warm_rel: dict | None, version: dict | None,
                dev_rel: dict | None = None) -> list[str]:
-    """The code version every result came from (``_results.code_version`` of the files that decide a result), and
+    """The code version every result came from (``results.code_version`` of the files that decide a result), and
     the jobs that came from another one (reused with --reuse_other_code) by name."""
     jobs = [("warm-up", warm), *((["warm-up reliance (test rows)", warm_rel],) if warm_rel else ()),
             *((["warm-up reliance (development split)", dev_rel],) if dev_rel else ()),
@@ -619,7 +619,7 @@ def report(runs: list[dict], warm: dict, warm_rel: dict | None, s, recipe, varia
     groups = by_variant(runs, variants)
     pick, _ = pick_kind(dev_rel, _default_counterfactual())
     size = ", ".join(f"{k}={v}" for k, v in recipe.model_size.items())
-    cmd = " ".join(["benchmarks/language_prior.py", *map(shlex.quote, result_args(argv, OUTPUT_ONLY_FLAGS))])
+    cmd = " ".join(["-m benchmarks.language_prior", *map(shlex.quote, result_args(argv, OUTPUT_ONLY_FLAGS))])
     measured = warm["seconds"] + sum(r["wall_seconds"] for r in runs) + (warm_rel or {}).get("seconds", 0.0) \
         + (dev_rel or {}).get("seconds", 0.0)
     ends = [r.get("ended_at") for r in runs] + [m.get("ended_at") for m in (warm_rel, dev_rel) if m]
@@ -686,9 +686,9 @@ def report(runs: list[dict], warm: dict, warm_rel: dict | None, s, recipe, varia
         "per step without evaluations; it moves with the machine's load (other users' jobs, the other worker), so "
         "compare it across variants with care; TPRL with the perturbation signal runs one extra forward per step "
         "(none more for the counterfactual-as-perturbation variant: it shares the reliance forward).",
-        f"- Reliance: `trl_mdi.profile.reliance.measure_reliance` (plain no-grad forwards, real and counterfactual "
+        f"- Reliance: `trl_mdi.profile.reference.measure_reliance` (plain no-grad forwards, real and counterfactual "
         "image, on the held-out conflict rows) summarised by `trl_mdi.profile.reliance_report.summarize_reliance` "
-        f"(`trl_mdi.reliance.signal_table`: every signal on one common set of rollouts, pooled and "
+        f"(`trl_mdi.profile.validation.signal_table`: every signal on one common set of rollouts, pooled and "
         f"within-prompt AUROC, {s.n_boot} bootstrap resamples over prompts; and `label_agreement`), over "
         "the sampled rollouts only (the greedy one gives each prompt's answer for the blind-answer rule).",
         "",

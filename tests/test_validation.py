@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from trl_mdi import reliance as R
+from trl_mdi.profile import validation as R
 
 
 def _pairwise_auroc(scores, labels):
@@ -149,7 +149,7 @@ def test_signal_table_orients_each_signal_and_reports_classes():
     mdi = rng.normal(size=n) + 1.5 * labels  # high when prior-following
     noise = rng.normal(size=n)
     visual_gain[5] = np.nan
-    # common=False: each signal on its own rollouts (the common set is tested in test_reliance_stats.py)
+    # common=False: each signal on its own rollouts (the common set is tested in test_validation_stats.py)
     rows = R.signal_table({"visual_gain": visual_gain, "mdi_late": mdi, "custom": noise}, labels, groups,
                           directions={"custom": "high"}, n_boot=200, seed=0, common=False)
     by = {r["signal"]: r for r in rows}

@@ -1,0 +1,138 @@
+"""The benchmarks' statistics in ``benchmarks.stats``: the t quantiles against a printed table and a numerical
+integral, paired seed differences and the verdict's cases, and the module's doctests (``benchmarks/`` is outside
+pytest's doctest paths)."""
+
+import doctest
+import math
+
+import numpy as np
+import pytest
+
+import benchmarks.stats as R
+
+
+def test_doctests():
+    failed, tried = doctest.testmod(R)
+    assert tried and not failed
+
+
+# ----------------------------------------------------------------------------------------------- t quantiles
+
+# Student's t, two-sided 95% (the 0.975 quantile), from a printed table (3 decimals), df 1..30
+T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def test_t_quantiles_match_the_printed_table():
+    for df, want in enumerate(T_975, start=1):
+        assert R.student_t_quantile(0.975, df) == pytest.approx(want, abs=5e-4), df
+    for p, df, want in [(0.95, 1, 6.314), (0.95, 2, 2.920), (0.95, 4, 2.132), (0.95, 10, 1.812), (0.95, 30, 1.697),
+                        (0.995, 4, 4.604), (0.995, 10, 3.169), (0.9, 5, 1.476), (0.975, 1000, 1.962)]:
+        assert R.student_t_quantile(p, df) == pytest.approx(want, abs=5e-4), (p, df)
+
+
+def test_t_quantiles_against_closed_forms_and_a_numerical_integral():
+    for p in (0.6, 0.9, 0.975, 0.999):
+        assert R.student_t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-9)  # Cauchy
+        assert R.student_t_quantile(p, 2) == pytest.approx((2 * p - 1) * math.sqrt(2 / (4 * p * (1 - p))), rel=1e-9)
+        assert R.student_t_quantile(1 - p, 7) == -R.student_t_quantile(p, 7)
+    assert R.student_t_quantile(0.5, 3) == 0.0
+    for df in (3, 6, 13):  # the density integrated from 0 to the quantile holds 0.475 of the mass (Simpson's rule)
+        q = R.student_t_quantile(0.975, df)
+        c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+        t = np.linspace(0, q, 2001)
+        f = c * (1 + t ** 2 / df) ** (-(df + 1) / 2)
+        mass = (t[1] - t[0]) / 3 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())
+        assert mass == pytest.approx(0.475, abs=1e-9), df
+    with pytest.raises(ValueError, match="df must be an integer >= 1"):
+        R.student_t_quantile(0.975, 0)
+    with pytest.raises(ValueError, match="df must be an integer"):
+        R.student_t_quantile(0.975, 2.5)
+    with pytest.raises(ValueError, match=r"p must be in \(0, 1\)"):
+        R.student_t_quantile(1.0, 4)
+
+
+# ------------------------------------------------------------------------------------- paired seed differences
+
+
+def test_paired_seed_difference_by_hand():
+    # per-seed differences 0.10, 0.05, 0.15, 0.00, 0.10: mean 0.08, sample variance 0.0032 (sum of squares
+    # 0.0004 + 0.0009 + 0.0049 + 0.0064 + 0.0004 = 0.013, over 4 = 0.00325), t(0.975, 4) = 2.776
+    variant = {0: 0.60, 1: 0.55, 2: 0.70, 3: 0.50, 4: 0.65}
+    baseline = {0: 0.50, 1: 0.50, 2: 0.55, 3: 0.50, 4: 0.55}
+    d = R.paired_seed_difference(variant, baseline)
+    assert d["n"] == 5 and d["seeds"] == [0, 1, 2, 3, 4] and d["df"] == 4
+    assert d["differences"] == pytest.approx([0.10, 0.05, 0.15, 0.00, 0.10])
+    assert d["mean"] == pytest.approx(0.08) and d["sd"] == pytest.approx(math.sqrt(0.00325))
+    half = 2.7764451 * math.sqrt(0.00325) / math.sqrt(5)
+    assert d["se"] == pytest.approx(math.sqrt(0.00325 / 5))
+    assert (d["low"], d["high"]) == pytest.approx((0.08 - half, 0.08 + half), abs=1e-6)
+    assert d["low"] == pytest.approx(0.00922, abs=1e-5) and d["unpaired"] == []
+    # 90%: t(0.95, 4) = 2.132
+    d90 = R.paired_seed_difference(variant, baseline, level=0.9)
+    assert d90["high"] - d90["mean"] == pytest.approx(2.1318468 * math.sqrt(0.00325 / 5), abs=1e-6)
+
+
+def test_paired_seed_difference_pairs_by_seed_and_drops_the_rest():
+    d = R.paired_seed_difference({3: 0.7, 1: 0.6, 5: None, 7: 0.9}, {1: 0.5, 3: 0.4, 5: 0.3, 9: 0.2})
+    assert d["seeds"] == [1, 3] and d["differences"] == pytest.approx([0.1, 0.3])
+    assert sorted(d["unpaired"]) == [5, 7, 9]
+    assert d["t"] == pytest.approx(12.706, abs=5e-4)  # df = 1
+    seq = R.paired_seed_difference([0.7, 0.8, float("nan")], [0.5, 0.5, 0.5])  # sequences: the index is the seed
+    assert seq["seeds"] == [0, 1] and seq["unpaired"] == [2]
+    one = R.paired_seed_difference({0: 0.7}, {0: 0.5})
+    assert one["n"] == 1 and one["mean"] == pytest.approx(0.2) and math.isnan(one["low"]) and math.isnan(one["sd"])
+    none = R.paired_seed_difference({}, {0: 0.5})
+    assert none["n"] == 0 and math.isnan(none["mean"])
+
+
+def test_format_paired_difference():
+    d = R.paired_seed_difference({0: 0.60, 1: 0.55, 2: 0.70, 3: 0.50, 4: 0.65}, {0: 0.5, 1: 0.5, 2: 0.55, 3: 0.5, 4: 0.55})
+    assert R.format_paired_difference(d) == f"+0.080 [+{d['low']:.3f}, +{d['high']:.3f}] (5 seeds)"
+    assert R.format_paired_difference(d) == "+0.080 [+0.009, +0.151] (5 seeds)"  # 0.08 -+ 2.776 x 0.0255
+    assert R.format_paired_difference(R.paired_seed_difference({}, {})) == "—"
+    assert R.format_paired_difference(R.paired_seed_difference([0.3], [0.5]), digits=2) == "-0.20 (1 seed, no interval)"
+
+
+# ------------------------------------------------------------------------------------------------ the verdict
+
+
+def test_verdict_shown_only_when_the_interval_excludes_zero_and_every_goal_holds():
+    d = R.paired_seed_difference({s: 0.8 + 0.01 * s for s in range(5)}, {s: 0.45 + 0.01 * (s % 2) for s in range(5)})
+    assert d["low"] > 0.3
+    goals = [("non-conflict", 0.99, ">=", 0.98), ("clean format", 0.95, ">=", 0.9)]
+    v = R.verdict(d, min_effect=0.30, goals=goals)
+    assert v == {"shown": True, "verdict": "shown", "reasons": [], "text": "shown"}
+
+
+def test_verdict_mean_meeting_the_goal_with_an_interval_including_zero_is_not_shown():
+    # the old report's "met": TPRL's mean +0.117 >= +0.10, but over 3 seeds the interval spans 0
+    d = R.paired_seed_difference({0: 0.50, 1: 0.72, 2: 0.45}, {0: 0.43, 1: 0.43, 2: 0.46})
+    assert d["mean"] == pytest.approx(0.1166667) and d["low"] < 0 < d["high"]
+    v = R.verdict(d, min_effect=0.10)
+    assert not v["shown"] and v["verdict"] == "not shown"
+    assert v["reasons"] == [f"interval [{d['low']:.3f}, {d['high']:.3f}] includes 0"]
+    assert v["text"] == f"not shown: interval [{d['low']:.3f}, {d['high']:.3f}] includes 0"
+
+
+def test_verdict_side_goals_min_effect_and_direction():
+    d = {"n": 5, "mean": 0.12, "low": 0.05, "high": 0.19}
+    v = R.verdict(d, min_effect=0.30, goals=[("non-conflict", 0.95, ">=", 0.98), ("clean", None, ">=", 0.9),
+                                             ("collapse rate", 0.1, "<", 0.05)])
+    assert v["reasons"] == ["mean difference +0.120 < +0.3", "non-conflict 0.950 < 0.98", "clean not measured",
+                            "collapse rate 0.100 >= 0.05"]
+    assert R.verdict(d, goals=[("non-conflict", 0.98, ">=", 0.98)])["shown"]  # the threshold itself meets >=
+    worse = {"n": 5, "mean": -0.1, "low": -0.15, "high": -0.05}
+    assert R.verdict(worse)["reasons"] == ["interval [-0.150, -0.050] lies below 0: the variant is worse"]
+    # direction "lower": a value the variant should reduce (e.g. the rate of prior-following answers)
+    assert R.verdict(worse, direction="lower", min_effect=0.05)["text"] == "shown"
+    assert R.verdict(d, direction="lower")["reasons"] == ["interval [0.050, 0.190] lies above 0: the variant is worse"]
+    touching = R.verdict({"n": 5, "mean": 0.0, "low": 0.0, "high": 0.1})  # an end at 0 does not exclude it
+    assert touching["reasons"] == ["interval [0.000, 0.100] includes 0"]
+    assert R.verdict({"n": 1, "mean": 0.4, "low": float("nan"), "high": float("nan")})["reasons"] == [
+        "1 paired seed: no interval (needs 2 or more)"]
+    assert R.verdict(R.paired_seed_difference({}, {}))["reasons"] == ["no paired seeds"]
+    with pytest.raises(ValueError, match="direction must be 'higher' or 'lower'"):
+        R.verdict(d, direction="up")
+    with pytest.raises(ValueError, match="goal 'x': op must be one of"):
+        R.verdict(d, goals=[("x", 1.0, "=>", 0.5)])
