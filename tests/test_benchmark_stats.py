@@ -136,3 +136,101 @@ def test_verdict_side_goals_min_effect_and_direction():
         R.verdict(d, direction="up")
     with pytest.raises(ValueError, match="goal 'x': op must be one of"):
         R.verdict(d, goals=[("x", 1.0, "=>", 0.5)])
+
+
+# ---------------------------------------------------------------------- the replication's tests (issue 35)
+
+
+def brute_force_sign_flip(d):
+    import itertools
+
+    observed = abs(sum(d))
+    hits = sum(abs(sum(s * x for s, x in zip(signs, d))) >= observed - 1e-12
+               for signs in itertools.product((-1, 1), repeat=len(d)))
+    return hits / 2 ** len(d)
+
+
+def test_sign_flip_is_exact():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 5, 9, 12):
+        for shift in (0.0, 0.5, 2.0):
+            d = list(rng.normal(shift, 1.0, n))
+            assert R.sign_flip_p(d) == pytest.approx(brute_force_sign_flip(d), abs=1e-12), (n, shift)
+    # With 5 pairs all of one sign, the smallest p there is: 2 / 2^5.
+    assert R.sign_flip_p([0.1, 0.2, 0.3, 0.4, 0.5]) == 0.0625
+    assert R.sign_flip_p([0.1] * 16) == pytest.approx(2 / 2 ** 16)
+    assert math.isnan(R.sign_flip_p([]))
+    with pytest.raises(ValueError, match="finite"):
+        R.sign_flip_p([0.1, float("nan")])
+    with pytest.raises(ValueError, match="at most"):
+        R.sign_flip_p([0.1] * (R.SIGN_FLIP_MAX_PAIRS + 1))
+
+
+def seeds(values, base=0.4):
+    return {s: base + v for s, v in enumerate(values)}, {s: base for s in range(len(values))}
+
+
+def test_holm_orders_by_p_and_stops_at_the_first_non_rejection():
+    strong = seeds([0.30, 0.25, 0.35, 0.28, 0.32, 0.27, 0.31, 0.29])  # p = 2/256
+    weak = seeds([0.30, -0.20, 0.25, 0.10, -0.05, 0.20, 0.15, -0.10])
+    null = seeds([0.0] * 8)
+    r = R.holm_family({"weak": weak, "strong": strong})
+    assert r["strong"]["rank"] == 0 and r["strong"]["alpha"] == 0.025 and r["strong"]["shown"]
+    assert r["weak"]["rank"] == 1 and r["weak"]["alpha"] == 0.05 and r["weak"]["reached"]
+    assert not r["weak"]["rejected"]
+    assert r["strong"]["difference"]["level"] == pytest.approx(0.975)
+    # Step-down: when the first (smallest p) is not rejected, the next is not even tested, however strong alone.
+    r = R.holm_family({"null": null, "a": seeds([0.3, 0.25, 0.2, 0.3, 0.1]), "b": seeds([0.3, 0.25, 0.2, 0.3, 0.1])})
+    assert not any(x["rejected"] for x in r.values())  # 5 pairs: p >= 0.0625 > 0.05 / 3
+    assert [x["reached"] for x in sorted(r.values(), key=lambda x: x["rank"])] == [True, False, False]
+    assert "not tested" in min(r.values(), key=lambda x: -x["rank"])["text"]
+
+
+def test_holm_needs_the_t_interval_and_the_sign_flip_to_agree():
+    # 6 positive pairs and one large negative: the t interval includes 0 though the sign-flip p is small, and vice
+    # versa for a tight mean with one sign exception.
+    mixed = seeds([0.02, 0.03, 0.02, 0.03, 0.02, 0.03, 0.02, 0.03, -0.01, 0.02])
+    one = R.holm_family({"x": mixed})["x"]
+    d = one["difference"]
+    t_excludes = d["low"] > 0
+    assert t_excludes and one["p"] <= 0.05 and one["shown"]
+    wild = seeds([0.9, 0.01, 0.01, 0.01, 0.01, 0.01])  # all positive: sign-flip p = 2/64, t interval includes 0
+    w = R.holm_family({"x": wild})["x"]
+    assert w["p"] == pytest.approx(2 / 64) and w["difference"]["low"] < 0 and not w["rejected"]
+    worse = seeds([-0.3, -0.25, -0.35, -0.28, -0.32, -0.27, -0.31, -0.29])
+    b = R.holm_family({"x": worse})["x"]
+    assert b["rejected"] and not b["shown"]  # rejected on the wrong side: a harm, not "shown"
+
+
+def primary(shown=True, low=0.1, high=0.5, mean=0.3):
+    return {"shown": shown, "difference": {"mean": mean, "low": low, "high": high}, "text": "(test)"}
+
+
+OK = {"mean": 0.0, "low": -0.02, "high": 0.02}
+ABOVE = {"mean": 0.2, "low": 0.05, "high": 0.35}
+
+
+@pytest.mark.parametrize("case, want, rule", [
+    (dict(primary=primary(), neither={"mean": 0.02}, placebo=ABOVE), "shown", 4),
+    (dict(primary=primary(), neither={"mean": 0.10}, placebo=ABOVE), "refuted: hacking", 1),  # at the line
+    (dict(primary=primary(), neither={"mean": 0.099}, placebo=ABOVE), "shown", 4),
+    (dict(primary=primary(), neither={"mean": 0.0}, placebo={"mean": 0.05, "low": -0.01, "high": 0.11}),
+     "refuted: not from the image", 2),
+    (dict(primary=primary(shown=False, low=-0.1), neither={"mean": 0.0}, placebo={"mean": 0, "low": -0.1, "high": 0.1}),
+     "inconclusive", 5),  # rule 2 needs the primary shown
+    (dict(primary=primary(shown=False, low=-0.2, high=0.149, mean=-0.02), neither={"mean": 0.0}, placebo=ABOVE),
+     "refuted: too small", 3),
+    (dict(primary=primary(low=0.01, high=0.14, mean=0.07), neither={"mean": 0.0}, placebo=ABOVE),
+     "refuted: too small", 3),  # shown but small: refutation comes first
+    (dict(primary=primary(), neither={"mean": 0.0}, placebo=ABOVE, ni={"mean": -0.02, "low": -0.031, "high": 0.0}),
+     "inconclusive", 5),  # a non-inferiority margin fails
+    (dict(primary=primary(), neither={"mean": 0.0}, placebo=None), "shown", 4),  # no placebo arm (B)
+    (dict(primary=primary(), neither={"mean": float("nan")}, placebo=ABOVE), "shown", 4),  # unmeasured: no rule 1
+])
+def test_the_pre_registered_rules_in_their_order(case, want, rule):
+    ni = case.pop("ni", OK)
+    v = R.replication_verdict(case["primary"], neither=case["neither"],
+                              noninferiority=[("non-conflict accuracy", OK), ("clean format", ni)],
+                              placebo=case["placebo"])
+    assert (v["verdict"], v["rule"]) == (want, rule)
+    assert v["text"].startswith(want)

@@ -614,3 +614,70 @@ def test_colour_word_gains_align_every_style_at_the_colour_word(tiny_tokenizer):
     # the unformatted one nothing; the mean form pays by the per-token mean.
     assert out[LOOK]["guarded_visual_gain"] == 1.0 and out[OTHER]["guarded_visual_gain"] == 0.5
     assert 0 < out[OTHER]["visual_gain"] < 1
+
+
+def fake_run(variant, seed, conflict, neither=0.1, plain=0.95, clean=0.93):
+    m = {"conflict": {"accuracy": conflict, "guess_rate": 0.3}, "plain": {"accuracy": plain},
+         "all": {"clean": clean, "other_rate": neither, "look_rate": 0.5}}
+    return {"variant": variant, "seed": seed, "eval": {"sampled": m}, "code": {"commit": "c0ffee" * 7, "dirty": False}}
+
+
+def test_the_replication_report_keeps_the_plan_and_writes_below_it(tmp_path):
+    from benchmarks import look_or_guess_replication as rep
+
+    plan = f"{rep.SECTION}\n\nThe plan, word for word.\n\n{rep.PLAN_END}"
+    results = tmp_path / "RESULTS.md"
+    results.write_text(f"# Results\n\n## Before\n\nkept\n\n{plan}\n\nold results\n\n## After\n\nkept too\n")
+    rep.write_results(results, "\n### Results\n\nnew\n")
+    text = results.read_text()
+    assert rep.plan_text(text) == plan and "old results" not in text and "\nnew\n" in text
+    assert text.startswith("# Results\n\n## Before\n\nkept\n") and text.endswith("## After\n\nkept too\n")
+    rep.write_results(results, "\n### Results\n\nnewer\n")  # idempotent: the plan stays, the results are replaced
+    assert rep.plan_text(results.read_text()) == plan and "newer" in results.read_text() and "\nnew\n" not in \
+        results.read_text()
+    results.write_text("# no plan here\n")
+    with pytest.raises(ValueError, match="commit it first"):
+        rep.write_results(results, "x")
+
+
+def test_the_committed_plan_is_the_plan_commits_text_word_for_word():
+    import subprocess
+
+    from benchmarks import look_or_guess_replication as rep
+
+    results = ROOT / "benchmarks" / "RESULTS.md"
+    commit = rep.plan_commit(results)
+    if commit is None:
+        pytest.skip("no git history here (the plan commit cannot be read)")
+    then = subprocess.run(["git", "show", f"{commit}:benchmarks/RESULTS.md"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout
+    assert rep.plan_text(results.read_text()) == rep.plan_text(then)
+
+
+def test_the_replication_report_from_runs():
+    from benchmarks import look_or_guess_replication as rep
+
+    rng = __import__("random").Random(0)
+    runs = []
+    for seed in range(100, 116):
+        base = 0.4 + rng.uniform(-0.2, 0.2)
+        runs += [fake_run("answer_format", seed, base), fake_run("visual_gain", seed, base + 0.05, neither=0.35),
+                 fake_run("guarded_visual_gain", seed, base + 0.3), fake_run("placebo_guarded", seed, base + 0.02)]
+    res = rep.analyse(runs)
+    assert res["primary"]["C"]["shown"] and res["primary"]["B"]["shown"]  # equal p: the order of the arms breaks the tie
+    assert res["verdicts"]["C"]["verdict"] == "shown"
+    assert res["verdicts"]["B"]["verdict"] == "refuted: hacking"
+    body = rep.report(runs=runs, choice=None, earlier=None, code="c0ffee", plan="fdc0a07", earlier_code=None,
+                      minutes=None, workers=2, missing=[])
+    assert "**C: + guarded_visual_gain: shown**" in body and "**B: + visual_gain (as shipped): refuted: hacking**" \
+        in body
+    assert "64 runs (A 16, B 16, C 16, D 16), seeds 100 to 115" in body
+    # The earlier section re-stated: 5 seeds, Holm over five: nothing can be shown (p >= 0.0625).
+    earlier = [fake_run(v, s, 0.4 + 0.3 * (v != "answer_format") + 0.01 * s) for s in range(5)
+               for v in ("answer_format", *rep.EARLIER)]
+    restated = rep.restate(earlier)
+    assert set(restated) == set(rep.EARLIER)
+    assert all(x["primary"]["p"] == 0.0625 and not x["primary"]["shown"] for x in restated.values())
+    assert "re-stated under the corrected rules" in rep.report(runs=runs, choice=None, earlier=earlier, code="c",
+                                                                plan=None, earlier_code="35eeeeb", minutes=None,
+                                                                workers=2, missing=[])
