@@ -249,14 +249,29 @@ def _counterfactual_reward_check(ns, request):
 
 
 def _reliance_statistics_check(ns, request):
-    """The prose: the within-prompt AUROC of a signal that is lower on wording-following rollouts, and the verdict on a
-    paired effect. By hand: prompt p1's two positives (0.1, 0.0) lie below both negatives (4 of 4 pairs), prompt p2's
-    0.05 below 0.4 and 0.3 and 0.35 below 0.4 only (3 of 4): 7 of 8. The paired differences (+0.05, -0.01, +0.15)
-    have a mean of +0.063 and an interval that includes 0: not shown."""
+    """The prose: the within-prompt AUROC of a signal that is lower on wording-following rollouts, and Holm over two
+    paired effects. By hand: prompt p1's two positives (0.1, 0.0) lie below both negatives (4 of 4 pairs), prompt
+    p2's 0.05 below 0.4 and 0.3 and 0.35 below 0.4 only (3 of 4): 7 of 8. Reward A beats the baseline on all 8 seeds
+    (sign-flip p = 2 / 2^8, tested first at 0.025, its 97.5% interval above 0): shown; reward B is mixed: not shown.
+    The three paired differences (+0.05, -0.01, +0.15): sign-flip p = 4 / 8 (flipping the -0.01 gives a larger sum)."""
     assert ns["within"]["auroc"] == 7 / 8 and ns["within"]["pairs"] == 8
-    assert ns["effect"]["differences"] == pytest.approx([0.05, -0.01, 0.15])
-    text = ns["verdict"](ns["effect"], min_effect=0.10)["text"]
-    assert text.startswith("not shown: interval [") and "includes 0" in text and "< +0.1" in text, text
+    a, b = ns["family"]["reward A"], ns["family"]["reward B"]
+    assert a["p"] == 2 / 2 ** 8 and a["alpha"] == 0.025 and a["shown"] and a["difference"]["low"] > 0
+    assert b["rank"] == 1 and not b["shown"]
+    d = ns["paired_seed_difference"]({0: 0.74, 1: 0.70, 2: 0.81}, {0: 0.69, 1: 0.71, 2: 0.66})
+    assert d["differences"] == pytest.approx([0.05, -0.01, 0.15]) and ns["sign_flip_p"](d["differences"]) == 0.5
+
+
+def _group_scaling_check(ns, request):
+    """The page's arithmetic is TRL's: the advantage it computes equals (r - group mean) / (TRL's nanstd + 1e-4), the
+    std TRL 1.16's sum-then-normalise divides by (Bessel-corrected)."""
+    import torch
+    from trl.trainer.utils import nanstd
+
+    for delta in (1.0, 1e-3, 2e-4):
+        rewards = torch.tensor([delta] * 4 + [0.0] * 4, dtype=torch.float64)
+        trl_advantage = float((rewards[0] - rewards.mean()) / (nanstd(rewards) + 1e-4))
+        assert ns["advantage_of_a_difference"](delta) == pytest.approx(trl_advantage, rel=1e-6)
 
 
 BLOCKS: tuple[DocBlock, ...] = (
@@ -277,6 +292,8 @@ BLOCKS: tuple[DocBlock, ...] = (
     DocBlock("signals-counterfactual-reward", "docs/signals.md", "gain_share_reward", RUN,
              check=_counterfactual_reward_check),
     DocBlock("reliance-statistics", "docs/reliance.md", "within_prompt_auroc(gains", RUN, check=_reliance_statistics_check),
+    DocBlock("rewards-group-scaling", "docs/rewards.md", "def advantage_of_a_difference", RUN,
+             check=_group_scaling_check),
 )
 BLOCKS_BY_MARKER = {b.marker: b for b in BLOCKS}
 
