@@ -162,11 +162,18 @@ def report(*, runs: list[dict], choice: dict | None, earlier: list[dict] | None,
     L = ["", "### Results", ""]
     seeds = sorted({r["seed"] for r in runs})
     counts = {x: sum(r["variant"] == ARMS[x] for r in runs) for x in ARMS}
-    L.append(f"Runs: code `{code}`, the plan commit `{plan or 'unknown'}` (it precedes the runs' commit or is it); "
-             f"{sum(counts.values())} runs ({', '.join(f'{x} {n}' for x, n in counts.items())}), seeds "
-             f"{seeds[0] if seeds else '—'} to {seeds[-1] if seeds else '—'}"
-             + (f"; {minutes:.1f} min on {workers} workers" if minutes else "")
-             + (f"; missing: {', '.join(missing)}" if missing else "") + ". Nothing was cut from the plan.")
+    same = plan is not None and code.startswith(plan)
+    if minutes is None and runs and all("started_at" in r and "ended_at" in r for r in runs):
+        minutes = (max(r["ended_at"] for r in runs) - min(r["started_at"] for r in runs)) / 60  # first start to last end
+    L.append("Reproduce: `python -m benchmarks.look_or_guess replicate --work_dir DIR` (resumable), then "
+             "`python -m benchmarks.look_or_guess replication-report --work_dir DIR --earlier EARLIER_DIR` rewrites "
+             "these results (never the plan).")
+    L += ["", f"Runs: code `{code}`; the plan commit `{plan or 'unknown'}`"
+          + (" (the runs ran from that clean commit: the plan was committed before any of them)" if same else
+             " (committed before the runs)") + f"; {sum(counts.values())} runs ("
+          + ", ".join(f"{x} {n}" for x, n in counts.items()) + f"), seeds {seeds[0] if seeds else '—'} to "
+          f"{seeds[-1] if seeds else '—'}" + (f"; {minutes:.1f} min on {workers} workers" if minutes else "")
+          + (f"; missing: {', '.join(missing)}" if missing else "; nothing was cut from the plan") + "."]
     if choice and choice.get("guarded"):
         g = choice["guarded"]
         L += ["", f"Development split, before the runs ({choice.get('rollouts')} rollouts of the warm-up, counterfactual "

@@ -671,7 +671,7 @@ def test_the_replication_report_from_runs():
                       minutes=None, workers=2, missing=[])
     assert "**C: + guarded_visual_gain: shown**" in body and "**B: + visual_gain (as shipped): refuted: hacking**" \
         in body
-    assert "64 runs (A 16, B 16, C 16, D 16), seeds 100 to 115" in body
+    assert "64 runs (A 16, B 16, C 16, D 16), seeds 100 to 115; nothing was cut" in body
     # The earlier section re-stated: 5 seeds, Holm over five: nothing can be shown (p >= 0.0625).
     earlier = [fake_run(v, s, 0.4 + 0.3 * (v != "answer_format") + 0.01 * s) for s in range(5)
                for v in ("answer_format", *rep.EARLIER)]
