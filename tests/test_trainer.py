@@ -213,7 +213,7 @@ def test_scoring_path_needs_only_token_ids(model_dir, grpo_train_dataset, tmp_pa
 
 # ----------------------------------------------------------------------------------------------- bad input
 def test_config_validation_names_the_field():
-    with pytest.raises(ValueError, match="mdi_balance_ratio must be > 1"):
+    with pytest.raises(ValueError, match="mdi_balance_ratio: got 1.0; it must be a finite number > 1"):
         MDIGRPOConfig(output_dir="x", mdi_balance_ratio=1.0, use_cpu=True, bf16=False)
     with pytest.raises(ValueError, match="attention_text_keys must be one of"):
         MDIGRPOConfig(output_dir="x", attention_text_keys="words", use_cpu=True, bf16=False)
