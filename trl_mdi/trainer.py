@@ -67,7 +67,7 @@ from .diagnostics import (
     write_batch,
 )
 from .filtering import apply_group_filter, group_filter_keep
-from .rewards import ThinkFormatReward, zero_spread_fraction
+from .rewards import RewardTally, ThinkFormatReward, outcome_metrics, zero_spread_fraction
 from .rewards.inputs import dataset_columns
 from .run_plan import (
     ProbePlacement,
@@ -267,6 +267,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         check_vllm_prompts(config, kwargs["processing_class"], plan.facts)  # before vLLM's engine starts
         self._record: BatchRecord | None = None
         self._pending: PendingMeasurement | None = None
+        self._nan_warned: set[str] = set()  # rewards already warned about returning NaN: once per reward and run
         # The format check the rewards, the clean-format metric and the logs share (one definition everywhere).
         self.answer_format = ThinkFormatReward(config.answer_pattern, think_prefilled=bool(plan.think_prefilled))
         # Built before the weights load: a log path that cannot be written fails before any model work.
@@ -425,7 +426,16 @@ class MDIGRPOTrainer(GRPOTrainer):
                 record.signals = self._batch_signals(record, mode)
                 self._hand_to_rewards(inputs, record.signals)
             record.timing.scoring += time.perf_counter() - start
-        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        # TRL turns a reward's None into NaN as soon as it returns, so None ("not applicable") and NaN (a failure)
+        # can only be told apart on the reward's own return value: the batch's rewards are scored through counting
+        # wrappers, put back at once.
+        tally, funcs = RewardTally(self.reward_funcs), self.reward_funcs
+        self.reward_funcs = tally.funcs
+        try:
+            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        finally:
+            self.reward_funcs = funcs
+        self._log_reward_outcomes(tally, mode)
         clean = self.accelerator.gather(torch.tensor(self.answer_format(completions, [x.get("choices") for x in inputs]),
                                                      device=self.accelerator.device))  # NCCL gathers device tensors
         self._metrics[mode]["completions/clean_format_frac"].append(float(clean.mean()))
@@ -441,6 +451,25 @@ class MDIGRPOTrainer(GRPOTrainer):
             for name, value in zip(self.reward_func_names, zero_spread_fraction(rewards, group).tolist()):
                 self._metrics[mode][f"rewards/{name}/zero_spread_frac"].append(value)
         return rewards
+
+    def _log_reward_outcomes(self, tally: RewardTally, mode: str) -> None:
+        """``rewards/<name>/none_frac`` and ``nan_frac`` of the generation batch (all processes), and one warning per
+        reward, the first time it returns NaN (None is by design and never warned about)."""
+        counts = self.accelerator.gather(torch.tensor([tally.counts], dtype=torch.float64,
+                                                      device=self.accelerator.device)).sum(dim=0)
+        metrics = outcome_metrics(self.reward_func_names, counts.tolist())
+        for key, value in metrics.items():
+            self._metrics[mode][key].append(value)
+        for name, (_, n_bad, n) in zip(self.reward_func_names, counts.tolist()):
+            if n_bad and name not in self._nan_warned:
+                self._nan_warned.add(name)
+                if self.accelerator.is_main_process:
+                    logger.warning(
+                        "reward %s returned NaN (or an infinite value) for %d of %d rollouts at step %d. TRL counts "
+                        "such a value as 0 in the rollout's weighted total (lowering its advantage) and leaves it out "
+                        "of rewards/%s/mean; return None where the reward does not apply. Counted in "
+                        "rewards/%s/nan_frac; warned once per reward.", name, int(n_bad), int(n),
+                        self.state.global_step, name, name)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # A batch measured in the training forward: each slice at its first pass (the key is popped, so later passes
