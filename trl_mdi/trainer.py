@@ -56,7 +56,7 @@ from .attention.probe import probe_support
 from .batch import check_counterfactual_encodes, encode_prompts, pad_rows, policy_batch, rng_untouched
 from .config import MDIGRPOConfig
 from .counterfactual import NO_IMAGE, counterfactual_prompts
-from .data.columns import check_choice_counts
+from .data.columns import check_choices
 from .data.images import decode_row_images, lazy_images, report_bad_images, row_images
 from .diagnostics import (
     BatchLog,
@@ -254,7 +254,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
         for split, ds in [("train_dataset", train_dataset), *evals]:
             if ds is not None:
-                check_choice_counts(ds, split)  # a row with more choices than letters: the data's error, now
+                check_choices(ds, split)  # too many choices, a label outside them...: the data's error, now
         if kwargs.get("processing_class") is None:
             # A model whose config cannot be read fails here with transformers' own error, as it would in plan_run.
             load_model_config(model, config.model_init_kwargs, trust_remote_code=config.trust_remote_code)
