@@ -163,6 +163,18 @@ def test_non_rgb_images_converted(tmp_path):
     assert [im.mode for im in load(dataset_path=str(tmp_path)).train["image"]] == ["RGB"] * 3
 
 
+def test_tiny_and_unusual_mode_images_load_as_rgb(tmp_path):
+    """1x1 images and 16-bit grey, 1-bit and LA images load, converted to RGB (kept passing)."""
+    rows = mc_rows(4)
+    rows["image"] = [{"bytes": png((1, 1)), "path": None}, {"bytes": png((1, 1), mode="I;16"), "path": None},
+                     {"bytes": png((3, 2), mode="1"), "path": None}, {"bytes": png((2, 3), mode="LA"), "path": None}]
+    write_parquet(tmp_path / "train.parquet", rows)
+    data = load(dataset_path=str(tmp_path))
+    assert data.train.num_rows == 4 and not data.reports[0].dropped
+    assert [(im.mode, im.size) for im in data.train["image"]] == [("RGB", (1, 1)), ("RGB", (1, 1)), ("RGB", (3, 2)),
+                                                                   ("RGB", (2, 3))]
+
+
 def test_relative_image_paths_resolved_against_dataset_root(tmp_path, monkeypatch):
     (tmp_path / "imgs").mkdir()
     (tmp_path / "imgs" / "a.png").write_bytes(png((6, 4)))

@@ -185,6 +185,8 @@ def test_processor_pixel_budget(tiny_vlm_dir):
     assert (processor.image_processor.size.shortest_edge, processor.image_processor.size.longest_edge) == (784, 12544)
     with pytest.raises(ModelCheckError, match="Qwen-VL-style"):
         load_processor(str(tiny_vlm_dir("smolvlm")), max_pixels=12544)
+    with pytest.raises(ModelCheckError, match="^min_pixels 12544 is larger than max_pixels 784$"):
+        load_processor(str(tiny_vlm_dir("qwen2_5_vl")), min_pixels=112 * 112, max_pixels=28 * 28)
 
 
 # --------------------------------------------------------------------------------------------------- bad input
@@ -280,6 +282,19 @@ def test_indivisible_batch_is_an_error_before_the_model_loads(capsys, tmp_path, 
                             "--output_dir", tmp_path / "out", "--dry_run", "--per_device_train_batch_size", "3",
                             "--num_generations", "2")
     assert code == 2 and calls == [] and "divisible" in err and err.count("error:") == 1, err
+
+
+def test_bf16_and_fp16_on_a_cpu_machine_is_an_error_before_the_model_loads(capsys, tmp_path, monkeypatch):
+    """transformers' own check at construction (kept passing): one line, before the model config is read."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: bf16 is supported here")
+    calls = []
+    monkeypatch.setattr("trl_mdi.cli.command.check_vlm", lambda *a, **k: calls.append(a))
+    code, _, err = run_main(capsys, "--model_name_or_path", tmp_path / "m", "--dataset_path", tmp_path / "d",
+                            "--output_dir", tmp_path / "out", "--dry_run", "--bf16", "true", "--fp16", "true")
+    assert code == 2 and calls == [] and err.count("error:") == 1 and "bf16" in err, err
 
 
 def _immutable_dir(path: Path) -> bool:
