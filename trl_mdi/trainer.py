@@ -747,5 +747,5 @@ class MDIGRPOTrainer(GRPOTrainer):
                          reward_weights=self.reward_weights,
                          signals=record.signals.local if record.signals is not None else None,
                          metrics=record.signals.metrics if record.signals is not None else None, attention=attention,
-                         map_rows=record.map_rows, strips=strips, evidence=evidence)
+                         map_rows=record.map_rows, strips=strips, evidence=evidence, skipped=scored.bad)
         write_batch(self.live_logs, log, processing_class=self.processing_class, answer_format=self.answer_format)
