@@ -253,6 +253,10 @@ def test_reward_weight_count_mismatch(capsys, base_args):
     (["--top_p", "0"], None, "top_p: got 0.0; it must be a finite number in (0, 1]"),
     (["--epsilon", "-0.2"], None, "epsilon: got -0.2; it must be a finite number > 0"),
     (["--num_generations", "1"], None, "num_generations: got 1; it must be a whole number >= 2"),
+    (["--min_pixels", "0"], None, "min_pixels: got 0; it must be a whole number >= 1"),
+    ([], "max_pixels: [12544]\n", "max_pixels: got [12544]; it must be a whole number >= 1"),
+    (["--max_image_side=-1"], None, "max_image_side: got -1; it must be a whole number >= 0"),
+    ([], "eval_split_size: [0.1]\n", "eval_split_size: got [0.1]; it must be a finite number >= 0"),
 ])
 def test_bad_config_value_is_one_line_naming_field_value_and_example(capsys, tmp_path, monkeypatch, flags,
                                                                       yaml_text, expected):

@@ -74,14 +74,12 @@ class RewardTally:
     """
 
     def __init__(self, funcs: Sequence[Callable]):
-        import inspect
-
         import torch
+        from trl.trainer.utils import is_async_callable  # TRL's own test, so we skip exactly what it awaits
 
         self.counts: list[tuple[int, int, int]] = [(0, 0, 0)] * len(funcs)
         self.funcs = [
-            f if isinstance(f, torch.nn.Module) or inspect.iscoroutinefunction(f)
-            or inspect.iscoroutinefunction(getattr(f, "__call__", None)) else _Counted(f, i, self)
+            f if isinstance(f, torch.nn.Module) or is_async_callable(f) else _Counted(f, i, self)
             for i, f in enumerate(funcs)
         ]
 
