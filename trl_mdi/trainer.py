@@ -14,7 +14,9 @@ interception):
    same rollouts with a counterfactual image gives ``visual_gain``, ``answer_visual_gain``, ``blind_agrees``:
    whether the answer would have been the same without the image; logged as ``reliance/*``, readable by rewards.
 5. **Rewards by name** (``trl_mdi.rewards``): registry names or import paths; the 4:1:1 stack when the user chose
-   this trainer's defaults; every reward's inputs checked at construction.
+   this trainer's defaults; every reward's inputs checked at construction; each reward's None ("not applicable")
+   and NaN (a failure) counted apart before TRL merges them (``rewards/<name>/none_frac``, ``nan_frac``; a NaN
+   warned about once per reward).
 6. **TPRL** (``trl_mdi.tprl``): token masks into TRL's loss mask, trajectory multipliers into the advantages, from a
    per-token perception signal: ``perturbation`` (one forward with perturbed images) or ``attention`` (the probe).
 7. **Online group filtering** and **unreadable images**: such rollouts leave the update; images on some processes
@@ -455,7 +457,7 @@ class MDIGRPOTrainer(GRPOTrainer):
     def _log_reward_outcomes(self, tally: RewardTally, mode: str) -> None:
         """``rewards/<name>/none_frac`` and ``nan_frac`` of the generation batch (all processes), and one warning per
         reward, the first time it returns NaN (None is by design and never warned about)."""
-        counts = self.accelerator.gather(torch.tensor([tally.counts], dtype=torch.float64,
+        counts = self.accelerator.gather(torch.tensor([tally.counts], dtype=torch.float32,  # MPS has no float64
                                                       device=self.accelerator.device)).sum(dim=0)
         metrics = outcome_metrics(self.reward_func_names, counts.tolist())
         for key, value in metrics.items():
