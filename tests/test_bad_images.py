@@ -42,6 +42,26 @@ def test_unreadable_image_is_skipped_and_counted(tiny_vlm_dir, corrupted, tmp_pa
     assert trainer.state.global_step == 1
 
 
+def test_skipped_rollouts_are_shown_as_skipped_in_the_rollout_log(tiny_vlm_dir, corrupted, tmp_path):
+    """Issue 38: the step summary counted an unreadable image's rollouts as reward 0; they are shown as skipped, with
+    no reward, and left out of the step's means. (mdi_balance makes the probe measure before the rewards, so the
+    batch is logged as soon as it is scored.)"""
+    corrupted, qid = corrupted
+    trainer = MDIGRPOTrainer(str(tiny_vlm_dir("qwen2_5_vl")), reward_funcs=[spread_reward, "mdi_balance"],
+                             args=make_args(tmp_path, max_steps=1, per_device_train_batch_size=8),
+                             train_dataset=corrupted)
+    trainer.model.train()
+    batch = next(b for b in trainer.get_train_dataloader() if any(x["question_id"] == qid for x in b))
+    bad = [i for i, x in enumerate(batch) if x["question_id"] == qid]
+    trainer._generate_and_score_completions(batch)
+    log = (tmp_path / "logs" / "rollouts.md").read_text()
+    summary = log.split("### Step summary", 1)[1]
+    assert f"| skipped (unreadable image: out of the update and of these means) | {len(bad)} |" in summary, summary
+    if bad[0] < 2:  # among the rollouts written in full
+        assert f"### Rollout {bad[0]} · group {bad[0] // 4} · reward — · advantage 0 · skipped (unreadable image)" \
+            in log, log
+
+
 def test_unreadable_image_can_stop_the_run_with_a_clear_error(tiny_vlm_dir, corrupted, tmp_path):
     corrupted, qid = corrupted
     trainer = MDIGRPOTrainer(str(tiny_vlm_dir("qwen2_5_vl")), reward_funcs=[spread_reward],

@@ -186,7 +186,8 @@ def test_a_27_choice_row_is_a_data_load_error(tmp_path):
     counts = [4, 26, 27, 12, 30]
     rows = {"image": [{"bytes": _png(), "path": None} for _ in counts],
             "prompt": [f"Question {i}?" for i in range(len(counts))], "label_idx": [0] * len(counts),
-            "choices": [CHOICE_WORDS[:1] * n for n in counts], "question_id": [f"q{i}" for i in range(len(counts))]}
+            "choices": [[f"option {k}" for k in range(n)] for n in counts],  # distinct: a duplicate is an error
+            "question_id": [f"q{i}" for i in range(len(counts))]}
     ds = datasets.Dataset.from_dict(rows).cast_column("image", datasets.Image())
     (tmp_path / "data").mkdir()
     ds.to_parquet(str(tmp_path / "data" / "train.parquet"))
@@ -351,7 +352,7 @@ def test_a_trainer_given_a_27_choice_dataset_refuses_it_at_construction(tiny_vlm
     model = str(tiny_vlm_dir("qwen2_5_vl"))
     monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", no_load)
     train = datasets.Dataset.from_dict({"prompt": ["x"] * 2, "label_idx": [0, 0],
-                                        "choices": [["a"] * 4, ["b"] * 27]})
+                                        "choices": [list("abcd"), [f"b{k}" for k in range(27)]]})
     args = MDIGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2,
                          num_generations=2, max_completion_length=4)
     with pytest.raises(DatasetError, match="^row 1 of split 'train_dataset' has 27 choices, more than the 26"):

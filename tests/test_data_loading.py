@@ -163,6 +163,18 @@ def test_non_rgb_images_converted(tmp_path):
     assert [im.mode for im in load(dataset_path=str(tmp_path)).train["image"]] == ["RGB"] * 3
 
 
+def test_tiny_and_unusual_mode_images_load_as_rgb(tmp_path):
+    """1x1 images and 16-bit grey, 1-bit and LA images load, converted to RGB (kept passing)."""
+    rows = mc_rows(4)
+    rows["image"] = [{"bytes": png((1, 1)), "path": None}, {"bytes": png((1, 1), mode="I;16"), "path": None},
+                     {"bytes": png((3, 2), mode="1"), "path": None}, {"bytes": png((2, 3), mode="LA"), "path": None}]
+    write_parquet(tmp_path / "train.parquet", rows)
+    data = load(dataset_path=str(tmp_path))
+    assert data.train.num_rows == 4 and not data.reports[0].dropped
+    assert [(im.mode, im.size) for im in data.train["image"]] == [("RGB", (1, 1)), ("RGB", (1, 1)), ("RGB", (3, 2)),
+                                                                   ("RGB", (2, 3))]
+
+
 def test_relative_image_paths_resolved_against_dataset_root(tmp_path, monkeypatch):
     (tmp_path / "imgs").mkdir()
     (tmp_path / "imgs" / "a.png").write_bytes(png((6, 4)))
@@ -247,3 +259,107 @@ def test_missing_prompt_column(tmp_path):
         load(dataset_path=str(tmp_path))
 
 
+
+
+# ---------------------------------------------------------------------- issue 38, item 5: caught at load, by id
+
+
+def choice_rows(n: int) -> dict[str, list]:
+    """n rows as the prep script writes them: prompt, four choices, label_idx and question_id."""
+    rows = mc_rows(n)
+    rows["choices"] = [["red", "blue", "green", "yellow"] for _ in range(n)]
+    rows["question_id"] = [f"q{i}" for i in range(n)]
+    return rows
+
+
+def test_label_outside_the_choices_is_an_error_naming_the_question_id(tmp_path):
+    """Before: label_idx 7 on a 4-choice row passed the load and failed only when sampled, with a long traceback."""
+    rows = choice_rows(4)
+    rows["label_idx"][2] = 7
+    write_parquet(tmp_path / "train.parquet", rows)
+    with pytest.raises(DatasetError) as e:
+        load(dataset_path=str(tmp_path))
+    assert str(e.value).startswith("row 2 of split 'train' (question_id 'q2') has label_idx 7 but only 4 choices "
+                                   "(A to D): the label must be 0 to 3"), e.value
+    rows["label_idx"][2], rows["label_idx"][3] = 1, -1  # negative: also outside
+    write_parquet(tmp_path / "train.parquet", rows)
+    with pytest.raises(DatasetError, match=r"question_id 'q3'\) has label_idx -1 but only 4 choices"):
+        load(dataset_path=str(tmp_path))
+
+
+def test_choice_holding_a_choice_marker_is_an_error(tmp_path):
+    """Before: a choice "blue\\nB. green" made a prompt with two "B." lines, silently."""
+    rows = choice_rows(3)
+    rows["choices"][1] = ["red", "blue\nB. green", "grey", "black"]
+    write_parquet(tmp_path / "train.parquet", rows)
+    with pytest.raises(DatasetError, match=r"row 1 of split 'train' \(question_id 'q1'\) has choice B .* two 'B\.' "
+                                           r"lines"):
+        load(dataset_path=str(tmp_path))
+
+
+def test_duplicate_choices_are_an_error_counting_every_row(tmp_path):
+    rows = choice_rows(8)
+    for i in (2, 5, 6):
+        rows["choices"][i] = ["red", "blue", "Red", "yellow"]
+    write_parquet(tmp_path / "train.parquet", rows)
+    with pytest.raises(DatasetError) as e:
+        load(dataset_path=str(tmp_path))
+    message = str(e.value)
+    assert message.startswith("row 2 of split 'train' (question_id 'q2') has the same choice twice: A and C are both "
+                              "'red'") and "3 rows of 'train' have such a problem" in message, message
+    assert "\n" not in message
+
+
+def test_choice_checks_on_the_trainer_path():
+    """The trainer refuses the same rows when it is handed a dataset directly (no entry point, no prepare_split)."""
+    from trl_mdi.data import check_choices
+
+    check_choices([{"choices": ["a", "b"], "label_idx": 1}, {"choices": ["a", "b"], "label_idx": None}])
+    with pytest.raises(DatasetError, match=r"row 1 .*question_id 'x'.*label_idx 2 but only 2 choices"):
+        check_choices([{"choices": ["a", "b"], "label_idx": 1}, {"choices": ["a", "b"], "label_idx": 2,
+                                                                 "question_id": "x"}])
+    check_choices(datasets.Dataset.from_dict({"prompt": ["no choices column"], "label_idx": [9]}))
+
+
+@pytest.mark.parametrize("kind", ["parquet", "parquet_no_row_group", "jsonl", "save_to_disk"])
+def test_empty_split_says_empty(tmp_path, kind):
+    """Before: Arrow's "BatchSize must be greater than 0" (or a bare StopIteration for json)."""
+    import pyarrow.parquet as pq
+
+    empty = datasets.Dataset.from_dict(mc_rows(2)).cast_column("image", datasets.Image()).select([])
+    if kind == "parquet":
+        empty.to_parquet(str(tmp_path / "train.parquet"))
+    elif kind == "parquet_no_row_group":
+        pq.write_table(empty.data.table.slice(0, 0), str(tmp_path / "train.parquet"))
+    elif kind == "jsonl":
+        (tmp_path / "train.jsonl").write_text("")
+    else:
+        datasets.DatasetDict({"train": empty}).save_to_disk(str(tmp_path / "saved"))
+    path = tmp_path / "saved" if kind == "save_to_disk" else tmp_path
+    expected = r"split\(s\) 'train' are empty" if kind == "save_to_disk" else r"split 'train'.* is empty.*--dataset_"
+    with pytest.raises(DatasetError, match=expected) as e:
+        load(dataset_path=str(path))
+    assert "BatchSize" not in str(e.value) and "\n" not in str(e.value)
+
+
+def test_oversized_image_says_too_large_and_the_limit(tmp_path, monkeypatch):
+    """Before: an image over PIL's decompression-bomb limit (a 20000x20000 one) was dropped as "unreadable". The
+    limit is lowered here so that a 40x40 image stands for it."""
+    from PIL import Image as PILImage
+
+    from trl_mdi.data import DROP_TOO_MANY_PIXELS
+
+    rows = mc_rows(3)
+    rows["image"][1] = {"bytes": png((40, 40)), "path": None}
+    write_parquet(tmp_path / "train.parquet", rows)
+    monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", 500)  # PIL refuses over 2 x 500 = 1000 pixels; 40x40 = 1600
+    data = load(dataset_path=str(tmp_path))
+    assert data.train.num_rows == 2 and data.reports[0].dropped == {DROP_TOO_MANY_PIXELS: 1}
+    line = data.reports[0].describe()
+    assert "1 image too large to open" in line and "[limit: 1000 pixels, twice PIL.Image.MAX_IMAGE_PIXELS" in line
+    assert "unreadable" not in line
+    monkeypatch.undo()
+    rows["image"][1] = {"bytes": png((1500, 20)), "path": None}  # over max_image_side: the limit is named too
+    write_parquet(tmp_path / "train.parquet", rows)
+    line = load(dataset_path=str(tmp_path)).reports[0].describe()
+    assert "1 image too large (longer side over max_image_side) [limit: longer side <= 1024 px" in line, line

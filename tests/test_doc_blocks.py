@@ -274,12 +274,20 @@ def _group_scaling_check(ns, request):
         assert ns["advantage_of_a_difference"](delta) == pytest.approx(trl_advantage, rel=1e-6)
 
 
+def _none_and_nan_check(ns, request):
+    """The prose: TRL's nansum scores the NaN rollout -0.707 in its group while the reward's mean reads 1.0; trl_mdi
+    counts None and NaN apart from the reward's own return value."""
+    assert ns["advantages"][0].item() == pytest.approx(-0.7071, abs=1e-3)
+    assert ns["totals"].tolist() == [1.0, 2.0]
+
+
 BLOCKS: tuple[DocBlock, ...] = (
     DocBlock("readme-training-script", "README.md", "MDIGRPOTrainer(model=", RUN, setup=_readme_setup, check=_readme_check),
     DocBlock("concepts-probe-call", "docs/concepts.md", "measure_modality_attention(model", RUN, setup=_probe_setup, check=_probe_check),
     DocBlock("profile-plots", "docs/profile.md", "layer_profile(result)", RUN, context={"result": Instance(ModalityAttention)},
              setup=_profile_setup, check=_profile_check),
     DocBlock("rewards-custom-reward", "docs/rewards.md", "late_vision_reward", RUN, check=_reward_check),
+    DocBlock("rewards-none-and-nan", "docs/rewards.md", "count_outcomes([None", RUN, check=_none_and_nan_check),
     # An entry of the SIGNALS tuple in trl_mdi/signals.py: run inside such a tuple, in that module's namespace.
     DocBlock("signals-table-entry", "docs/signals.md", 'Signal("image_mass_{segment}"', RUN, context={"Signal": S.Signal},
              template="NEW_SIGNALS = (\n{code})", setup=lambda request: ({}, dict(vars(S))),

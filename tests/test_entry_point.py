@@ -185,6 +185,8 @@ def test_processor_pixel_budget(tiny_vlm_dir):
     assert (processor.image_processor.size.shortest_edge, processor.image_processor.size.longest_edge) == (784, 12544)
     with pytest.raises(ModelCheckError, match="Qwen-VL-style"):
         load_processor(str(tiny_vlm_dir("smolvlm")), max_pixels=12544)
+    with pytest.raises(ModelCheckError, match="^min_pixels 12544 is larger than max_pixels 784$"):
+        load_processor(str(tiny_vlm_dir("qwen2_5_vl")), min_pixels=112 * 112, max_pixels=28 * 28)
 
 
 # --------------------------------------------------------------------------------------------------- bad input
@@ -236,6 +238,108 @@ def test_dataset_without_image_column(capsys, base_args, tmp_path):
 def test_reward_weight_count_mismatch(capsys, base_args):
     code, _, err = run_main(capsys, *base_args, "--dry_run", "--reward_weights", "1", "2")
     assert code == 2 and "2 reward weights for 3 reward functions" in err
+
+
+# Every case fails while parsing, before the model config is read: fake model and data paths are enough.
+@pytest.mark.parametrize("flags, yaml_text, expected", [
+    (["--max_completion_length", "0"], None, "max_completion_length: got 0; it must be a whole number >= 1"),
+    ([], "beta: [0.1, 0.2]\n", "beta: got [0.1, 0.2]; it must be a finite number >= 0"),
+    ([], "reward_weights: 4\n", "reward_weights: got 4; it must be a list of numbers, one per reward function"),
+    ([], "reward_funcs: [mc_idx, think_format, mdi_balance]\nreward_weights: 4\n", "reward_weights: got 4;"),
+    (["--reward_weights", "4", "nan", "1"], None, "reward_weights: got [4.0, nan, 1.0]; weight 2 (nan) is not a finite"),
+    (["--learning_rate", "nan"], None, "learning_rate: got nan; it must be a finite number > 0"),
+    (["--learning_rate=-1e-6"], None, "learning_rate: got -1e-06; it must be a finite number > 0"),
+    (["--temperature", "0"], None, "temperature: got 0.0; it must be a finite number > 0 (GRPO samples"),
+    (["--top_p", "0"], None, "top_p: got 0.0; it must be a finite number in (0, 1]"),
+    (["--epsilon", "-0.2"], None, "epsilon: got -0.2; it must be a finite number > 0"),
+    (["--num_generations", "1"], None, "num_generations: got 1; it must be a whole number >= 2"),
+    (["--min_pixels", "0"], None, "min_pixels: got 0; it must be a whole number >= 1"),
+    ([], "max_pixels: [12544]\n", "max_pixels: got [12544]; it must be a whole number >= 1"),
+    (["--max_image_side=-1"], None, "max_image_side: got -1; it must be a whole number >= 0"),
+    ([], "eval_split_size: [0.1]\n", "eval_split_size: got [0.1]; it must be a finite number >= 0"),
+])
+def test_bad_config_value_is_one_line_naming_field_value_and_example(capsys, tmp_path, monkeypatch, flags,
+                                                                      yaml_text, expected):
+    """Issue 38, item 4: a value of the wrong type or out of range, from a flag or the YAML file alike, stops the run
+    while parsing (before the model config is read, let alone the weights) with one line: the field, the value, and
+    a valid example in both spellings."""
+    calls = []
+    monkeypatch.setattr("trl_mdi.cli.command.check_vlm", lambda *a, **k: calls.append(a))
+    args = ["--model_name_or_path", tmp_path / "model", "--dataset_path", tmp_path / "data",
+            "--output_dir", tmp_path / "out", "--dry_run", *flags]
+    if yaml_text is not None:
+        (tmp_path / "c.yaml").write_text(yaml_text)
+        args += ["--config", tmp_path / "c.yaml"]
+    code, out, err = run_main(capsys, *args)
+    lines = err.strip().splitlines()
+    assert code == 2 and calls == [] and "dry run" not in out, err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], err
+    field = expected.split(":")[0]
+    assert f"Valid example: --{field} " in lines[0] and "Traceback" not in err
+
+
+def test_indivisible_batch_is_an_error_before_the_model_loads(capsys, tmp_path, monkeypatch):
+    """An effective batch that num_generations does not divide: TRL's own check, at construction, kept passing."""
+    calls = []
+    monkeypatch.setattr("trl_mdi.cli.command.check_vlm", lambda *a, **k: calls.append(a))
+    code, _, err = run_main(capsys, "--model_name_or_path", tmp_path / "m", "--dataset_path", tmp_path / "d",
+                            "--output_dir", tmp_path / "out", "--dry_run", "--per_device_train_batch_size", "3",
+                            "--num_generations", "2")
+    assert code == 2 and calls == [] and "divisible" in err and err.count("error:") == 1, err
+
+
+def test_bf16_and_fp16_on_a_cpu_machine_is_an_error_before_the_model_loads(capsys, tmp_path, monkeypatch):
+    """transformers' own check at construction (kept passing): one line, before the model config is read."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: bf16 is supported here")
+    calls = []
+    monkeypatch.setattr("trl_mdi.cli.command.check_vlm", lambda *a, **k: calls.append(a))
+    code, _, err = run_main(capsys, "--model_name_or_path", tmp_path / "m", "--dataset_path", tmp_path / "d",
+                            "--output_dir", tmp_path / "out", "--dry_run", "--bf16", "true", "--fp16", "true")
+    assert code == 2 and calls == [] and err.count("error:") == 1 and "bf16" in err, err
+
+
+def _immutable_dir(path: Path) -> bool:
+    """Make ``path`` a directory its owner cannot write to, as root too (chmod does not stop root, an immutable
+    inode does); False where this machine cannot."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o500)
+        return True
+    try:
+        return subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
+    except OSError:  # no chattr
+        return False
+
+
+@pytest.mark.parametrize("kind", ["file", "under_a_file", "read_only"])
+def test_unusable_output_dir_is_an_error_before_the_model_loads(capsys, tmp_path, monkeypatch, kind):
+    """Issue 38, item 4: output_dir must be a directory (or creatable as one) this user can write, checked at
+    construction; before, each case ended in a traceback once the weights had loaded."""
+    calls = []
+    monkeypatch.setattr("trl_mdi.cli.command.check_vlm", lambda *a, **k: calls.append(a))
+    (tmp_path / "afile").write_text("x")
+    if kind == "read_only":
+        target = tmp_path / "locked"
+        if not _immutable_dir(target):
+            pytest.skip("running as root without chattr +i support: no way to make a directory root cannot write")
+    else:
+        target = tmp_path / "afile" if kind == "file" else tmp_path / "afile" / "out"
+    try:
+        code, _, err = run_main(capsys, "--model_name_or_path", tmp_path / "m", "--dataset_path", tmp_path / "d",
+                                "--output_dir", target, "--dry_run")
+    finally:
+        if kind == "read_only":
+            if os.geteuid() == 0:
+                subprocess.run(["chattr", "-i", str(target)], check=True)
+            target.chmod(0o700)
+    expected = {"file": "is a file, not a directory", "under_a_file": "cannot be created: ",
+                "read_only": "is not writable"}[kind]
+    lines = err.strip().splitlines()
+    assert code == 2 and calls == [] and len(lines) == 1 and expected in lines[0], err
+    assert f"output_dir {str(target)!r}" in lines[0] and "Valid example: --output_dir" in lines[0]
 
 
 def test_peft_without_target_modules(capsys, base_args):

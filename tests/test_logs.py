@@ -976,3 +976,25 @@ def test_image_evidence_marks_the_tokens_the_image_made_likeliest(tmp_path):
     assert "**red**" in line and line.endswith("+4.41") and "**Image evidence** (tokens at least 1 nat" in line
     assert image_evidence_line(guess_ev).startswith("**Image evidence:** none")
     assert image_evidence(gains, completion, mask, tok, rows=1)[1] is None  # only the fully printed rollouts
+
+
+def test_skipped_rollouts_have_no_reward_and_are_counted_not_averaged_as_zero(tmp_path):
+    """Issue 38: a rollout left out of the update (an unreadable image; every reward NaN) has no weighted total
+    (TRL's nansum would make it 0) and the step summary counts it as skipped, outside the means."""
+    from trl_mdi.diagnostics import BatchLog, rollout_records
+
+    nan = float("nan")
+    log = BatchLog(step=1, epoch=0.0, rows=[{}, {}], prompts=["Q0", "Q1"], completions=["a", "b"],
+                   completion_lengths=[1, 1], rewards=torch.tensor([[nan, nan], [1.0, 0.5]]),
+                   advantages=torch.zeros(2), reward_names=["accuracy_reward", "spread_reward"],
+                   reward_weights=[2.0, 1.0], skipped=torch.tensor([True, False]))
+    records = [r["rollout"] for r in rollout_records(log)]
+    assert records[0]["reward"] is None and records[0]["skipped"] == "unreadable image"
+    assert records[1]["reward"] == 2.5 and "skipped" not in records[1]
+    w = RolloutLogWriter(tmp_path / "r.md", full_rollouts_per_step=2, colorize=False)
+    assert w.write_step(1, 0.0, records)
+    text = (tmp_path / "r.md").read_text()
+    assert "### Rollout 0 · reward — · advantage 0 · skipped (unreadable image)" in text, text
+    summary = text.split("### Step summary", 1)[1]
+    assert "| skipped (unreadable image: out of the update and of these means) | 1 |" in summary
+    assert "| reward (weighted) mean | 2.5 |" in summary, summary

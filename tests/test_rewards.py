@@ -526,3 +526,39 @@ def test_answer_visual_gain_rewards_are_clipped_and_ranked():
     with pytest.raises(ValueError, match="2 completions but 1"):
         R.answer_visual_gain_reward(["a", "b"], [1.0])
     assert R.answer_visual_gain_group_reward(["a", "b", "c"], [1.0, -1.0, None]) == [1.0, -1.0, None]
+
+
+# ------------------------------------------------------------------------------------------ None and NaN counts
+
+
+def test_count_outcomes_tells_none_from_nan():
+    """None (not applicable) and NaN / inf (a failure) counted apart: TRL merges them into NaN right after."""
+    assert R.count_outcomes([1.0, None, NAN, 0.0, None, -math.inf]) == (2, 2)
+    assert R.count_outcomes(np.array([0.5, np.nan])) == (0, 1)  # numpy values, as a custom reward may return
+    assert R.count_outcomes([torch.tensor(1.0), torch.tensor(NAN)]) == (0, 1)
+    assert R.count_outcomes([]) == (0, 0)
+
+
+def test_reward_tally_counts_each_call_and_keeps_names():
+    def half_nan(completions, **kwargs):
+        return [NAN if i % 2 else None for i in range(len(completions))]
+
+    model = torch.nn.Linear(1, 1)  # a reward model: TRL calls it differently, left as it is
+
+    async def async_reward(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    tally = R.RewardTally([R.mc_idx_reward, half_nan, model, async_reward])
+    assert [getattr(f, "__name__", None) for f in tally.funcs[:2]] == ["mc_idx_reward", "half_nan"]
+    assert tally.funcs[2] is model and tally.funcs[3] is async_reward
+    tally.funcs[1](completions=["a"] * 4)
+    out = tally.funcs[0](completions=["Answer: A", "Answer: B", "x"], label_idx=[0, 0, None])
+    assert out == [1.0, 0.0, None] and tally.counts[0] == (1, 0, 3)
+    assert tally.counts[1] == (2, 2, 4) and tally.counts[2] == tally.counts[3] == (0, 0, 0)
+    pickle.loads(pickle.dumps(R.RewardTally([R.mc_idx_reward]).funcs[0]))  # picklable, like the rewards it wraps
+
+
+def test_outcome_metrics_fractions_per_reward():
+    metrics = R.outcome_metrics(["a_reward", "b_reward", "model"], torch.tensor([[0, 0, 8], [3, 1, 8], [0, 0, 0]]))
+    assert metrics == {"rewards/a_reward/none_frac": 0.0, "rewards/a_reward/nan_frac": 0.0,
+                       "rewards/b_reward/none_frac": 0.375, "rewards/b_reward/nan_frac": 0.125}

@@ -213,7 +213,7 @@ def test_scoring_path_needs_only_token_ids(model_dir, grpo_train_dataset, tmp_pa
 
 # ----------------------------------------------------------------------------------------------- bad input
 def test_config_validation_names_the_field():
-    with pytest.raises(ValueError, match="mdi_balance_ratio must be > 1"):
+    with pytest.raises(ValueError, match="mdi_balance_ratio: got 1.0; it must be a finite number > 1"):
         MDIGRPOConfig(output_dir="x", mdi_balance_ratio=1.0, use_cpu=True, bf16=False)
     with pytest.raises(ValueError, match="attention_text_keys must be one of"):
         MDIGRPOConfig(output_dir="x", attention_text_keys="words", use_cpu=True, bf16=False)
@@ -318,3 +318,27 @@ def test_trainer_measurement_equals_the_probe_on_the_same_rollouts(model_dir, gr
                              train_dataset=grpo_train_dataset)
     trainer.train()
     assert checked == [4, 4], checked
+
+
+def flaky_reward(completions, **kwargs):
+    """NaN for the first rollout of every batch (a failing reward), None for the second (not applicable)."""
+    return [float("nan") if i == 0 else None if i == 1 else 1.0 for i in range(len(completions))]
+
+
+def test_nan_and_none_rewards_counted_apart_and_nan_warned_once(model_dir, grpo_train_dataset, tmp_path, caplog):
+    """Issue 38, item 6: a reward's NaN is counted (rewards/<name>/nan_frac) and warned about once, with the reward's
+    name; its None (not applicable, by design) is counted (none_frac) and never warned about."""
+    import logging
+
+    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=["mc_idx", flaky_reward], args=make_args(tmp_path),
+                             train_dataset=grpo_train_dataset)
+    with caplog.at_level(logging.WARNING, logger="trl_mdi.trainer"):
+        trainer.train()
+    logs = _metrics(trainer)
+    assert len(logs) == 2
+    for step in logs:
+        assert step["rewards/flaky_reward/nan_frac"] == 0.25 and step["rewards/flaky_reward/none_frac"] == 0.25
+        assert step["rewards/mc_idx_reward/nan_frac"] == 0.0 and "rewards/mc_idx_reward/none_frac" in step
+    warned = [r.getMessage() for r in caplog.records if "returned NaN" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("reward flaky_reward returned NaN") and "1 of 4" in warned[0]
+    assert trainer.reward_funcs[1] is flaky_reward  # the counting wrappers are gone after each batch

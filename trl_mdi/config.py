@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -311,6 +313,10 @@ class MDIGRPOConfig(GRPOConfig):
         return self.enable_entropy_filtering or self.uses_perception_signal
 
     def __post_init__(self):
+        # Types and ranges first: TRL's own __post_init__ does arithmetic on some of these (a YAML string or list
+        # would fail there with a TypeError that names no field), and the trainer reads the rest only after the
+        # weights load.
+        check_field_values(self)
         super().__post_init__()
         validate_added_fields(self)
 
@@ -340,6 +346,200 @@ class MDIGRPOConfig(GRPOConfig):
 TEXT_KEY_CHOICES = ("all", "content")
 
 
+@dataclass(frozen=True)
+class NumberRule:
+    """The type and range one numeric config field must have, and a valid example for the error message."""
+
+    name: str
+    kind: type  # int or float (an int is accepted for a float field; a bool never)
+    low: float | None = None  # None: unbounded
+    high: float | None = None
+    low_open: bool = False  # True: the bound itself is refused
+    high_open: bool = False
+    optional: bool = False  # None is allowed (the library then picks the value)
+    example: str = "1"
+    why: str = ""  # what the range means for GRPO, when the bare range would not say
+
+    def requirement(self) -> str:
+        """The rule in words: 'a whole number >= 1', 'a finite number in (0, 1]'."""
+        what = "a whole number" if self.kind is int else "a finite number"
+        if self.low is not None and self.high is not None:
+            bounds = f" in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        elif self.low is not None:
+            bounds = f" {'>' if self.low_open else '>='} {self.low:g}"
+        elif self.high is not None:
+            bounds = f" {'<' if self.high_open else '<='} {self.high:g}"
+        else:
+            bounds = ""
+        return what + bounds + (" or None" if self.optional else "")
+
+    def accepts(self, value: float) -> bool:
+        """Whether the (already typed, finite) ``value`` lies in the range."""
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        if self.high is not None and (value >= self.high if self.high_open else value > self.high):
+            return False
+        return True
+
+
+FIELD_RULES: tuple[NumberRule, ...] = (
+    NumberRule("learning_rate", float, 0, low_open=True, example="1e-6"),
+    NumberRule("beta", float, 0, example="0.0", why="the KL coefficient (0: no reference model)"),
+    NumberRule("temperature", float, 0, low_open=True, example="1.0",
+               why="GRPO samples several rollouts per prompt and compares them, so sampling must be on: greedy "
+               "decoding (do_sample=False, temperature 0) would give every rollout of a group the same completion"),
+    NumberRule("top_p", float, 0, 1, low_open=True, example="1.0"),
+    NumberRule("top_k", int, 0, optional=True, example="0", why="0: no top-k cut"),
+    NumberRule("min_p", float, 0, 1, optional=True, example="0.05"),
+    NumberRule("repetition_penalty", float, 0, low_open=True, example="1.0"),
+    NumberRule("max_completion_length", int, 1, optional=True, example="256",
+               why="the new tokens each rollout may generate"),
+    NumberRule("num_generations", int, 2, optional=True, example="8",
+               why="GRPO's advantage compares the rollouts of a prompt with each other"),
+    NumberRule("num_generations_eval", int, 1, optional=True, example="4"),
+    NumberRule("num_iterations", int, 1, example="1"),
+    NumberRule("epsilon", float, 0, low_open=True, example="0.2"),
+    NumberRule("epsilon_high", float, 0, low_open=True, optional=True, example="0.28"),
+    NumberRule("delta", float, 1, low_open=True, optional=True, example="4.0"),
+    NumberRule("per_device_train_batch_size", int, 1, example="8"),
+    NumberRule("per_device_eval_batch_size", int, 1, example="8"),
+    NumberRule("gradient_accumulation_steps", int, 1, example="1"),
+    NumberRule("num_train_epochs", float, 0, low_open=True, example="1"),
+    NumberRule("max_steps", int, -1, example="200", why="-1: run num_train_epochs instead"),
+    NumberRule("weight_decay", float, 0, example="0.0"),
+    NumberRule("max_grad_norm", float, 0, example="1.0"),
+    NumberRule("warmup_ratio", float, 0, 1, optional=True, example="0.1"),
+    NumberRule("mdi_balance_ratio", float, 1, low_open=True, example="2.0", why="balance uses log R"),
+    NumberRule("filter_low", float, example="0.01"),
+    NumberRule("filter_high", float, example="0.99"),
+)
+"""Numeric fields the entry point takes and what each must hold, checked by ``check_field_values`` at construction.
+Fields with a richer check of their own (the TPRL fractions, the perturbation parameters) keep it in
+``validate_added_fields``."""
+
+
+def _value_error(name: str, value, requirement: str, example: str) -> ValueError:
+    # One line: the field, the value, what it must be and a value that works, in both spellings the entry point takes.
+    return ValueError(f"{name}: got {value!r}; it must be {requirement}. Valid example: --{name} {example} "
+                      f"(or '{name}: {example}' in a --config YAML)")
+
+
+def _typed_number(rule: NumberRule, value):
+    """``value`` as ``rule.kind``, or ValueError. Numeric strings are read as argparse would read the flag (a YAML
+    '1e-6' without a dot is a string to PyYAML); lists, bools and non-numeric strings are refused."""
+    if isinstance(value, str):
+        try:
+            value = float(value) if rule.kind is float or not value.strip().lstrip("+-").isdigit() else int(value)
+        except ValueError:
+            raise _value_error(rule.name, value, rule.requirement(), rule.example) from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _value_error(rule.name, value, rule.requirement(), rule.example)
+    if not math.isfinite(value):
+        raise _value_error(rule.name, value, rule.requirement(), rule.example)
+    if rule.kind is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise _value_error(rule.name, value, rule.requirement(), rule.example)
+        return int(value)
+    return float(value)
+
+
+def check_number(rule: NumberRule, value):
+    """``value`` checked against ``rule`` and converted to its type; ValueError naming the field, the value, the rule
+    and a valid example otherwise.
+
+    >>> check_number(NumberRule("top_p", float, 0, 1, low_open=True, example="1.0"), 1)
+    1.0
+    >>> check_number(NumberRule("num_generations", int, 2, example="8"), 1)
+    Traceback (most recent call last):
+    ...
+    ValueError: num_generations: got 1; it must be a whole number >= 2. Valid example: --num_generations 8 (or 'num_generations: 8' in a --config YAML)
+    """
+    if value is None and rule.optional:
+        return None
+    typed = _typed_number(rule, value)
+    if not rule.accepts(typed):
+        requirement = rule.requirement() + (f" ({rule.why})" if rule.why else "")
+        raise _value_error(rule.name, value, requirement, rule.example)
+    return typed
+
+
+def check_reward_weights(weights):
+    """``reward_weights`` as a list of finite floats (None stays None: one each); ValueError naming the problem.
+
+    A single number (YAML ``reward_weights: 4``) is refused rather than read as one weight: a stack of one reward is
+    rare, and a lone number is more often a list whose brackets were forgotten. A non-finite weight would make every
+    rollout's weighted total NaN or infinite (TRL prints it as ``xnan`` and trains on NaN advantages).
+
+    >>> check_reward_weights([4, 1, 1])
+    [4.0, 1.0, 1.0]
+    >>> check_reward_weights([4, float("nan"), 1])
+    Traceback (most recent call last):
+    ...
+    ValueError: reward_weights: got [4, nan, 1]; weight 2 (nan) is not a finite number. Valid example: --reward_weights 4 1 1 (or 'reward_weights: [4, 1, 1]' in a --config YAML)
+    """
+    example = "Valid example: --reward_weights 4 1 1 (or 'reward_weights: [4, 1, 1]' in a --config YAML)"
+    if weights is None:
+        return None
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, (list, tuple)):
+        raise ValueError(f"reward_weights: got {weights!r}; it must be a list of numbers, one per reward function "
+                         f"(in YAML, a list in brackets). {example}")
+    out = []
+    for i, w in enumerate(weights, 1):
+        try:
+            number = float(w) if isinstance(w, str) else w
+        except ValueError:
+            number = None
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise ValueError(f"reward_weights: got {list(weights)!r}; weight {i} ({w!r}) is not a number. {example}")
+        if not math.isfinite(number):
+            raise ValueError(f"reward_weights: got {list(weights)!r}; weight {i} ({w!r}) is not a finite number. "
+                             f"{example}")
+        out.append(float(number))
+    return out
+
+
+def output_dir_problem(path) -> str | None:
+    """Why ``output_dir`` cannot hold the run's checkpoints (None: it can), checked without writing anything.
+
+    It must be a directory, or a path that can be created as one: no file in the way (the path itself or a parent)
+    and a writable nearest existing parent. ``os.access`` also answers for root on a read-only filesystem or an
+    immutable directory, where permission bits do not stop root.
+    """
+    if path is None:
+        return None
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"output_dir {path!r} is a file, not a directory. Valid example: --output_dir runs/grpo (a folder)"
+    existing = path
+    while not os.path.exists(existing):
+        parent = os.path.dirname(existing)
+        if parent == existing:
+            break
+        existing = parent
+    if not os.path.isdir(existing):
+        return (f"output_dir {path!r} cannot be created: {existing!r} is a file, not a directory. Valid example: "
+                "--output_dir runs/grpo (a folder)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "it" if existing == path else f"its nearest existing parent {existing!r}"
+        return (f"output_dir {path!r} is not writable ({where} is read-only for this user). Valid example: "
+                "--output_dir runs/grpo (a folder you can write)")
+    return None
+
+
+def check_field_values(args) -> None:
+    """Check the types and ranges of the numeric fields (``FIELD_RULES``), ``reward_weights`` and ``output_dir``,
+    converting the values in place (a YAML int for a float field, a numeric string); ValueError otherwise, one line
+    naming the field, the value and a valid example. Runs before ``GRPOConfig.__post_init__``, so CLI flags and YAML
+    keys (which TrlParser sets without argparse's type conversion) are checked alike, before any weight loads."""
+    for rule in FIELD_RULES:
+        if hasattr(args, rule.name):
+            setattr(args, rule.name, check_number(rule, getattr(args, rule.name)))
+    args.reward_weights = check_reward_weights(args.reward_weights)
+    problem = output_dir_problem(getattr(args, "output_dir", None))
+    if problem:
+        raise ValueError(problem)
+
+
 def validate_added_fields(args: MDIGRPOConfig) -> None:
     """Check every added field of ``args`` and fill the defaults that depend on others (``perturbation_seed`` from
     ``seed``, a space-separated ``reward_funcs`` string split), so a bad flag fails before any model loads."""
@@ -347,8 +547,7 @@ def validate_added_fields(args: MDIGRPOConfig) -> None:
     from .tprl.formulas import PERCEPTION_SIGNALS, validate_scaling_min, validate_top_p
     from .tprl.perturb import check_perturbation
 
-    if not args.mdi_balance_ratio > 1.0:
-        raise ValueError(f"mdi_balance_ratio must be > 1 (balance uses log R), got {args.mdi_balance_ratio}")
+    # mdi_balance_ratio, filter_low / filter_high and the other numbers: typed and ranged by check_field_values.
     if args.compute_attention_metrics not in (None, True, False):
         raise ValueError(f"compute_attention_metrics must be True, False or None (auto), got "
                          f"{args.compute_attention_metrics!r}")

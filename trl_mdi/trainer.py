@@ -14,7 +14,9 @@ interception):
    same rollouts with a counterfactual image gives ``visual_gain``, ``answer_visual_gain``, ``blind_agrees``:
    whether the answer would have been the same without the image; logged as ``reliance/*``, readable by rewards.
 5. **Rewards by name** (``trl_mdi.rewards``): registry names or import paths; the 4:1:1 stack when the user chose
-   this trainer's defaults; every reward's inputs checked at construction.
+   this trainer's defaults; every reward's inputs checked at construction; each reward's None ("not applicable")
+   and NaN (a failure) counted apart before TRL merges them (``rewards/<name>/none_frac``, ``nan_frac``; a NaN
+   warned about once per reward).
 6. **TPRL** (``trl_mdi.tprl``): token masks into TRL's loss mask, trajectory multipliers into the advantages, from a
    per-token perception signal: ``perturbation`` (one forward with perturbed images) or ``attention`` (the probe).
 7. **Online group filtering** and **unreadable images**: such rollouts leave the update; images on some processes
@@ -56,7 +58,7 @@ from .attention.probe import probe_support
 from .batch import check_counterfactual_encodes, encode_prompts, pad_rows, policy_batch, rng_untouched
 from .config import MDIGRPOConfig
 from .counterfactual import NO_IMAGE, counterfactual_prompts
-from .data.columns import check_choice_counts
+from .data.columns import check_choices
 from .data.images import decode_row_images, lazy_images, report_bad_images, row_images
 from .diagnostics import (
     BatchLog,
@@ -67,7 +69,7 @@ from .diagnostics import (
     write_batch,
 )
 from .filtering import apply_group_filter, group_filter_keep
-from .rewards import ThinkFormatReward, zero_spread_fraction
+from .rewards import RewardTally, ThinkFormatReward, outcome_metrics, zero_spread_fraction
 from .rewards.inputs import dataset_columns
 from .run_plan import (
     ProbePlacement,
@@ -254,7 +256,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
         for split, ds in [("train_dataset", train_dataset), *evals]:
             if ds is not None:
-                check_choice_counts(ds, split)  # a row with more choices than letters: the data's error, now
+                check_choices(ds, split)  # too many choices, a label outside them...: the data's error, now
         if kwargs.get("processing_class") is None:
             # A model whose config cannot be read fails here with transformers' own error, as it would in plan_run.
             load_model_config(model, config.model_init_kwargs, trust_remote_code=config.trust_remote_code)
@@ -267,6 +269,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         check_vllm_prompts(config, kwargs["processing_class"], plan.facts)  # before vLLM's engine starts
         self._record: BatchRecord | None = None
         self._pending: PendingMeasurement | None = None
+        self._nan_warned: set[str] = set()  # rewards already warned about returning NaN: once per reward and run
         # The format check the rewards, the clean-format metric and the logs share (one definition everywhere).
         self.answer_format = ThinkFormatReward(config.answer_pattern, think_prefilled=bool(plan.think_prefilled))
         # Built before the weights load: a log path that cannot be written fails before any model work.
@@ -425,7 +428,16 @@ class MDIGRPOTrainer(GRPOTrainer):
                 record.signals = self._batch_signals(record, mode)
                 self._hand_to_rewards(inputs, record.signals)
             record.timing.scoring += time.perf_counter() - start
-        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        # TRL turns a reward's None into NaN as soon as it returns, so None ("not applicable") and NaN (a failure)
+        # can only be told apart on the reward's own return value: the batch's rewards are scored through counting
+        # wrappers, put back at once.
+        tally, funcs = RewardTally(self.reward_funcs), self.reward_funcs
+        self.reward_funcs = tally.funcs
+        try:
+            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        finally:
+            self.reward_funcs = funcs
+        self._log_reward_outcomes(tally, mode)
         clean = self.accelerator.gather(torch.tensor(self.answer_format(completions, [x.get("choices") for x in inputs]),
                                                      device=self.accelerator.device))  # NCCL gathers device tensors
         self._metrics[mode]["completions/clean_format_frac"].append(float(clean.mean()))
@@ -441,6 +453,25 @@ class MDIGRPOTrainer(GRPOTrainer):
             for name, value in zip(self.reward_func_names, zero_spread_fraction(rewards, group).tolist()):
                 self._metrics[mode][f"rewards/{name}/zero_spread_frac"].append(value)
         return rewards
+
+    def _log_reward_outcomes(self, tally: RewardTally, mode: str) -> None:
+        """``rewards/<name>/none_frac`` and ``nan_frac`` of the generation batch (all processes), and one warning per
+        reward, the first time it returns NaN (None is by design and never warned about)."""
+        counts = self.accelerator.gather(torch.tensor([tally.counts], dtype=torch.float32,  # MPS has no float64
+                                                      device=self.accelerator.device)).sum(dim=0)
+        metrics = outcome_metrics(self.reward_func_names, counts.tolist())
+        for key, value in metrics.items():
+            self._metrics[mode][key].append(value)
+        for name, (_, n_bad, n) in zip(self.reward_func_names, counts.tolist()):
+            if n_bad and name not in self._nan_warned:
+                self._nan_warned.add(name)
+                if self.accelerator.is_main_process:
+                    logger.warning(
+                        "reward %s returned NaN (or an infinite value) for %d of %d rollouts at step %d. TRL counts "
+                        "such a value as 0 in the rollout's weighted total (lowering its advantage) and leaves it out "
+                        "of rewards/%s/mean; return None where the reward does not apply. Counted in "
+                        "rewards/%s/nan_frac; warned once per reward.", name, int(n_bad), int(n),
+                        self.state.global_step, name, name)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # A batch measured in the training forward: each slice at its first pass (the key is popped, so later passes
@@ -718,5 +749,5 @@ class MDIGRPOTrainer(GRPOTrainer):
                          reward_weights=self.reward_weights,
                          signals=record.signals.local if record.signals is not None else None,
                          metrics=record.signals.metrics if record.signals is not None else None, attention=attention,
-                         map_rows=record.map_rows, strips=strips, evidence=evidence)
+                         map_rows=record.map_rows, strips=strips, evidence=evidence, skipped=scored.bad)
         write_batch(self.live_logs, log, processing_class=self.processing_class, answer_format=self.answer_format)

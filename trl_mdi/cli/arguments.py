@@ -69,6 +69,14 @@ class ScriptArguments:
                   "without loading weights or training."},
     )
 
+    def __post_init__(self):
+        # Typed and ranged like the training config's numbers, for flags and YAML keys alike.
+        from ..config import NumberRule, check_number
+
+        for name, example in (("min_pixels", "3136"), ("max_pixels", "401408")):
+            setattr(self, name, check_number(NumberRule(name, int, 1, optional=True, example=example),
+                                             getattr(self, name)))
+
 
 @dataclasses.dataclass
 class ParsedRun:

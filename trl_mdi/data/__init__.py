@@ -7,8 +7,9 @@
    name. A source that does not exist or has no usable split fails with what was found there.
 2. The image column (``image`` or ``images``) and the prompt column (``prompt``, else ``problem``) are found, or the
    error names the expected columns.
-3. ``prepare_split`` makes one pass over each used split: a row with more choices than the choice letters A to Z
-   is an error (``check_choice_counts``, before any image is read), relative image paths are resolved against the
+3. ``prepare_split`` makes one pass over each used split: a row with more choices than the choice letters A to Z,
+   a label outside its choices, a duplicate choice or a choice marker inside a choice is an error naming its
+   ``question_id`` (``check_choices``, before any image is read), an empty split is an error saying so, relative image paths are resolved against the
    dataset root, images whose longer side exceeds ``max_image_side`` or that cannot be read are dropped and counted,
    non-RGB images are converted to RGB, and the prompt text becomes TRL's conversational form with the system prompt.
 4. The eval set is the data's eval split or is carved out of train (``--eval_split_size``).
@@ -30,6 +31,9 @@ from .columns import (
     PROMPT_COLUMNS,
     DatasetError,
     check_choice_counts,
+    check_choice_rows,
+    check_choices,
+    choice_row_problem,
     image_column_of,
     prompt_column_of,
 )
@@ -38,6 +42,7 @@ from .prepare import (
     DEFAULT_SYSTEM_PROMPT,
     DROP_NOT_FOUND,
     DROP_TOO_LARGE,
+    DROP_TOO_MANY_PIXELS,
     DROP_UNREADABLE,
     SplitReport,
     prepare_image,
@@ -49,11 +54,11 @@ from .sources import DATA_FILE_BUILDERS, Splits, open_dataset, parse_data_files,
 __all__ = [
     # columns
     "IMAGE_COLUMNS", "PROMPT_COLUMNS", "CHOICES_COLUMN", "DatasetError", "image_column_of", "prompt_column_of",
-    "check_choice_counts",
+    "check_choice_counts", "check_choice_rows", "check_choices", "choice_row_problem",
     # sources
     "DATA_FILE_BUILDERS", "split_of_file", "parse_data_files", "Splits", "open_dataset",
     # prepare
-    "DEFAULT_SYSTEM_PROMPT", "DEFAULT_MAX_IMAGE_SIDE", "DROP_TOO_LARGE", "DROP_NOT_FOUND", "DROP_UNREADABLE",
+    "DEFAULT_SYSTEM_PROMPT", "DEFAULT_MAX_IMAGE_SIDE", "DROP_TOO_LARGE", "DROP_TOO_MANY_PIXELS", "DROP_NOT_FOUND", "DROP_UNREADABLE",
     "to_conversational", "SplitReport", "prepare_image", "prepare_split",
     # here
     "EVAL_SPLIT_CANDIDATES", "DataArguments", "TrainingData", "load_training_data",
@@ -142,6 +147,9 @@ def load_training_data(args: DataArguments, *, need_eval: bool = False, seed: in
     system_prompt = args.system_prompt or None
     prepared, reports = {}, []
     for name in used:
+        if raw[name].num_rows == 0:  # a save_to_disk or Hub split (data files are refused on loading, in sources)
+            raise DatasetError(f"split {name!r} of {source} is empty (0 rows). Choose another split "
+                               "(--dataset_train_split / --dataset_eval_split); splits found: " + shown)
         prepared[name], report = prepare_split(raw[name], name, image_column=image_col, prompt_column=prompt_col,
                                                roots=roots, max_image_side=args.max_image_side,
                                                system_prompt=system_prompt)

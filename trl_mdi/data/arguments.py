@@ -75,3 +75,14 @@ class DataArguments:
         default=DEFAULT_SYSTEM_PROMPT,
         metadata={"help": "System prompt of every conversation; '' for none."},
     )
+
+    def __post_init__(self):
+        # Typed and ranged like the training config's numbers (a YAML list or a negative side would otherwise fail
+        # deep inside the image checks, or drop every row).
+        from ..config import NumberRule, check_number
+
+        self.max_image_side = check_number(NumberRule("max_image_side", int, 0, example="1024",
+                                                      why="0 keeps every image"), self.max_image_side)
+        self.eval_split_size = check_number(NumberRule("eval_split_size", float, 0, example="0.05",
+                                                       why="a fraction in (0, 1), a row count, or 0: the data's eval "
+                                                       "split"), self.eval_split_size)

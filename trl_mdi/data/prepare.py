@@ -12,11 +12,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..answer_format import DEFAULT_SYSTEM_PROMPT  # built from the answer format it asks for
-from .columns import DatasetError, check_choice_counts
+from .columns import DatasetError, check_choices
 
 DEFAULT_MAX_IMAGE_SIDE = 1024
 
-DROP_TOO_LARGE = "image larger than max_image_side"
+DROP_TOO_LARGE = "image too large (longer side over max_image_side)"
+DROP_TOO_MANY_PIXELS = "image too large to open (over PIL's decompression-bomb limit)"
 DROP_NOT_FOUND = "image file not found"
 DROP_UNREADABLE = "unreadable image"
 _DROP = "_trl_mdi_drop"  # temporary column: why a row is dropped ("" to keep it)
@@ -47,11 +48,13 @@ class SplitReport:
     rows_out: int
     dropped: dict[str, int]
     without_image: int = 0
+    limits: dict[str, str] = dataclasses.field(default_factory=dict)  # reason -> the limit that dropped those rows
 
     def describe(self) -> str:
         line = f"{self.name}: {self.rows_out} rows"
         if self.dropped:
-            reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.dropped.items()))
+            reasons = ", ".join(f"{n} {reason}" + (f" [limit: {self.limits[reason]}]" if reason in self.limits else "")
+                                for reason, n in sorted(self.dropped.items()))
             line += f" ({sum(self.dropped.values())} of {self.rows_in} dropped: {reasons})"
         if self.without_image:
             line += f"; {self.without_image} rows have no image (kept, they get no MDI)"
@@ -108,6 +111,8 @@ def prepare_image(value: Any, roots: Sequence[str] = (), max_side: int = DEFAULT
     try:
         with PILImage.open(io.BytesIO(data)) as img:  # lazy: reads the header only
             size, mode = img.size, img.mode
+    except PILImage.DecompressionBombError:  # a readable header, too many pixels: say so, not "unreadable"
+        return None, DROP_TOO_MANY_PIXELS
     except Exception:  # PIL raises several types for non-images
         return None, DROP_UNREADABLE
     if max_side and max(size) > max_side:
@@ -139,11 +144,12 @@ def prepare_split(ds, name: str, *, image_column: str, prompt_column: str, roots
                   max_image_side: int = DEFAULT_MAX_IMAGE_SIDE, system_prompt: str | None = DEFAULT_SYSTEM_PROMPT):
     """Images resolved, checked and RGB, prompts conversational: ``(dataset, SplitReport)``.
 
-    DatasetError first, before any image is read, when a row has more choices than the choice letters A to Z name
-    (``check_choice_counts``): the training data and the profile's rows both come through here."""
+    DatasetError first, before any image is read, when a row has more choices than the choice letters A to Z name,
+    a label outside its choices, a duplicate choice or a choice marker inside a choice (``check_choices``): the
+    training data and the profile's rows both come through here."""
     from datasets import Image, List, Value
 
-    check_choice_counts(ds, name)
+    check_choices(ds, name)
     feature = ds.features[image_column]
     is_list = isinstance(feature, (List, list))
     # decode=False hands us the stored {bytes, path}: no decoding by datasets, relative paths stay relative.
@@ -180,4 +186,19 @@ def prepare_split(ds, name: str, *, image_column: str, prompt_column: str, roots
     ds = ds.remove_columns(_DROP)
     ds = ds.map(_prompt_messages, fn_kwargs={"system_prompt": system_prompt, "column": prompt_column},
                 desc=f"building prompts of {name}")
-    return ds, SplitReport(name, rows_in, ds.num_rows, dropped, status.get(_NO_IMAGE, 0))
+    return ds, SplitReport(name, rows_in, ds.num_rows, dropped, status.get(_NO_IMAGE, 0),
+                           limits=drop_limits(max_image_side))
+
+
+def drop_limits(max_image_side: int) -> dict[str, str]:
+    """The limit behind each size-related drop reason, for ``SplitReport.describe``: the longer side allowed, and
+    PIL's decompression-bomb limit (twice ``PIL.Image.MAX_IMAGE_PIXELS``; PIL refuses to open a larger image)."""
+    from PIL import Image as PILImage
+
+    limits = {}
+    if max_image_side:
+        limits[DROP_TOO_LARGE] = f"longer side <= {max_image_side} px (--max_image_side; 0 keeps all)"
+    if PILImage.MAX_IMAGE_PIXELS:
+        limits[DROP_TOO_MANY_PIXELS] = (f"{2 * PILImage.MAX_IMAGE_PIXELS} pixels, twice PIL.Image.MAX_IMAGE_PIXELS; "
+                                        "shrink the image, or raise that limit if you trust the file")
+    return limits

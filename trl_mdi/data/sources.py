@@ -132,11 +132,20 @@ def _load_files(by_split: dict[str, list[str]], what: str) -> Splits:
         def load():
             from datasets import load_dataset
 
+            # An empty split fails inside datasets with Arrow's "BatchSize must be greater than 0" (parquet) or a
+            # bare StopIteration (json): say "empty" first. Parquet knows its row count; other files, their size.
+            if rows.get(split) == 0 or (rows.get(split) is None and all(_is_empty_file(p) for p in paths)):
+                raise DatasetError(f"{what}: split {split!r} is empty: {_short(paths)} hold(s) no rows. Write rows "
+                                   "into it, or choose another split (--dataset_train_split / --dataset_eval_split)")
             try:
-                return load_dataset(builder, data_files={"train": paths}, split="train")
+                ds = load_dataset(builder, data_files={"train": paths}, split="train")
             except Exception as e:  # datasets raises many kinds for a corrupt or mismatched file
                 raise DatasetError(f"{what}: cannot load split {split!r} from {_short(paths)}: "
                                    f"{type(e).__name__}: {e}") from e
+            if ds.num_rows == 0:
+                raise DatasetError(f"{what}: split {split!r} is empty: {_short(paths)} hold(s) no rows. Write rows "
+                                   "into it, or choose another split (--dataset_train_split / --dataset_eval_split)")
+            return ds
 
         return load
 
@@ -149,6 +158,17 @@ def _load_files(by_split: dict[str, list[str]], what: str) -> Splits:
         except Exception as e:
             raise DatasetError(f"{what}: {_short(paths)}: not readable parquet: {type(e).__name__}: {e}") from e
     return Splits(loaders, rows)
+
+
+def _is_empty_file(path: str) -> bool:
+    """Whether a data file holds nothing but white space (read only when it is small)."""
+    try:
+        if os.path.getsize(path) > 4096:
+            return False
+        with open(path, "rb") as fh:
+            return not fh.read().strip()
+    except OSError:
+        return False
 
 
 def _short(items: Sequence[str], limit: int = 5) -> str:
@@ -181,6 +201,10 @@ def _open_directory(path: str, log: Callable[[str], None]):
         try:
             loaded = load_from_disk(path)
         except Exception as e:
+            empty = _empty_saved_splits(path)
+            if empty:  # datasets cannot load a split saved with no rows (an IndexError): say which is empty
+                raise DatasetError(f"save_to_disk folder {path!r}: split(s) {', '.join(map(repr, empty))} are empty "
+                                   "(saved with 0 rows). Save them with rows, or drop them from the folder") from e
             raise DatasetError(f"cannot load the save_to_disk folder {path!r}: {type(e).__name__}: {e}") from e
         if isinstance(loaded, Dataset):
             loaded = DatasetDict({"train": loaded})
@@ -206,6 +230,25 @@ def _open_directory(path: str, log: Callable[[str], None]):
     if unknown:
         log(f"ignoring {len(unknown)} data file(s) of no known split under {path}: {rel[:5]} ({hint})")
     return _load_files(dict(by_split), f"dataset_path {path}"), f"directory {path}"
+
+
+def _empty_saved_splits(path: str) -> list[str]:
+    """Splits of a save_to_disk folder that were saved with no rows (their state.json lists no data file)."""
+    states = {"train": os.path.join(path, "state.json")}
+    try:
+        with open(os.path.join(path, "dataset_dict.json"), encoding="utf-8") as fh:
+            states = {name: os.path.join(path, name, "state.json") for name in json.load(fh).get("splits", [])}
+    except (OSError, ValueError, AttributeError):
+        pass  # a single Dataset folder: its own state.json
+    empty = []
+    for name, state in states.items():
+        try:
+            with open(state, encoding="utf-8") as fh:
+                if not json.load(fh).get("_data_files"):
+                    empty.append(name)
+        except (OSError, ValueError, AttributeError):
+            continue
+    return empty
 
 
 def _looks_like_hub_id(name: str) -> bool:

@@ -47,6 +47,7 @@ class BatchLog:
     map_rows: Sequence[int] = ()  # local rows that get an attention map (their per-image-token masses were kept)
     strips: Sequence[dict | None] | None = None  # local perception strips (:func:`perception_strips`)
     evidence: Sequence[dict | None] | None = None  # local image evidence (:func:`image_evidence`)
+    skipped: torch.Tensor | None = None  # (N_global,) bool: rollouts left out of the update (an unreadable image)
 
 
 def rollout_records(batch: BatchLog, *, offset: int = 0, answer_format: Callable[..., list[float]] | None = None
@@ -66,7 +67,12 @@ def rollout_records(batch: BatchLog, *, offset: int = 0, answer_format: Callable
         raise ValueError(f"rows {offset}..{offset + n - 1} are not in the {batch.rewards.shape[0]} gathered rewards")
     weights = torch.as_tensor(batch.reward_weights, dtype=batch.rewards.dtype, device=batch.rewards.device)
     rewards = batch.rewards[offset : offset + n]
-    totals = (rewards * weights).nansum(dim=1).tolist()
+    # TRL's weighted total is a nansum, but a rollout with no reward at all (every one None or NaN: an unreadable
+    # image, or nothing applied) is set aside by TRL (NaN total, advantage 0): it has no total, not a total of 0.
+    totals = [None if unscored else total for total, unscored in
+              zip((rewards * weights).nansum(dim=1).tolist(), rewards.isnan().all(dim=1).tolist())]
+    skipped = ([bool(x) for x in batch.skipped[offset : offset + n].tolist()] if batch.skipped is not None
+               else [False] * n)
     advantages = batch.advantages[offset : offset + n].tolist()
     table = batch.signals or {}
     reliance = signals.rollout_rows({k: table[k] for k in signals.reliance_names() if k in table}) or [{}] * n
@@ -85,6 +91,7 @@ def rollout_records(batch: BatchLog, *, offset: int = 0, answer_format: Callable
             "rewards": {name: None if math.isnan(v) else v for name, v in zip(batch.reward_names, rewards[i].tolist())},
             "reward": totals[i],
             "advantage": advantages[i],
+            **({"skipped": "unreadable image"} if skipped[i] else {}),
             **answer_fields(text, row, answer_format),
             "completion_length": length,
             **reliance[i],

@@ -118,7 +118,8 @@ class RolloutLogWriter(StepLogFile):
         completion is in the asked format), correct (bool; else derived from the first reward named in
         ``accuracy_rewards``, > 0),
         group (prompt group id; else consecutive blocks of ``num_generations``), completion_length (tokens),
-        index (shown as #; default its position),
+        index (shown as #; default its position), skipped (why the rollout left the update, e.g. "unreadable image":
+        shown in its heading, counted in the summary; its reward is None, never 0),
         and the counterfactual reliance signals (``trl_mdi.signals.reliance_names()``: visual_gain,
         answer_visual_gain, blind_agrees as 1 / 0, ...; None where undefined; ``counterfactual`` names the I' they
         compare the image with).
@@ -248,6 +249,8 @@ class RolloutLogWriter(StepLogFile):
         if group is not None:
             title += f" · group {escape_inline(group)}"
         title += f" · reward {format_value(r.get('reward'))} · advantage {format_value(r.get('advantage'))}"
+        if r.get("skipped"):
+            title += f" · skipped ({escape_inline(r['skipped'])})"
         correct = self._correct(r)
         if correct is not None:
             title += f" · {self._mark(correct)}"
@@ -295,13 +298,16 @@ class RolloutLogWriter(StepLogFile):
     def _summary(self, rollouts: list[dict], names: list[str], metrics: Mapping[str, float] | None = None
                  ) -> dict[str, Any]:
         stats: dict[str, Any] = {"rollouts": len(rollouts)}
+        skipped = sum(1 for r in rollouts if r.get("skipped"))
+        if skipped:  # left out of the update: not scored, so out of every mean below (never a reward of 0)
+            stats["skipped (unreadable image: out of the update and of these means)"] = skipped
         stats["reward (weighted) mean"] = _mean(r.get("reward") for r in rollouts)
         for n in names:
             stats[f"{n} mean"] = _mean((r.get("rewards") or {}).get(n) for r in rollouts)
         stats["advantage mean |A|"] = _mean(None if r.get("advantage") is None else abs(r["advantage"]) for r in rollouts)
         verdicts = [c for c in (self._correct(r) for r in rollouts) if c is not None]
         stats["accuracy"] = sum(verdicts) / len(verdicts) if verdicts else None
-        formats = [r["format_ok"] for r in rollouts if r.get("format_ok") is not None]
+        formats = [r["format_ok"] for r in rollouts if r.get("format_ok") is not None and not r.get("skipped")]
         if formats:
             stats["clean format (asked answer line)"] = sum(formats) / len(formats)
         tokens = all("completion_length" in r for r in rollouts)

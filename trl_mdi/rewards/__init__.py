@@ -23,6 +23,8 @@ them from the signature, so a custom reward given by import path is checked the 
 fails loudly.
 
 ``zero_spread_fraction`` (logged as ``rewards/<name>/zero_spread_frac``) is a pure tensor helper the trainer calls;
+``count_outcomes`` / ``RewardTally`` / ``outcome_metrics`` (``outcomes``) count the None and NaN values each reward
+returns, before TRL merges them (``rewards/<name>/none_frac``, ``rewards/<name>/nan_frac``);
 the per-rollout fields the MDI rewards read (``mdi_balance``, ``mdi_group_score``, ...) are computed in
 ``trl_mdi.signals``.
 
@@ -52,6 +54,7 @@ from .functions import (
     visual_gain_sum_reward,
 )
 from .groups import zero_spread_fraction
+from .outcomes import RewardTally, count_outcomes, outcome_metrics
 from .parsing import LETTERS as LETTERS
 from .parsing import completion_text, extract_choice_letter
 from .registry import (
@@ -97,4 +100,7 @@ __all__ = [
     "bind_think_format",
     "parse_mc_answer",
     "zero_spread_fraction",
+    "count_outcomes",
+    "RewardTally",
+    "outcome_metrics",
 ]
