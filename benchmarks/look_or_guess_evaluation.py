@@ -292,8 +292,15 @@ def detection_verdict(row: dict | None, goal: float = GOAL_WITHIN_AUROC) -> str:
 def steadiest_signal(tables: dict[str, list[dict] | None]) -> tuple[str | None, float]:
     """The signal whose LOWEST within-prompt AUROC over the models' tables is highest (the detection goal asks one
     signal to hold on the warm-up and on every trained model), with that lowest value; a model on which a signal
-    has no pair (NaN), or a model whose table lacks it, counts as a miss for it."""
-    names = {r["signal"] for table in tables.values() for r in table or []}
+    has no pair (NaN), or a model whose table lacks it, counts as a miss for it. Ties go to the signal listed first.
+
+    >>> steadiest_signal({"warm": [{"signal": "b", "within_auroc": 0.7}, {"signal": "a", "within_auroc": 0.9}],
+    ...                   "run": [{"signal": "b", "within_auroc": 0.8}, {"signal": "a", "within_auroc": 0.7}]})
+    ('b', 0.7)
+    """
+    # In the tables' own order (the detection signals'), not a set's: a set's order changes between processes, and
+    # with it which of two tied signals max() named.
+    names = list(dict.fromkeys(r["signal"] for table in tables.values() for r in table or []))
     scores = {n: math.inf for n in names}
     for table in tables.values():
         values = {r["signal"]: r.get("within_auroc") for r in table or []}

@@ -681,3 +681,27 @@ def test_the_replication_report_from_runs():
     assert "re-stated under the corrected rules" in rep.report(runs=runs, choice=None, earlier=earlier, code="c",
                                                                 plan=None, earlier_code="35eeeeb", minutes=None,
                                                                 workers=2, missing=[])
+
+
+def test_a_tie_for_the_steadiest_signal_goes_to_the_first_listed_in_every_process():
+    """It used to depend on a set's order, which changes with the process's hash seed."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from benchmarks.look_or_guess_evaluation import steadiest_signal as f; "
+            "t = [{'signal': s, 'within_auroc': 0.667} for s in ('answer_image_attention', 'visual_gain', "
+            "'answer_visual_gain')]; print(f({'warm': t, 'run': t})[0])")
+    names = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout.strip() for seed in range(4)}
+    assert names == {"answer_image_attention"}
+
+
+def test_benchmark_module_doctests():
+    import doctest
+
+    from benchmarks import look_or_guess_replication
+
+    for module in (lg_eval, lg_task, look_or_guess_replication):
+        failed, _ = doctest.testmod(module)
+        assert not failed, module.__name__
