@@ -93,6 +93,16 @@ def test_old_logps_condition_is_the_one_we_mirror():
     )
 
 
+
+def test_rewards_are_read_from_self_reward_funcs_and_none_becomes_nan_there():
+    """MDIGRPOTrainer._calculate_rewards counts each reward's None and NaN by swapping ``self.reward_funcs`` for
+    counting wrappers around super()'s call (trl_mdi.rewards.RewardTally): TRL must read the list from ``self`` inside
+    that method, zipped with the other parallel lists, and turn None into NaN only after the function returned."""
+    src = inspect.getsource(GRPOTrainer._calculate_rewards)
+    assert "zip(self.reward_funcs, self.reward_processing_classes, self.reward_func_names, strict=True)" in src
+    assert "output_reward_func = [reward if reward is not None else torch.nan for reward in output_reward_func]" in src
+
+
 def test_tool_mask_only_enters_the_loss_mask():
     """TPRL's token masks are multiplied into TRL's tool_mask: it must reach the loss mask and nothing else."""
     src = inspect.getsource(GRPOTrainer._compute_loss)
