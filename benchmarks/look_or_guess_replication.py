@@ -16,6 +16,7 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
+from benchmarks.look_or_guess_evaluation import headline
 from benchmarks.stats import holm_family, paired_seed_difference, replication_verdict
 
 SECTION = "## Look or guess, replication: pre-registered plan and results"
@@ -51,12 +52,12 @@ def code_labels(runs: list[dict] | None) -> str:
 
 def outcomes(run: dict) -> dict[str, float]:
     """The plan's outcomes of one run, from its held-out evaluation (sampled rollouts of the test split):
-    ``conflict`` (accuracy on conflict rows), ``plain`` (non-conflict accuracy), ``clean`` (clean format, all
-    rows), ``neither`` (the share in neither style, all rows), ``guess`` (guess rate on conflict rows), ``look``
-    (look rate, all rows)."""
-    m = run["eval"]["sampled"]
-    return {"conflict": m["conflict"]["accuracy"], "plain": m["plain"]["accuracy"], "clean": m["all"]["clean"],
-            "neither": m["all"]["other_rate"], "guess": m["conflict"]["guess_rate"], "look": m["all"]["look_rate"]}
+    ``look_or_guess_evaluation.headline``'s ``conflict`` (accuracy on conflict rows), ``plain`` (non-conflict
+    accuracy), ``clean`` (clean format, all rows), ``guess`` (its guess rate on conflict rows) and ``look`` (look
+    rate, all rows), and ``neither`` (the share in neither style, all rows), which the headline does not hold."""
+    h = headline(run["eval"])
+    return {"conflict": h["conflict"], "plain": h["plain"], "clean": h["clean"], "guess": h["guess_rate_conflict"],
+            "look": h["look_rate"], "neither": run["eval"]["sampled"]["all"]["other_rate"]}
 
 
 def by_seed(runs: list[dict], variant: str, outcome: str) -> dict[int, float]:

@@ -16,7 +16,7 @@ from benchmarks import results
 from benchmarks.callbacks import EvaluateEvery, at
 from benchmarks.look_or_guess_evaluation import detection_records, evaluate_styles, headline
 from benchmarks.look_or_guess_task import colour_word_gains, held_out_test_rows, pool_rows, score_rollouts
-from benchmarks.look_or_guess_variants import GUARDED, PLACEBO, RELIANCE, ExperimentSettings, placebo_reward
+from benchmarks.look_or_guess_variants import GUARDED, PLACEBO, RELIANCE, ExperimentSettings
 from benchmarks.variants import grpo_config
 
 
@@ -89,10 +89,12 @@ def run_one(name: str, variant, seed: int, model_dir: Path, pool, test, s: Exper
     config = grpo_config(variant, seed, s, work / "grpo" / key)
     funcs = None
     if name == PLACEBO:  # arm D: the guarded reward's values, permuted within each group
+        from benchmarks.look_or_guess_placebo import PlaceboGuardedReward
         from trl_mdi.rewards import resolve_reward_funcs
 
-        funcs = [placebo_reward(seed, s.num_generations) if getattr(f, "__name__", "") == "guarded_visual_gain_reward"
-                 else f for f in resolve_reward_funcs(list(config.reward_funcs), list(config.reward_weights))]
+        placebo = PlaceboGuardedReward(seed=seed, group_size=s.num_generations)
+        funcs = [placebo if getattr(f, "__name__", "") == "guarded_visual_gain_reward" else f
+                 for f in resolve_reward_funcs(list(config.reward_funcs), list(config.reward_weights))]
     trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=funcs, args=config, train_dataset=pool)
     for cb in (ConsoleSummaryCallback, PrinterCallback, ProgressCallback):  # keep the output readable
         trainer.remove_callback(cb)

@@ -96,43 +96,6 @@ guarded reward, D its placebo."""
 REPLICATION_SEEDS = tuple(range(100, 116))
 
 
-def _placebo_class():
-    from trl_mdi.rewards import GuardedVisualGainReward
-
-    @dataclasses.dataclass(frozen=True)
-    class PlaceboGuardedReward(GuardedVisualGainReward):
-        """Arm D: ``guarded_visual_gain``'s values for the batch, then permuted at random within each group of
-        ``group_size`` consecutive rollouts (TRL's sampler puts a prompt's rollouts together), a fresh permutation
-        per group and step from ``numpy.random.default_rng([seed, step])``: every group keeps its values, none is
-        linked to the rollout that earned it. A subclass, so that the trainer binds the answer format to it as to
-        the real reward."""
-
-        seed: int = 0
-        group_size: int = 8
-        __name__ = "placebo_guarded_visual_gain_reward"
-
-        def __call__(self, completions: list, visual_gain_max: list, label_idx: list, choices: list | None = None,
-                     trainer_state=None, **kwargs) -> list:
-            import numpy as np
-
-            values = super().__call__(completions, visual_gain_max, label_idx, choices=choices)
-            if len(values) % self.group_size:
-                raise ValueError(f"{len(values)} rollouts are not whole groups of {self.group_size}")
-            step = int(getattr(trainer_state, "global_step", 0) or 0)
-            rng = np.random.default_rng([self.seed, step])
-            out = []
-            for lo in range(0, len(values), self.group_size):
-                group = values[lo:lo + self.group_size]
-                out.extend(group[i] for i in rng.permutation(len(group)))
-            return out
-
-    return PlaceboGuardedReward
-
-
-def placebo_reward(seed: int, group_size: int):
-    """Arm D's reward for the run with ``seed`` (see ``_placebo_class``)."""
-    return _placebo_class()(seed=seed, group_size=group_size)
-
 
 def _lp():
     """benchmarks/language_prior.py (its Variant, grpo_config and write_json are reused): imported on first use, as

@@ -555,13 +555,14 @@ def test_code_version_names_the_commit_and_the_dirty_tree():
 
 
 def test_placebo_permutes_the_guarded_values_within_each_group():
+    from benchmarks.look_or_guess_placebo import PlaceboGuardedReward
     from trl_mdi.rewards import guarded_visual_gain_reward
 
     ok = "<think> the shape is red</think>\nAnswer: A"
     gains = [0.0, 0.2, 0.4, 0.6, 0.05, 0.35, 0.9, None] * 2  # 4 groups of 4
     kw = dict(visual_gain_max=gains, label_idx=[0] * 16)
     real = guarded_visual_gain_reward([ok] * 16, **kw)
-    placebo = lg_variants.placebo_reward(seed=3, group_size=4)
+    placebo = PlaceboGuardedReward(seed=3, group_size=4)
 
     class State:
         global_step = 5
@@ -580,10 +581,14 @@ def test_placebo_permutes_the_guarded_values_within_each_group():
 
 
 def test_the_trainer_binds_the_format_to_the_placebo_as_to_the_real_reward():
+    import pickle
+
+    from benchmarks.look_or_guess_placebo import PlaceboGuardedReward
     from trl_mdi.rewards import bind_think_format
 
-    bound = bind_think_format([lg_variants.placebo_reward(seed=1, group_size=8)], think_prefilled=True)[0]
+    bound = bind_think_format([PlaceboGuardedReward(seed=1, group_size=8)], think_prefilled=True)[0]
     assert bound.think_prefilled and bound.seed == 1 and bound.group_size == 8
+    assert pickle.loads(pickle.dumps(bound)) == bound  # a module-level class: TRL's async worker can pickle it
 
 
 def test_colour_word_gains_align_every_style_at_the_colour_word(tiny_tokenizer):
@@ -617,9 +622,11 @@ def test_colour_word_gains_align_every_style_at_the_colour_word(tiny_tokenizer):
 
 
 def fake_run(variant, seed, conflict, neither=0.1, plain=0.95, clean=0.93):
-    m = {"conflict": {"accuracy": conflict, "guess_rate": 0.3}, "plain": {"accuracy": plain},
-         "all": {"clean": clean, "other_rate": neither, "look_rate": 0.5}}
-    return {"variant": variant, "seed": seed, "eval": {"sampled": m}, "code": {"commit": "c0ffee" * 7, "dirty": False}}
+    styles = {LOOK: {"accuracy": 0.98}, GUESS: {"accuracy": 0.02}}
+    m = {"conflict": {"accuracy": conflict, "guess_rate": 0.3, "look_rate": 0.5, "other_rate": neither, **styles},
+         "plain": {"accuracy": plain}, "all": {"clean": clean, "other_rate": neither, "look_rate": 0.5}}
+    return {"variant": variant, "seed": seed, "eval": {"sampled": m, "greedy": m},
+            "code": {"commit": "c0ffee" * 7, "dirty": False}}
 
 
 def test_the_replication_report_keeps_the_plan_and_writes_below_it(tmp_path):
