@@ -38,6 +38,7 @@ from trl_mdi.diagnostics import (
     sparkline,
     trend_line,
 )
+from trl_mdi.diagnostics.log_file import claim_log_paths
 from trl_mdi.diagnostics.maps import display_size
 from trl_mdi.diagnostics.writers import summary_label
 
@@ -682,7 +683,7 @@ def test_hostile_log_parses_as_intended_with_a_commonmark_parser(tmp_path):
 # --------------------------------------------------------------------------------------------------
 # Resume
 # --------------------------------------------------------------------------------------------------
-def test_resume_truncates_later_steps_and_appends(tmp_path):
+def test_resume_marks_later_steps_undone_and_appends(tmp_path):
     path = tmp_path / "r.md"
     w = RolloutLogWriter(path, run_name="res", full_rollouts_per_step=1)
     for step in range(1, 6):
@@ -705,8 +706,25 @@ def test_resume_truncates_later_steps_and_appends(tmp_path):
     step3 = outside.index(next(line for line in outside if line.startswith("## Step 3 ")))
     step4 = outside.index(next(line for line in outside if line.startswith("## Step 4 ")))
     assert step3 < marker < step4
-    assert "dropped 2 step block(s)" in outside[marker] and "steps 4–5" in outside[marker]
+    assert "2 step block(s) written after it" in outside[marker] and "steps 4–5" in outside[marker]
+    assert "were undone" in outside[marker]
     assert text.startswith(before[: before.index("## Step 4 ")])  # steps 1-3 kept byte for byte
+    # Steps 4-5 of the first run are kept, before the note, under an "Undone" section whose headings no longer
+    # read as steps (issue 38: logs are never destroyed).
+    undone = next(i for i, line in enumerate(outside) if "**Undone by the resume from step 3**" in line)
+    assert step3 < undone < marker and "steps 4–5" in outside[undone]
+    assert [line.split(" · ")[0] for line in outside[undone:marker] if line.startswith("### Undone step")] == [
+        "### Undone step 4", "### Undone step 5"]
+    old4 = before[before.index("## Step 4 "):].split("\n", 1)[1]
+    assert old4.split("<!-- trl_mdi:end")[0] in text  # the undone step's body, byte for byte
+    assert "<details><summary>Undone: steps 4–5</summary>" in text
+    # A second resume from step 3 undoes the second run's steps 4-5 too, and still counts each step once.
+    w = RolloutLogWriter(path, run_name="res", full_rollouts_per_step=1).open(resume_from_step=3)
+    assert [s for s, _ in w.records] == [1, 2, 3]
+    w.write_step(4, None, make_rollouts(4))
+    w.close()
+    text = read(path)
+    assert step_headings(text) == [1, 2, 3, 4] and text.count("### Undone step 4 ") == 2
 
 
 def test_resume_cuts_incomplete_block_and_refuses_foreign_file(tmp_path):
@@ -734,15 +752,25 @@ def test_resume_cuts_incomplete_block_and_refuses_foreign_file(tmp_path):
         attention_writer(path).open(resume_from_step=1)
 
 
-def test_fresh_open_keeps_previous_file_as_backup(tmp_path):
+def test_a_fresh_run_never_touches_another_runs_log(tmp_path):
+    """Three fresh runs at one path (a reused run name): three files, each run's log whole (before: each run moved the
+    previous file to r.md.bak, overwriting the one before, so only two runs' logs were left)."""
     path = tmp_path / "r.md"
-    RolloutLogWriter(path).write_step(1, None, make_rollouts(1))
-    old = read(path)
-    w = RolloutLogWriter(path)
-    w.write_step(1, None, make_rollouts(1))
-    w.close()
-    assert read(tmp_path / "r.md.bak") == old
-    assert step_headings(read(path)) == [1] and "was moved to `r.md.bak`" in read(path)
+    texts = []
+    for run in range(3):
+        w = RolloutLogWriter(path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            w.write_step(1, None, make_rollouts(1))
+        w.close()
+        texts.append(read(w.path))
+        assert w.path.name == ["r.md", "r-2.md", "r-3.md"][run]
+        assert [str(c.message) for c in caught if "another run" in str(c.message)] == (
+            [] if run == 0 else [f"trl_mdi: {path} already holds another run's log (kept as it is); this run's log "
+                                 f"is {w.path}"])
+    assert [read(tmp_path / n) for n in ("r.md", "r-2.md", "r-3.md")] == texts
+    assert "`r.md` already held another run's log" in texts[2] and not list(tmp_path.glob("*.bak"))
+    assert [p.name for p in claim_log_paths([tmp_path / "r.md", tmp_path / "a.md"])] == ["r-4.md", "a-4.md"]
 
 
 def test_older_step_is_refused(tmp_path):
@@ -814,7 +842,7 @@ def test_write_after_close_is_dropped_not_reopened(tmp_path):
     before = read(path)
     with pytest.warns(RuntimeWarning, match="the log was closed"):
         assert not w.write_step(2, None, make_rollouts(2))
-    assert read(path) == before and not (tmp_path / "r.md.bak").exists()
+    assert read(path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["r.md"]
 
 
 # --------------------------------------------------------------------------------------------------

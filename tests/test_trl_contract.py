@@ -228,3 +228,35 @@ def test_the_processor_loaded_first_is_the_one_trl_would_load(tiny_vlm_dir, tmp_
     assert ours.tokenizer.padding_side == trls.tokenizer.padding_side == "left"
     assert ours.tokenizer.truncation_side == trls.tokenizer.truncation_side == "left"
     assert ours.tokenizer.get_vocab() == trls.tokenizer.get_vocab() and ours.chat_template == trls.chat_template
+
+
+def test_what_the_fault_handling_relies_on():
+    """Issue 38 (trl_mdi.checkpoints, the trainer's train and _save_checkpoint, LiveDiagnostics.on_train_begin):
+    (1) _save_checkpoint(model, trial) writes <_get_output_dir(trial)>/checkpoint-<global_step>, the folder the
+    override marks complete or removes; trainer_state.json is written after the optimizer, scheduler and RNG states;
+    (2) train(resume_from_checkpoint, trial, ...) replaces True by get_last_checkpoint (the highest number, whole or
+    not), which the override resolves first; (3) a checkpoint without optimizer.pt or scheduler.pt loads neither,
+    silently (a fresh Adam): why both are required; (4) callbacks' on_train_begin runs after the checkpoint's state
+    loaded, so the live logs open at the checkpoint's step; (5) the file names the checks look for."""
+    import transformers.trainer as T
+    from transformers import Trainer
+
+    assert _params(Trainer._save_checkpoint) == ["self", "model", "trial"]
+    assert _params(Trainer.train)[:3] == ["self", "resume_from_checkpoint", "trial"]
+    save = inspect.getsource(Trainer._save_checkpoint)
+    for line in ('checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"',
+                 "run_dir = self._get_output_dir(trial=trial)", "output_dir = os.path.join(run_dir, checkpoint_folder)"):
+        assert line in save, line
+    order = ["self._save_optimizer_and_scheduler(output_dir)", "self._save_rng_state(output_dir)",
+             "self.state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))"]
+    assert sorted(order, key=save.index) == order
+    assert "resume_from_checkpoint = get_last_checkpoint(args.output_dir)" in inspect.getsource(Trainer.train)
+    load = inspect.getsource(Trainer._load_optimizer_and_scheduler)
+    assert "if checkpoint_file_exists and os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):" in load
+    loop = inspect.getsource(Trainer._inner_training_loop)
+    assert loop.index("self._init_training_state(") < loop.index("self.callback_handler.on_train_begin(")
+    assert "TrainerState.load_from_json(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME))" in \
+        inspect.getsource(Trainer._init_training_state)
+    assert (T.TRAINER_STATE_NAME, T.OPTIMIZER_NAME, T.SCHEDULER_NAME) == ("trainer_state.json", "optimizer.pt",
+                                                                        "scheduler.pt")
+    assert T.PREFIX_CHECKPOINT_DIR == "checkpoint"

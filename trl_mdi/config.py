@@ -249,6 +249,12 @@ class MDIGRPOConfig(GRPOConfig):
         metadata={"help": "An image that cannot be decoded mid-run: 'skip' (its rollouts leave the update, counted in "
                   "data/bad_images) or 'error' (every process stops with an error naming the rows)."},
     )
+    allow_partial_resume: bool = field(
+        default=False,
+        metadata={"help": "Resume from a checkpoint that lacks trainer_state.json, optimizer.pt or scheduler.pt (each "
+                  "then restarts fresh, with a warning). Off: such a checkpoint is refused before the weights load, "
+                  "naming what is missing. Weights and cut files are never accepted."},
+    )
     online_filtering: bool = field(
         default=False, metadata={"help": "Drop groups whose mean filter_key reward is outside [filter_low, filter_high]."}
     )

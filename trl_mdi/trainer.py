@@ -26,6 +26,10 @@ interception):
 10. **vLLM colocate** (``trl_mdi.vllm_prompts``): the engine gets one placeholder per image (TRL 1.16 hands it the
     processor's expanded ids, which vLLM expands again), and its cached image features are dropped before each
     weight sync.
+11. **Nothing lost under faults**: one run per ``output_dir`` (``trl_mdi.run_lock``, taken before the weights load);
+    checkpoints whole or refused (``trl_mdi.checkpoints``: a failed save removes its folder and names the cause, a
+    resume checks the checkpoint first and ``true`` picks the newest whole one); a resumed run continues its own
+    Markdown logs, and a crash writes its last line there (``train``).
 
 TRL offers no channel between its stages (its old-log-prob forward, ``_calculate_rewards``, the advantages), so the
 trainer holds exactly two per-batch records, each set and cleared in ``try/finally``: ``_record`` while a generation
@@ -40,15 +44,18 @@ import dataclasses
 import os
 import textwrap
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from accelerate.utils import DistributedType, gather_object
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
+from . import checkpoints
 from . import signals as S
 from .answer_tokens import answer_tokens
 from .attention import ModalityAttention, probe_attention, trailing_completion_layout
@@ -71,6 +78,7 @@ from .diagnostics import (
 from .filtering import apply_group_filter, group_filter_keep
 from .rewards import RewardTally, ThinkFormatReward, outcome_metrics, zero_spread_fraction
 from .rewards.inputs import dataset_columns
+from .run_lock import lock_output_dir
 from .run_plan import (
     ProbePlacement,
     RunPlan,
@@ -253,6 +261,11 @@ class MDIGRPOTrainer(GRPOTrainer):
             name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
             args = MDIGRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
         config = MDIGRPOConfig.from_grpo_config(args)
+        # One run per output_dir, before any weight loads: the main process locks it for the trainer's lifetime (the
+        # OS drops the lock if the process dies).
+        self.run_lock = lock_output_dir(config.output_dir) if config.process_index == 0 else None
+        if self.run_lock is not None:
+            weakref.finalize(self, self.run_lock.release)
         evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
         for split, ds in [("train_dataset", train_dataset), *evals]:
             if ds is not None:
@@ -332,6 +345,40 @@ class MDIGRPOTrainer(GRPOTrainer):
             if self.live_logs is not None:
                 self.live_logs.attention = None
         return loaded
+
+    # ------------------------------------------------------------------------------------ faults: resume, crash, save
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs):
+        """``Trainer.train``, after checking the checkpoint (``trl_mdi.checkpoints.resolve_resume``: refused, before
+        it loads, if it lacks what resuming needs; ``True`` / ``"true"``: the newest whole one) and pointing the live
+        logs at the ones it recorded; an exception inside training writes "Run stopped" and why as the logs' last
+        lines, then propagates."""
+        checkpoint, notes = checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir,
+                                                       allow_partial=self.args.allow_partial_resume)
+        for note in notes:
+            logger.warning(note)
+        if checkpoint is not None and self.live_logs is not None:
+            self.live_logs.continue_logs(checkpoints.recorded_logs(checkpoint))
+        try:
+            return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+        except BaseException as e:
+            if self.live_logs is not None:
+                self.live_logs.stopped(self.state.global_step, e)
+                self.live_logs.close()
+            raise
+
+    def _save_checkpoint(self, model, trial):
+        # Whole or absent (trl_mdi.checkpoints): a stale marker goes first, the marker is written once every process
+        # has saved, and a save that fails removes its folder and says why (tests/test_trl_contract.py pins the path).
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        try:
+            if self.args.should_save:
+                checkpoints.clear_marker(folder)
+            super()._save_checkpoint(model, trial)
+            self.accelerator.wait_for_everyone()
+            if self.args.should_save:
+                checkpoints.mark_complete(folder, logs=self.live_logs.log_paths() if self.live_logs else None)
+        except Exception as e:
+            raise checkpoints.save_failure(folder, e, remove=self.args.should_save) from e
 
     # ------------------------------------------------------------------------------------ TRL's stages, intercepted
     def training_step(self, model, inputs, num_items_in_batch):

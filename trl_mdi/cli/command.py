@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..checkpoints import CheckpointError, resolve_resume
 from ..data import DatasetError, load_training_data
 from .arguments import UsageError, parse_args
 from .checks import (
@@ -93,6 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = print if is_main else (lambda *a, **k: None)
     try:
         check_vllm(t)  # --use_vllm with no vLLM, or a mode this machine cannot run: before anything loads
+        # A checkpoint that lacks what resuming needs is refused before anything loads (the trainer's train() checks
+        # again, for library use; "true" becomes the newest whole checkpoint).
+        resume_from_checkpoint, _ = resolve_resume(t.resume_from_checkpoint, t.output_dir,
+                                                   allow_partial=t.allow_partial_resume)
         model_config = check_vlm(m.model_name_or_path, revision=m.model_revision,
                                  trust_remote_code=t.trust_remote_code)
         check_peft(m, model_config)
@@ -105,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             data = load_training_data(run.data, need_eval=t.eval_strategy != "no" or s.eval_only, seed=t.seed, log=log)
         t.model_init_kwargs = model_init_kwargs(m, t)
         plan = plan_entry_point(run, data)
-    except (UsageError, DatasetError) as e:
+    except (UsageError, DatasetError, CheckpointError) as e:
         return _fail(str(e))
     if is_main:
         print(format_effective_config(run, data), flush=True)
@@ -119,21 +124,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from trl import get_peft_config, get_quantization_config
 
+    from ..run_lock import RunLockedError
     from ..trainer import MDIGRPOTrainer
 
-    trainer = MDIGRPOTrainer(
-        model=m.model_name_or_path,  # a path: model_init_kwargs and ZeRO-3 sharded init apply at load time
-        args=t,
-        train_dataset=data.train,
-        eval_dataset=data.eval if t.eval_strategy != "no" or s.eval_only else None,
-        processing_class=processor,
-        peft_config=get_peft_config(m),
-        quantization_config=get_quantization_config(m),
-    )
+    try:
+        trainer = MDIGRPOTrainer(
+            model=m.model_name_or_path,  # a path: model_init_kwargs and ZeRO-3 sharded init apply at load time
+            args=t,
+            train_dataset=data.train,
+            eval_dataset=data.eval if t.eval_strategy != "no" or s.eval_only else None,
+            processing_class=processor,
+            peft_config=get_peft_config(m),
+            quantization_config=get_quantization_config(m),
+        )
+    except RunLockedError as e:  # taken before any weight loads
+        return _fail(str(e))
     log(trainer.run_plan.describe())  # phase 2 too: where the probe measures, the forwards the run adds, and why
     if s.eval_only:
         return _evaluate_only(trainer, t, start, log)
-    trainer.train(resume_from_checkpoint=t.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     trainer.save_model(t.output_dir)  # model (gathered from ZeRO-3 shards) + processor
     if is_main:
         print(f"training done in {time.time() - start:.0f} s; outputs:\n{describe_outputs(t, start)}", flush=True)

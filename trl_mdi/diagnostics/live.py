@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
+from transformers.utils import logging
 
 from .. import signals
 from ..attention import ModalityAttention
@@ -25,10 +26,12 @@ from ..data.images import row_images
 from .answers import accuracy_rewards, console_reward_keys
 from .batch_log import BatchLog, rollout_records
 from .console import print_step_summary
-from .log_file import default_log_paths
+from .log_file import LogPathError, check_writable, claim_log_paths, default_log_paths
 from .maps import attention_map_records, render_image_maps
 from .plots import plot_mdi_by_layer
 from .writers import AttentionLogWriter, RolloutLogWriter
+
+logger = logging.get_logger(__name__)
 
 
 class LiveDiagnostics(TrainerCallback):
@@ -47,6 +50,7 @@ class LiveDiagnostics(TrainerCallback):
         default_rollout, default_attention = default_log_paths(os.environ.get("TRL_MDI_LOG_DIR", "training_logs"), run)
         self.rollout_path = Path(args.rollout_log_path or default_rollout)
         self.attention_path = Path(args.attention_diag_log_path or default_attention)
+        self.paths_given = bool(args.rollout_log_path or args.attention_diag_log_path)
         self._opened = False
         self.rollouts = self.attention = None
         if not self.is_main:
@@ -77,14 +81,65 @@ class LiveDiagnostics(TrainerCallback):
         )
 
     def open(self, global_step: int) -> None:
-        """Open lazily at the first write: a run that resumes from step N appends after its step-N block."""
+        """Open the logs (at train begin, or lazily at the first write of an evaluation). A run that resumes from
+        step N continues its own logs after its step-N block, marking what it undoes; a fresh run gets files of its
+        own: where another run's logs already are, the first free ``-K`` suffix (``claim_log_paths``), with a
+        warning on the console."""
         if self._opened or not self.is_main:
             return
-        resume = global_step if global_step > 0 else None
-        self.rollouts.open(resume_from_step=resume)
+        writers = [w for w in (self.rollouts, self.attention) if w is not None]
+        if global_step > 0:
+            for w in writers:
+                w.open(resume_from_step=global_step)
+        else:
+            wanted = [w.path for w in writers]
+            try:
+                claimed = claim_log_paths(wanted)
+            except OSError as e:
+                raise LogPathError(wanted[0], e.strerror or str(e)) from e
+            if claimed != wanted:
+                logger.warning("trl_mdi: %s already holds another run's log (kept as it is); this run writes %s",
+                               ", ".join(map(str, wanted)), ", ".join(map(str, claimed)))
+            for w, path in zip(writers, claimed):
+                w.path = path
+                w.open(claimed=True)
+        self.rollout_path = self.rollouts.path
         if self.attention is not None:
-            self.attention.open(resume_from_step=resume)
+            self.attention_path = self.attention.path
         self._opened = True
+
+    def continue_logs(self, recorded: dict[str, str] | None) -> None:
+        """Before a resume: write to the logs the checkpoint names (``log_paths`` at its save), so a resumed run
+        continues its own logs whatever its ``--run_name`` or start time; explicit ``--rollout_log_path`` /
+        ``--attention_diag_log_path`` win."""
+        if not self.is_main or not recorded or self.paths_given or self._opened:
+            return
+        for key, w in (("rollouts", self.rollouts), ("attention", self.attention)):
+            if w is not None and recorded.get(key):
+                w.path = Path(recorded[key])
+                check_writable(w.path)
+        self.rollout_path = self.rollouts.path
+        if self.attention is not None:
+            self.attention_path = self.attention.path
+
+    def log_paths(self) -> dict[str, str]:
+        """The run's log files, absolute, recorded in each checkpoint so that a resume finds them."""
+        if not self.is_main:
+            return {}
+        return {key: str(w.path.resolve()) for key, w in (("rollouts", self.rollouts), ("attention", self.attention))
+                if w is not None}
+
+    def stopped(self, step: int, error: BaseException) -> None:
+        """A crash: "Run stopped at step ``step``" and the exception, as the logs' last lines (main process)."""
+        if not self.is_main:
+            return
+        reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        for w in (self.rollouts, self.attention):
+            if w is not None:
+                w.stopped(step, reason)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.open(state.global_step)  # the checkpoint's step once TRL resumed: claims a fresh run's names at once
 
     def wants_layer_picture(self, step: int) -> bool:
         """Steps whose attention block links a per-layer MDI picture: step 1 and every attention_map_every_n_steps."""

@@ -11,18 +11,31 @@ File layout (what ``tail -f`` shows and what resume parses)::
     ... step body ...
     <!-- trl_mdi:end step=1 {"mean_mdi": 1.23} -->
 
+    > **Undone by the resume from step 3** ...  (a resume that finds steps after 3: kept, marked, renamed)
+    <details><summary>Undone: step 4</summary> ... ### Undone step 4 ... </details>
+    <!-- trl_mdi:undone step=3 -->
+
     > **Resumed at step 3** ...                (one per resume)
     <!-- trl_mdi:resume step=3 -->
+
+    > **Run stopped** at step 5 ...              (a crash: the exception, where the process could still write)
+    <!-- trl_mdi:stopped step=5 -->
 
 Every step is one ``write`` + ``flush`` + ``os.fsync``, so a reader sees whole steps. The ``end`` comment
 marks a step as complete and carries the few numbers the writer needs again after a resume (the MDI trend),
 so the log itself is the only state: no sidecar to keep in sync. HTML comments do not render.
 
-Resume (``open(resume_from_step=N)``): the file is scanned (fence-aware, so text inside a logged completion
-cannot pose as a marker) and truncated right after the last *complete* step block numbered <= N. Steps > N
-were written after the checkpoint being resumed from; the resumed run writes them again, so they are cut,
-and a step block left incomplete by a crash is cut as well (it could hold an unclosed fence). A
-"Resumed at step N" note follows, naming the steps that were dropped. The header is never written twice.
+Nothing is ever deleted or overwritten (docs/logs.md, "Crash, resume, reused name"):
+
+- **Fresh run** (``open()``) on a path that already holds a file (another run's log: a reused run name, two runs
+  started together): the run writes ``<stem>-2.md`` (``-3``, ...) instead, claimed with ``O_EXCL`` so two runs never
+  pick the same file, and warns; the other file is left untouched.
+- **Resume** (``open(resume_from_step=N)``): the file is scanned (fence-aware, so text inside a logged completion
+  cannot pose as a marker); every complete step block numbered <= N stays as it is. What follows (steps > N, written
+  after the checkpoint being resumed from, and a block left incomplete by a crash) is *undone*: it is kept, moved
+  under an "Undone by the resume from step N" section with its headings renamed ``### Undone step K`` (so no step
+  is counted twice), and the resumed run writes those steps again after a "Resumed at step N" note.
+- **Stop** (``stopped(step, reason)``): the last lines a crashing run writes, "Run stopped at step K" and why.
 """
 
 from __future__ import annotations
@@ -36,7 +49,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .markdown import escape_inline, iter_lines_outside_fences, md_table
+from .markdown import escape_inline, iter_lines_outside_fences, md_table, unclosed_fence
 
 FORMAT_VERSION = 1
 _HEADER_RE = re.compile(r"^<!-- trl_mdi:header kind=(\w+) version=(\d+) -->$")
@@ -146,39 +159,50 @@ class StepLogFile:
         self.records: list[tuple[int, dict]] = []
 
     # ---------------------------------------------------------------------------------------------- file
-    def open(self, resume_from_step: int | None = None) -> StepLogFile:
-        """Start the log. Fresh (None): a previous non-empty file is moved to ``<name>.bak`` and a header is
-        written. Resume (N): append to the same file after cutting steps > N (see the module docstring)."""
+    def open(self, resume_from_step: int | None = None, *, claimed: bool = False) -> StepLogFile:
+        """Start the log. Fresh (None): a path that already holds a file is left alone and the log goes to the first
+        free ``<stem>-K.md`` (``fresh_log_path``), with a warning; ``claimed``: the caller created ``self.path`` for
+        this run (``claim_log_paths``). Resume (N): append to the same file after marking steps > N as undone (see
+        the module docstring)."""
         if self._fh is not None:
             raise RuntimeError(f"{self.path} is already open")
         self._closed = False
         self._t0 = time.monotonic()
-        exists = self.path.exists() and self.path.stat().st_size > 0
-        note = ""
+        note, undone = "", ""
         try:
-            if resume_from_step is None and exists:
-                backup = self.path.with_name(self.path.name + ".bak")
-                os.replace(self.path, backup)
-                note = f"A previous log at this path was moved to `{escape_inline(backup.name)}`."
-                exists = False
+            if resume_from_step is None and not claimed:
+                wanted = self.path
+                self.path = fresh_log_path(wanted)
+                if self.path != wanted:
+                    note = (f"`{escape_inline(wanted.name)}` already held another run's log (kept as it is); "
+                            "this run writes here.")
+                    warnings.warn(f"trl_mdi: {wanted} already holds another run's log (kept as it is); this run's "
+                                  f"log is {self.path}", UserWarning, stacklevel=2)
+            exists = self.path.exists() and self.path.stat().st_size > 0
             if resume_from_step is not None and exists:
-                resume_note = self._truncate_for_resume(int(resume_from_step))
+                resume_note, undone = self._cut_for_resume(int(resume_from_step))
             self._fh = open(self.path, "a", encoding="utf-8", errors="replace", newline="")
         except OSError as e:
             raise LogPathError(self.path, e.strerror or str(e)) from e
         if not exists:
             self._append(self._header(note))
         if resume_from_step is not None:
+            step = int(resume_from_step)
             if not exists:
                 resume_note = "no earlier log was found at this path"
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            if undone:
+                self._append(undone_section(undone, step, stamp))
             self._append(
-                f"---\n\n> **Resumed at step {int(resume_from_step)}** · {stamp} · {resume_note}\n"
-                f"<!-- trl_mdi:resume step={int(resume_from_step)} -->\n\n"
+                f"---\n\n> **Resumed at step {step}** · {stamp} · {resume_note}\n"
+                f"<!-- trl_mdi:resume step={step} -->\n\n"
             )
         return self
 
-    def _truncate_for_resume(self, step: int) -> str:
+    def _cut_for_resume(self, step: int) -> tuple[str, str]:
+        """Cut the file after its last complete step block <= ``step``; returns (the resume note, the text cut off,
+        which the caller writes back as undone). Nothing is cut when no step block follows that point (a crash line
+        or an earlier resume note stays where it is)."""
         text = self.path.read_bytes().decode("utf-8", "surrogateescape")
         kind, header_end, blocks = scan_log(text)
         if kind != self.kind or header_end is None:
@@ -190,13 +214,14 @@ class StepLogFile:
                 dropped.append(s)
             else:
                 cut, kept = end, kept + [(s, data)]
+        self.records = kept
+        if not dropped:
+            return "nothing written after that step was found", ""
         if text[cut : cut + 1] == "\n":
             cut += 1  # the blank line that follows every block
         os.truncate(self.path, len(text[:cut].encode("utf-8", "surrogateescape")))
-        self.records = kept
-        if not dropped:
-            return "nothing written after that step was found"
-        return f"dropped {len(dropped)} step block(s) written after it or left incomplete ({_ranges(dropped)})"
+        return (f"{len(dropped)} step block(s) written after it or left incomplete ({_ranges(dropped)}) were undone: "
+                "kept above under \"Undone\", written again below"), text[cut:]
 
     def _header(self, note: str = "") -> str:
         lines = [
@@ -256,6 +281,19 @@ class StepLogFile:
                 pass
             self._fh = None
 
+    def stopped(self, step: int, reason: str) -> bool:
+        """Append the run's last lines: "Run stopped at step ``step``" and ``reason`` (one line, capped). Opens the
+        log first if the run stopped before writing any step (a resume's cut included). Never raises."""
+        if self._fh is None and not self._failed and not self._closed:
+            try:
+                self.open(resume_from_step=step if step > 0 else None)
+            except OSError:
+                return False
+        reason = " ".join(str(reason).split())
+        reason = reason if len(reason) <= 400 else reason[:400] + " ..."
+        return self._append(f"---\n\n> **Run stopped** at step {int(step)} · {time.strftime('%Y-%m-%d %H:%M:%S')} · "
+                            f"{escape_inline(reason)}\n<!-- trl_mdi:stopped step={int(step)} -->\n\n")
+
     def __enter__(self) -> StepLogFile:
         if self._fh is None:
             self.open()
@@ -298,6 +336,63 @@ class StepLogFile:
         return ok
 
 
+def fresh_log_path(path: Path) -> Path:
+    """``path`` itself if no file is there, else the first free ``<stem>-K<suffix>`` (K = 2, 3, ...); the file is
+    created empty (``O_EXCL``), so two runs starting together never pick the same one.
+
+    >>> import tempfile; d = Path(tempfile.mkdtemp())
+    >>> [fresh_log_path(d / "r.md").name for _ in range(3)]
+    ['r.md', 'r-2.md', 'r-3.md']
+    """
+    return claim_log_paths([path])[0]
+
+
+def claim_log_paths(paths: list[Path]) -> list[Path]:
+    """Create empty files for a fresh run's logs: ``paths`` if none exists, else all of them with the first suffix
+    ``-K`` free for every one (the rollout and attention logs of a run keep matching names). ``O_EXCL`` creation:
+    another run's file is never reused, even one that is still empty."""
+    for k in range(1, 10_000):
+        chosen = [p if k == 1 else p.with_name(f"{p.stem}-{k}{p.suffix}") for p in paths]
+        made = []
+        for p in chosen:
+            try:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                os.close(os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+                made.append(p)
+            except FileExistsError:
+                break
+        if len(made) == len(chosen):
+            return chosen
+        for p in made:  # ours and still empty: give the name back
+            p.unlink(missing_ok=True)
+    raise LogPathError(paths[0], "no free name left beside it (10,000 tried)")
+
+
+def undone_section(text: str, step: int, stamp: str) -> str:
+    """``text`` (what a resume from ``step`` cut off the log) as a collapsed "Undone" section: every step heading
+    renamed ``### Undone step K`` and every end marker ``undone-end`` (so a reader, and the next resume, count no step
+    twice), a fence a crash left open closed, nothing else changed."""
+    renamed, out, last = [], [], 0
+    for offset, line in iter_lines_outside_fences(text):
+        if m := _STEP_RE.match(line):
+            renamed.append(int(m.group(1)))
+            out += [text[last:offset], "### Undone step" + line[len("## Step"):]]
+            last = offset + len(line)
+        elif _END_RE.match(line):
+            out += [text[last:offset], line.replace("trl_mdi:end ", "trl_mdi:undone-end ", 1)]
+            last = offset + len(line)
+    body = ("".join(out) + text[last:]).rstrip("\n")
+    closing = unclosed_fence(body)
+    if closing:
+        body += "\n" + closing
+    what = _ranges(renamed) if renamed else "a partial block"
+    return (f"---\n\n> **Undone by the resume from step {step}** · {stamp} · the {what} below "
+            f"{'were' if len(renamed) > 1 else 'was'} written after that checkpoint by a run that stopped; the resumed "
+            f"run writes {'them' if len(renamed) > 1 else 'it'} again after the \"Resumed\" note\n"
+            f"<!-- trl_mdi:undone step={step} -->\n\n<details><summary>Undone: {what}</summary>\n\n{body}\n\n"
+            "</details>\n\n")
+
+
 def _ranges(steps: list[int]) -> str:
     """'4-5, 7' style summary of step numbers (sorted, de-duplicated)."""
     steps = sorted(set(steps))
@@ -311,4 +406,5 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(out)
 
 
-__all__ = ["LogPathError", "StepLogFile", "check_writable", "default_log_paths", "sanitize_run_name", "scan_log"]
+__all__ = ["LogPathError", "StepLogFile", "check_writable", "claim_log_paths", "default_log_paths", "fresh_log_path",
+           "sanitize_run_name", "scan_log", "undone_section"]

@@ -223,22 +223,43 @@ def iter_lines_outside_fences(text: str) -> Iterator[tuple[int, str]]:
     >>> [line for _, line in iter_lines_outside_fences("a\\n````\\n## x\\n```\\n````\\nb\\n")]
     ['a', 'b']
     """
+    for offset, line, outside in _scan_fences(text):
+        if outside:
+            yield offset, line
+
+
+def unclosed_fence(text: str) -> str:
+    """The line that closes a fence ``text`` leaves open (a log cut mid-block), or "" when every fence closes.
+
+    >>> unclosed_fence("a\\n````text\\nhalf"), unclosed_fence("```\\nx\\n```\\n")
+    ('````', '')
+    """
+    state = ["", 0]
+    for _ in _scan_fences(text, state):
+        pass
+    return state[0] * state[1]
+
+
+def _scan_fences(text: str, state: list | None = None) -> Iterator[tuple[int, str, bool]]:
+    """(offset, line, outside a fence) of every line; ``state`` ([fence char, length]) is left as at the end."""
     offset = 0
-    open_char, open_len = "", 0
+    state = state if state is not None else ["", 0]
     lines = text.split("\n")  # only \n: Markdown's line end once clean() has run
     if lines and lines[-1] == "":
         lines.pop()
     for line in lines:
         stripped = line.rstrip("\r")
+        open_char, open_len = state
         if open_char:
             m = re.match(r"^ {0,3}(" + re.escape(open_char) + "{" + str(open_len) + r",})\s*$", stripped)
             if m:
-                open_char, open_len = "", 0
+                state[:] = ["", 0]
+            yield offset, stripped, False
         else:
             m = _FENCE_OPEN.match(stripped)
             if m and not (m.group(1)[0] == "`" and "`" in m.group(2)):
-                open_char, open_len = m.group(1)[0], len(m.group(1))
+                state[:] = [m.group(1)[0], len(m.group(1))]
+                yield offset, stripped, False
             else:
-                yield offset, stripped
+                yield offset, stripped, True
         offset += len(line) + 1
-

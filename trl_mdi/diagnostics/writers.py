@@ -447,7 +447,13 @@ class AttentionLogWriter(StepLogFile):
         super().__init__(path, run_name=run_name, config=config)
         self.columns, self.means = list(columns), list(means)
         self.trend_width = trend_width
-        self.maps_dir = Path(maps_dir) if maps_dir is not None else self.path.with_name(self.path.stem + "_maps")
+        self._maps_dir = Path(maps_dir) if maps_dir is not None else None
+
+    @property
+    def maps_dir(self) -> Path:
+        """Where the attention maps go: the given folder, else ``<log stem>_maps`` beside the log (it follows the log
+        when a fresh run is given a fresh name, so two runs never share a folder)."""
+        return self._maps_dir if self._maps_dir is not None else self.path.with_name(self.path.stem + "_maps")
 
     def map_path(self, step: int, rollout_index: int, tag: str = "") -> tuple[Path, str]:
         """(where to save a map PNG, the path relative to the log to pass to ``write_step``)."""

@@ -1,0 +1,298 @@
+"""Checkpoints that are whole or refused: what a resume needs, the latest whole checkpoint, a failed save.
+
+transformers' ``Trainer._save_checkpoint`` writes ``checkpoint-N/`` file by file (weights, optimizer, scheduler, RNG,
+``trainer_state.json`` last). A save that dies half-way (full disk, ``kill -9``) leaves a folder that looks like a
+checkpoint, and a resume from it either fails after the weights load or, without ``optimizer.pt``, silently restarts
+Adam. Here:
+
+- **Completion marker.** Once every process has finished a save, the main process writes ``trl_mdi_checkpoint.json``
+  (every file of the folder with its size, and the run's log paths, so a resume continues the run's own logs). It is
+  removed before a save into an existing folder starts, so a marker always describes a whole save.
+- **A failed save** (any exception inside it) removes the partial folder and raises :class:`CheckpointSaveError`
+  naming the cause: ``No space left on device`` rather than torch's ``unexpected pos``.
+- **Resume checks** (:func:`resume_problems`), without loading anything: ``trainer_state.json``, the weights (full,
+  sharded, or LoRA's ``adapter_model.safetensors``; under DeepSpeed the ``global_step*/`` shards ``latest`` names),
+  ``optimizer.pt`` and ``scheduler.pt``; files cut short (a safetensors file shorter than its header says, a torch
+  zip without its end record, a marker's size that differs). Missing optimizer, scheduler or trainer state may be
+  accepted with ``allow_partial_resume``; missing weights and cut files never.
+
+A checkpoint written before the marker existed (or by plain TRL) is judged by the file checks alone.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import struct
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+MARKER = "trl_mdi_checkpoint.json"
+TRAINER_STATE = "trainer_state.json"
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_ADAPTER = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint a resume cannot use, or no usable checkpoint: the message names what is missing and the fix."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save that failed; the partial folder is gone and the message names the cause."""
+
+
+OPTIONAL = ("optimizer.pt", "scheduler.pt", TRAINER_STATE)  # state that may restart fresh (allow_partial_resume)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing a resume from a checkpoint lacks (``cut``: the file is there but cut short, and why). ``optional``:
+    ``allow_partial_resume`` may accept it (that state then restarts fresh); never for a cut file."""
+
+    name: str
+    optional: bool = False
+    cut: str | None = None
+
+
+# --------------------------------------------------------------------------------------------------- file checks
+def cut_file(path: Path) -> str | None:
+    """Why ``path`` is cut short (None: it looks whole), from its own framing, reading a few bytes only.
+
+    safetensors: 8-byte header length, JSON header, data up to the largest offset. torch.save / DeepSpeed (zip): the
+    central directory at the end. JSON: parses. Other files: None.
+    """
+    try:
+        size = path.stat().st_size
+        if path.suffix == ".safetensors":
+            with open(path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    return f"{size} bytes, shorter than a safetensors header"
+                (n,) = struct.unpack("<Q", head)
+                header = json.loads(f.read(n)) if 0 < n <= size - 8 else None
+            if header is None:
+                return f"{size} bytes, its header is cut"
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+            return None if size >= 8 + n + end else f"{size} bytes of {8 + n + end}"
+        if path.suffix in (".pt", ".bin", ".pth"):
+            with open(path, "rb") as f:
+                zipped = f.read(2) == b"PK"
+            return "its zip archive has no end record (written part-way)" if zipped and not zipfile.is_zipfile(
+                path) else None
+        if path.suffix == ".json":
+            json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        return f"unreadable ({type(e).__name__})"
+    return None
+
+
+def _weights_problems(folder: Path) -> list[Problem]:
+    """The model's weights: under DeepSpeed the ``global_step*/`` shards (what DeepSpeed resumes from), else a full,
+    sharded or LoRA adapter file."""
+    latest = folder / "latest"
+    if latest.is_file() or any(folder.glob("global_step*")):
+        tag = latest.read_text().strip() if latest.is_file() else None
+        shards = folder / tag if tag else None
+        if shards is None or not shards.is_dir():
+            return [Problem(f"the DeepSpeed shard folder {tag or 'global_step*/'}"
+                            + (" named in 'latest'" if tag else " ('latest' is missing too)"))]
+        out = []
+        if not any(shards.glob("*model_states.pt")):
+            out.append(Problem(f"{tag}/*model_states.pt (the model shards)"))
+        if not any(shards.glob("*optim_states.pt")):
+            out.append(Problem(f"{tag}/*optim_states.pt (the optimizer shards; DeepSpeed cannot resume without them)"))
+        return out
+    if (folder / "adapter_config.json").is_file():
+        return [] if any((folder / n).is_file() for n in _ADAPTER) else [Problem("adapter_model.safetensors (LoRA)")]
+    if not any((folder / n).is_file() for n in (*_WEIGHTS, *_ADAPTER)):
+        return [Problem("the model weights (model.safetensors, its shards, or adapter_model.safetensors)")]
+    index = next((folder / n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+                  if (folder / n).is_file()), None)
+    if index is not None and not cut_file(index):
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [Problem(s) for s in shards if not (folder / s).is_file()]
+    return []
+
+
+def resume_problems(folder: str | os.PathLike) -> list[Problem]:
+    """What a resume from ``folder`` lacks (empty: whole), without loading anything: the marker's files and sizes when
+    there is one, the files resuming reads, and files cut short."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return [Problem(f"the folder itself ({folder} does not exist or is not a folder)")]
+    problems: list[Problem] = []
+    listed: dict[str, int] = {}
+    if (folder / MARKER).is_file():
+        try:
+            listed = json.loads((folder / MARKER).read_text(encoding="utf-8"))["files"]
+        except (OSError, ValueError, KeyError):
+            problems.append(Problem(MARKER, cut="unreadable"))
+    for rel, size in listed.items():
+        path = folder / rel
+        if not path.is_file():
+            problems.append(Problem(rel, optional=rel in OPTIONAL))
+        elif path.stat().st_size != size:
+            problems.append(Problem(rel, cut=f"{path.stat().st_size} bytes, saved as {size}"))
+    deepspeed = (folder / "latest").is_file() or any(folder.glob("global_step*"))
+    expected = [Problem(n, optional=True) for n in (TRAINER_STATE,) + (() if deepspeed else ("optimizer.pt",
+                                                                                              "scheduler.pt"))
+                if not (folder / n).is_file()]
+    named = {p.name for p in problems}
+    problems += [p for p in expected + _weights_problems(folder) if p.name not in named]
+    named = {p.name for p in problems}
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if path.is_file() and rel not in named and rel != MARKER and (why := cut_file(path)):
+            problems.append(Problem(rel, cut=why))
+    return problems
+
+
+def describe(problems: list[Problem]) -> str:
+    """'lacks optimizer.pt, scheduler.pt and has optimizer.pt cut (...)' style text.
+
+    >>> describe([Problem("optimizer.pt", optional=True), Problem("model.safetensors", cut="10 bytes of 99")])
+    'lacks optimizer.pt and has model.safetensors cut short (10 bytes of 99)'
+    """
+    missing = [p.name for p in problems if p.cut is None]
+    cut = [f"{p.name} cut short ({p.cut})" for p in problems if p.cut is not None]
+    return " and ".join(([f"lacks {', '.join(missing)}"] if missing else []) + ([f"has {', '.join(cut)}"] if cut else []))
+
+
+# --------------------------------------------------------------------------------------------------- resume
+def checkpoints_newest_first(output_dir: str | os.PathLike) -> list[Path]:
+    """The ``checkpoint-N`` folders of ``output_dir``, highest N first."""
+    root = Path(output_dir)
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _CHECKPOINT_RE.match(p.name))] \
+        if root.is_dir() else []
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def resolve_resume(value: str | bool | None, output_dir: str | os.PathLike, *,
+                   allow_partial: bool = False) -> tuple[str | None, list[str]]:
+    """The checkpoint to resume from and warnings to print; :class:`CheckpointError` when there is none usable.
+
+    ``value``: None / False (no resume), True or ``"true"`` (the newest *whole* checkpoint of ``output_dir``; an
+    incomplete newer one is skipped with a warning), or a path (refused if it lacks anything resuming needs, unless
+    ``allow_partial`` and only optional state is missing).
+    """
+    if value is None or value is False or (isinstance(value, str) and value.lower() in ("", "false")):
+        return None, []
+    if value is True or (isinstance(value, str) and value.lower() == "true" and not Path(value).exists()):
+        skipped, partial = [], None
+        for folder in checkpoints_newest_first(output_dir):
+            problems = resume_problems(folder)
+            if not problems:
+                notes = [f"resume: skipped {p} (incomplete: it {why})" for p, why in skipped]
+                return str(folder), notes
+            skipped.append((folder.name, describe(problems)))
+            if partial is None and allow_partial and all(p.optional for p in problems):
+                partial = (folder, problems)
+        if partial is not None:
+            folder, problems = partial
+            return str(folder), [f"resume: skipped {p} (incomplete: it {why})" for p, why in skipped
+                                 if p != folder.name] + [_partial_note(folder, problems)]
+        what = "; ".join(f"{p} {why}" for p, why in skipped) or "it holds no checkpoint-N folder"
+        raise CheckpointError(f"--resume_from_checkpoint true: no whole checkpoint in {output_dir} ({what}). "
+                              "Start without --resume_from_checkpoint, or name a checkpoint folder")
+    folder = Path(value)
+    problems = resume_problems(folder)
+    if not problems:
+        return str(folder), []
+    if allow_partial and all(p.optional for p in problems):
+        return str(folder), [_partial_note(folder, problems)]
+    whole = next((p for p in checkpoints_newest_first(folder.parent) if p != folder and not resume_problems(p)), None)
+    earlier = f"resume from {whole} (whole), or " if whole else ""
+    fix = (f"{earlier}set allow_partial_resume: true to resume without it (that state restarts fresh)"
+           if all(p.optional for p in problems) else f"{earlier}start afresh (weights and cut files cannot be skipped)")
+    raise CheckpointError(f"cannot resume from {folder}: it {describe(problems)}, which resuming needs. Fix: {fix}")
+
+
+def _partial_note(folder: Path, problems: list[Problem]) -> str:
+    return (f"resume from {folder} (allow_partial_resume): it {describe(problems)}; that state restarts fresh "
+            "(a missing optimizer.pt or scheduler.pt: both, as transformers loads them only together)")
+
+
+def recorded_logs(folder: str | os.PathLike | None) -> dict[str, str] | None:
+    """The log paths the run that saved ``folder`` wrote to (its marker), None when not recorded."""
+    if folder is None:
+        return None
+    try:
+        return json.loads((Path(folder) / MARKER).read_text(encoding="utf-8")).get("logs") or None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------------- saving
+def clear_marker(folder: str | os.PathLike) -> None:
+    """Before a save into ``folder`` starts: an existing marker would vouch for files about to be replaced."""
+    (Path(folder) / MARKER).unlink(missing_ok=True)
+
+
+def mark_complete(folder: str | os.PathLike, logs: dict[str, str] | None = None) -> None:
+    """Write the marker (every file and its size; ``logs``) once every process finished the save: atomically, a
+    temporary file renamed into place."""
+    folder = Path(folder)
+    files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
+             if p.is_file() and p.name != MARKER and not p.name.startswith(f".{MARKER}")}
+    tmp = folder / f".{MARKER}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"version": 1, "files": files, "logs": logs or {}}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / MARKER)
+
+
+def save_failure(folder: str | os.PathLike, error: BaseException, *, remove: bool) -> CheckpointSaveError:
+    """The error to raise for a save of ``folder`` that failed with ``error``, after removing the partial folder when
+    ``remove`` (the main process): the cause in words (an OSError's strerror anywhere in the chain; torch's
+    short-write errors, such as ``unexpected pos``, read as "No space left on device" when the disk is (nearly) full,
+    which is what they mean there), the file being written (the folder's newest), the latest whole checkpoint."""
+    folder = Path(folder)
+    cause, e = None, error
+    while e is not None and cause is None:
+        if isinstance(e, OSError) and e.errno:
+            cause = os.strerror(e.errno)
+        e = e.__cause__ or e.__context__
+    if cause is None:
+        text = str(error)
+        short_write = any(s in text for s in ("unexpected pos", "PytorchStreamWriter failed", "file write failed"))
+        free = _free_bytes(folder)
+        if short_write and free is not None and free < 256 * 2**20:
+            cause = f"{os.strerror(errno.ENOSPC)} ({free // 2**20} MiB free; torch said: {text.splitlines()[0][:160]})"
+        else:
+            cause = f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}"
+    files = [p for p in folder.rglob("*") if p.is_file()] if folder.is_dir() else []
+    newest = max(files, key=lambda p: p.stat().st_mtime_ns, default=None)
+    writing = f" while writing {newest.relative_to(folder).as_posix()}" if newest is not None else ""
+    removed = remove and remove_partial(folder)
+    whole = next((p for p in checkpoints_newest_first(folder.parent) if p != folder and not resume_problems(p)), None)
+    return CheckpointSaveError(
+        f"saving checkpoint {folder} failed{writing}: {cause}. "
+        + ("The partial folder was removed" if removed else "The partial folder is left; resume will refuse it")
+        + (f"; the latest whole checkpoint is {whole}." if whole else "; no whole checkpoint exists yet."))
+
+
+def remove_partial(folder: str | os.PathLike) -> bool:
+    """Remove what a failed save left (True when nothing is left)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    return not Path(folder).exists()
+
+
+def _free_bytes(path: Path) -> int | None:
+    for p in (path, *path.parents):
+        if p.exists():
+            try:
+                return shutil.disk_usage(p).free
+            except OSError:
+                return None
+    return None
+
+
+__all__ = ["MARKER", "CheckpointError", "CheckpointSaveError", "Problem", "checkpoints_newest_first", "clear_marker",
+           "cut_file", "describe", "mark_complete", "recorded_logs", "remove_partial", "resolve_resume",
+           "resume_problems", "save_failure"]
