@@ -257,6 +257,9 @@ def test_reward_weight_count_mismatch(capsys, base_args):
     ([], "max_pixels: [12544]\n", "max_pixels: got [12544]; it must be a whole number >= 1"),
     (["--max_image_side=-1"], None, "max_image_side: got -1; it must be a whole number >= 0"),
     ([], "eval_split_size: [0.1]\n", "eval_split_size: got [0.1]; it must be a finite number >= 0"),
+    # A value argparse itself cannot convert (before: the whole usage text, then argparse's line).
+    ([], "learning_rate: abc\n", "learning_rate: got 'abc' (set in --config "),
+    (["--max_steps", "1.5"], None, "max_steps: got '1.5'; it must be a whole number. Valid example: --max_steps 8"),
 ])
 def test_bad_config_value_is_one_line_naming_field_value_and_example(capsys, tmp_path, monkeypatch, flags,
                                                                       yaml_text, expected):
@@ -544,3 +547,51 @@ def test_custom_system_prompt_with_the_default_answer_pattern_warns(capsys, base
     assert code == 0 and "--answer_pattern is the default" not in err
     code, _, err = run_main(capsys, *base_args, "--dry_run", "--answer_pattern", "Answer: ([A-Z])")
     assert code == 2 and "named group" in err
+
+
+def test_a_second_run_into_a_live_runs_output_dir_stops_before_the_model_loads(capsys, base_args, tmp_path,
+                                                                               monkeypatch):
+    """Issue 38, item 2: a run holds its output_dir's lock (here another process, as a live run would); a second run
+    into it is one line naming the holder, before any weight loads (before: both ran, overwriting each other's
+    checkpoints and logs)."""
+    import signal
+
+    from test_faults import HOLDER
+    from trl import GRPOTrainer
+
+    from trl_mdi.run_lock import LOCK_NAME
+
+    (tmp_path / "out").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "out" / LOCK_NAME)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        loads = []
+        monkeypatch.setattr(GRPOTrainer, "__init__", lambda *a, **k: loads.append(a))
+        code, _, err = run_main(capsys, *base_args, "--max_steps", "1")
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    lines = [line for line in err.splitlines() if "error" in line]  # the fixture may print its model build
+    assert code == 2 and loads == [] and len(lines) == 1, err
+    assert lines[0].startswith(f"error: output_dir {str(tmp_path / 'out')!r} is in use by another run (pid ")
+
+
+def test_resume_from_an_incomplete_checkpoint_is_refused_before_anything_loads(capsys, tmp_path, monkeypatch):
+    """Issue 38, item 3: a checkpoint a kill left half-written (optimizer.pt cut, no trainer_state.json, no weights)
+    is refused by name, before the model config is read; `--resume_from_checkpoint true` finds no whole one (before:
+    transformers took the highest-numbered folder and failed after the weights loaded)."""
+    calls = []
+    monkeypatch.setattr("trl_mdi.cli.command.check_vlm", lambda *a, **k: calls.append(a))
+    killed = tmp_path / "out" / "checkpoint-4"
+    killed.mkdir(parents=True)
+    (killed / "optimizer.pt").write_bytes(b"PK\x03\x04 cut")
+    common = ["--model_name_or_path", tmp_path / "m", "--dataset_path", tmp_path / "d", "--output_dir", tmp_path / "out"]
+    code, _, err = run_main(capsys, *common, "--resume_from_checkpoint", killed)
+    lines = err.strip().splitlines()
+    assert code == 2 and calls == [] and len(lines) == 1, err
+    assert lines[0].startswith(f"error: cannot resume from {killed}: it lacks trainer_state.json, scheduler.pt, the "
+                               "model weights") and "optimizer.pt cut short" in lines[0]
+    code, _, err = run_main(capsys, *common, "--resume_from_checkpoint", "true")
+    assert code == 2 and calls == [] and err.startswith(
+        f"error: --resume_from_checkpoint true: no whole checkpoint in {tmp_path / 'out'} (checkpoint-4 lacks"), err

@@ -141,7 +141,7 @@ def resume_problems(folder: str | os.PathLike) -> list[Problem]:
     deepspeed = (folder / "latest").is_file() or any(folder.glob("global_step*"))
     expected = [Problem(n, optional=True) for n in (TRAINER_STATE,) + (() if deepspeed else ("optimizer.pt",
                                                                                               "scheduler.pt"))
-                if not (folder / n).is_file()]
+                if not (folder / n).is_file() and not (n == "optimizer.pt" and (folder / "optimizer.bin").is_file())]
     named = {p.name for p in problems}
     problems += [p for p in expected + _weights_problems(folder) if p.name not in named]
     named = {p.name for p in problems}

@@ -175,6 +175,29 @@ def _yaml_keys(argv: Sequence[str]) -> tuple[str | None, set[str]]:
     return path, set(content) - {"env"}
 
 
+_KINDS = {"int": ("a whole number", "8"), "float": ("a number", "1e-06")}
+
+
+def argparse_message(message: str, config_file: str | None = None, yaml_keys: set[str] = frozenset()) -> str:
+    """argparse's error as one line, in the config checks' words: the field, the value and where it was set, the
+    rule and a valid example (argparse converts YAML values too: TrlParser hands them over as string defaults).
+
+    >>> argparse_message("argument --learning_rate/--learning-rate: invalid float value: 'abc'", "c.yaml",
+    ...                  {"learning_rate"})
+    "learning_rate: got 'abc' (set in --config c.yaml); it must be a number. Valid example: --learning_rate 1e-06 (or 'learning_rate: 1e-06' in a --config YAML)"
+    """
+    import re
+
+    m = re.match(r"argument --(\w+)(?:/\S+)?: invalid (\w+) value: (.*)$", message)
+    if not m:
+        return " ".join(message.split())
+    field, kind, value = m.groups()
+    rule, example = _KINDS.get(kind, (f"a {kind}", "..."))
+    where = f" (set in --config {config_file})" if field in yaml_keys else ""
+    return (f"{field}: got {value}{where}; it must be {rule}. Valid example: --{field} {example} (or "
+            f"'{field}: {example}' in a --config YAML)")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> ParsedRun:
     """Parse flags and the --config YAML file; raises ValueError for unknown flags or keys and invalid values."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -182,6 +205,11 @@ def parse_args(argv: Sequence[str] | None = None) -> ParsedRun:
     config_file, yaml_keys = _yaml_keys(argv)
     cli = _cli_dests(parser, argv)
     ours = set(script_defaults())
+
+    def one_line_error(message: str):  # argparse would print the whole usage, then exit
+        raise UsageError(argparse_message(message, config_file, yaml_keys - cli))
+
+    parser.error = one_line_error
     script, training, model, data = parser.parse_args_and_config(argv)
     names = {f.name for dc in (script, training, model, data) for f in dataclasses.fields(dc)}
     sources = {}
