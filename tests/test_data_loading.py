@@ -272,6 +272,22 @@ def choice_rows(n: int) -> dict[str, list]:
     return rows
 
 
+def test_non_ascii_and_control_characters_in_questions_and_choices_load_unchanged(tmp_path):
+    """Kept passing (issue 38's "Must show"): accents, CJK, emoji, a right-to-left mark, an ANSI escape and NUL in a
+    question and its choices pass the load and the choice checks and reach TRL's prompt byte for byte (the logs escape
+    control characters where they show them: test_logs.py::test_clean_removes_controls_normalises_newlines_and_caps)."""
+    rows = choice_rows(3)
+    choices = ["rouge", "青", "🟩", "gelb\x00"]
+    rows["prompt"][1] = "Qu'est-ce que c'est ? 这是什么 🐱 \u200f\x07\x1b[31m\n" + "\n".join(
+        f"{letter}. {c}" for letter, c in zip("ABCD", choices))
+    rows["choices"][1] = choices
+    write_parquet(tmp_path / "train.parquet", rows)
+    data = load(dataset_path=str(tmp_path))
+    assert data.train.num_rows == 3 and not data.reports[0].dropped
+    assert data.train[1]["prompt"][-1] == {"role": "user", "content": rows["prompt"][1]}
+    assert data.train[1]["choices"] == choices
+
+
 def test_label_outside_the_choices_is_an_error_naming_the_question_id(tmp_path):
     """Before: label_idx 7 on a 4-choice row passed the load and failed only when sampled, with a long traceback."""
     rows = choice_rows(4)
