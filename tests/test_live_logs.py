@@ -156,23 +156,23 @@ def test_hostile_completions_stay_valid_markdown(model_dir, grpo_train_dataset, 
 
 def test_crash_full_disk_and_resume_keep_every_log_and_no_half_checkpoint(model_dir, grpo_train_dataset, tmp_path,
                                                                           monkeypatch):
-    """Issue 38, items 1 and 3, end to end. Run 1 (``--run_name exp``) saves checkpoint-2, then the disk fills while
-    checkpoint-4's optimizer.pt is written: the error names the cause, checkpoint-4 is gone, and the logs' last lines
-    say the run stopped and why. Run 2 resumes with ``true`` and no run name (docs/training.md's recipe): it skips a
-    checkpoint-3 a kill left half-written, takes checkpoint-2, and continues run 1's own logs: steps 3-4 of run 1 kept
-    and marked undone, each step counted once. Run 3, fresh with the same run name, gets files of its own."""
+    """Issue 38, items 1 and 3, end to end. Run 1 (``--run_name exp``) saves checkpoints 1 and 2, then the disk fills
+    while checkpoint-3's optimizer.pt is written: the error names the cause, checkpoint-3 is gone, and the logs' last
+    lines say the run stopped and why. Run 2 resumes with ``true`` and no run name (docs/training.md's recipe): it
+    skips a checkpoint-3 a kill left half-written, takes checkpoint-2, and continues run 1's own logs: run 1's step 3
+    kept and marked undone, each step counted once. Run 3, fresh with the same run name, gets files of its own."""
     import errno
 
     from trl_mdi.checkpoints import MARKER, CheckpointSaveError, recorded_logs
 
     monkeypatch.setenv("TRL_MDI_LOG_DIR", str(tmp_path / "tl"))
     logs, out = tmp_path / "tl", tmp_path / "out"
-    args = functools.partial(make_args, tmp_path, max_steps=4, save_strategy="steps", save_steps=2,
+    args = functools.partial(make_args, tmp_path, max_steps=3, save_strategy="steps", save_steps=1,
                              rollout_log_path=None, attention_diag_log_path=None)
     real_save = torch.save
 
     def full_disk(obj, f, *a, **k):
-        if str(f).endswith(os.path.join("checkpoint-4", "optimizer.pt")):
+        if str(f).endswith(os.path.join("checkpoint-3", "optimizer.pt")):
             Path(f).write_bytes(b"PK\x03\x04 cut")  # what a full disk leaves behind
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(obj, f, *a, **k)
@@ -180,19 +180,19 @@ def test_crash_full_disk_and_resume_keep_every_log_and_no_half_checkpoint(model_
     monkeypatch.setattr(torch, "save", full_disk)
     first = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=args(run_name="exp"),
                            train_dataset=grpo_train_dataset)
-    with pytest.raises(CheckpointSaveError, match=r"checkpoint-4 failed while writing optimizer.pt: No space left on "
+    with pytest.raises(CheckpointSaveError, match=r"checkpoint-3 failed while writing optimizer.pt: No space left on "
                                                   r"device\. The partial folder was removed; the latest whole "
                                                   r"checkpoint is .*checkpoint-2\."):
         first.train()
     monkeypatch.setattr(torch, "save", real_save)
     rollout_log, attention_log = logs / "rollout_results_exp.md", logs / "attention_diagnostics_exp.md"
     crashed = rollout_log.read_text()
-    assert [int(s) for s in STEP_HEADER.findall(_outside_fences(crashed))] == [1, 2, 3, 4]
+    assert [int(s) for s in STEP_HEADER.findall(_outside_fences(crashed))] == [1, 2, 3]
     for path in (rollout_log, attention_log):
         last = path.read_text().rstrip().splitlines()[-2:]
-        assert last[0].startswith("> **Run stopped** at step 4 · ") and "No space left on device" in last[0], path
-        assert last[1] == "<!-- trl_mdi:stopped step=4 -->"
-    assert not (out / "checkpoint-4").exists() and (out / "checkpoint-2" / MARKER).is_file()
+        assert last[0].startswith("> **Run stopped** at step 3 · ") and "No space left on device" in last[0], path
+        assert last[1] == "<!-- trl_mdi:stopped step=3 -->"
+    assert not (out / "checkpoint-3").exists() and (out / "checkpoint-2" / MARKER).is_file()
     killed = out / "checkpoint-3"  # a save killed part-way: no trainer_state.json, optimizer.pt cut
     killed.mkdir()
     (killed / "optimizer.pt").write_bytes(b"PK\x03\x04 cut")
@@ -200,26 +200,25 @@ def test_crash_full_disk_and_resume_keep_every_log_and_no_half_checkpoint(model_
     second = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=args(),
                             train_dataset=grpo_train_dataset)
     second.train(resume_from_checkpoint=True)
-    assert second.state.global_step == 4 and recorded_logs(out / "checkpoint-4")["rollouts"] == str(rollout_log)
+    assert second.state.global_step == 3 and recorded_logs(out / "checkpoint-3")["rollouts"] == str(rollout_log)
     assert sorted(p.name for p in logs.glob("*.md")) == [attention_log.name, rollout_log.name]
     for path in (rollout_log, attention_log):
         text = path.read_text()
         body = _outside_fences(text)
-        assert [int(s) for s in STEP_HEADER.findall(body)] == [1, 2, 3, 4], path.name
+        assert [int(s) for s in STEP_HEADER.findall(body)] == [1, 2, 3], path.name
         assert body.count("trl_mdi:header kind=") == 1
-        order = ["**Undone by the resume from step 2**", "### Undone step 3 ", "### Undone step 4 ",
-                 "> **Run stopped** at step 4", "**Resumed at step 2**", "\n## Step 3 "]
+        order = ["**Undone by the resume from step 2**", "### Undone step 3 ", "> **Run stopped** at step 3",
+                 "**Resumed at step 2**", "\n## Step 3 "]
         assert sorted(order, key=body.index) == order, path.name
-    # Steps 1-2 are kept byte for byte from the first run, and so are its steps 3-4, under "Undone".
+    # Steps 1-2 are kept byte for byte from the first run, and so is its step 3, under "Undone".
     text = rollout_log.read_text()
     assert text.startswith(crashed[: crashed.index("\n## Step 3")])
     old3 = crashed[crashed.index("\n## Step 3"):].split("\n", 2)[2].split("<!-- trl_mdi:end")[0]
     assert old3 in text[text.index("### Undone step 3"):]
 
     third = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward],
-                           args=args(run_name="exp", max_steps=1, output_dir=str(tmp_path / "out3")),
-                           train_dataset=grpo_train_dataset)
-    third.train()
+                           args=args(run_name="exp", output_dir=str(tmp_path / "out3")), train_dataset=grpo_train_dataset)
+    third.live_logs.on_train_begin(third.args, third.state, third.control)  # what a fresh train() does first
     assert rollout_log.read_text() == text and third.live_logs.rollout_path.name == "rollout_results_exp-2.md"
     assert sorted(p.name for p in logs.glob("rollout_results_*.md")) == ["rollout_results_exp-2.md",
                                                                           "rollout_results_exp.md"]
