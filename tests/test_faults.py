@@ -80,6 +80,8 @@ def test_resume_names_what_a_checkpoint_lacks(tmp_path):
         (folder / remove).unlink()
         with pytest.raises(CheckpointError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
             resolve_resume(str(folder), tmp_path)
+    with pytest.raises(CheckpointError, match=r"checkpoint-9: no such folder\. Whole checkpoints in .*: checkpoint-2 \(or"):
+        resolve_resume(str(tmp_path / "checkpoint-9"), tmp_path)
     partial = tmp_path / "plain" / "optimizer.pt"
     assert "set allow_partial_resume: true" in _error(partial, tmp_path)
     path, notes = resolve_resume(str(partial), tmp_path, allow_partial=True)

@@ -242,6 +242,12 @@ def test_what_the_fault_handling_relies_on():
     from transformers import Trainer
 
     assert _params(Trainer._save_checkpoint) == ["self", "model", "trial"]
+    # TRL's own override writes one more file into the same folder after transformers' trainer_state.json (so that
+    # file is not the last one written: the marker, written after super(), is).
+    assert _params(GRPOTrainer._save_checkpoint) == ["self", "model", "trial"]
+    trl_save = inspect.getsource(GRPOTrainer._save_checkpoint)
+    assert trl_save.index("super()._save_checkpoint(model, trial)") < trl_save.index(
+        'output_dir = os.path.join(self._get_output_dir(trial=trial), checkpoint_folder)')
     assert _params(Trainer.train)[:3] == ["self", "resume_from_checkpoint", "trial"]
     save = inspect.getsource(Trainer._save_checkpoint)
     for line in ('checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"',

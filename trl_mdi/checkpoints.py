@@ -1,7 +1,7 @@
 """Checkpoints that are whole or refused: what a resume needs, the latest whole checkpoint, a failed save.
 
 transformers' ``Trainer._save_checkpoint`` writes ``checkpoint-N/`` file by file (weights, optimizer, scheduler, RNG,
-``trainer_state.json`` last). A save that dies half-way (full disk, ``kill -9``) leaves a folder that looks like a
+``trainer_state.json``; TRL's override adds a file after them), on every process. A save that dies half-way (full disk, ``kill -9``) leaves a folder that looks like a
 checkpoint, and a resume from it either fails after the weights load or, without ``optimizer.pt``, silently restarts
 Adam. Here:
 
@@ -200,6 +200,10 @@ def resolve_resume(value: str | bool | None, output_dir: str | os.PathLike, *,
         raise CheckpointError(f"--resume_from_checkpoint true: no whole checkpoint in {output_dir} ({what}). "
                               "Start without --resume_from_checkpoint, or name a checkpoint folder")
     folder = Path(value)
+    if not folder.is_dir():
+        found = [p.name for p in checkpoints_newest_first(output_dir) if not resume_problems(p)]
+        raise CheckpointError(f"--resume_from_checkpoint {folder}: no such folder. Whole checkpoints in {output_dir}: "
+                              f"{', '.join(found) or 'none'} (or pass true for the newest whole one)")
     problems = resume_problems(folder)
     if not problems:
         return str(folder), []
