@@ -126,19 +126,13 @@ def test_resume_true_takes_the_newest_whole_checkpoint(tmp_path):
     assert path == str(killed) and "allow_partial_resume" in notes[-1]
 
 
-def test_a_failed_save_names_the_cause():
+def test_a_failed_save_names_the_cause(monkeypatch):
     """torch's own message for a full disk is '[enforce fail at inline_container.cc:672] . unexpected pos ...'."""
     torch_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4864 vs 4752")
     err = save_failure("/nonexistent/out/checkpoint-4", torch_error, remove=True)
     assert "unexpected pos" in str(err)  # a short write with free space: torch's words, not a guess
-    import trl_mdi.checkpoints as C
-
-    real = C._free_bytes
-    try:
-        C._free_bytes = lambda path: 0
-        err = save_failure("/nonexistent/out/checkpoint-4", torch_error, remove=True)
-    finally:
-        C._free_bytes = real
+    monkeypatch.setattr("trl_mdi.checkpoints._free_bytes", lambda path: 0)  # a full disk
+    err = save_failure("/nonexistent/out/checkpoint-4", torch_error, remove=True)
     assert str(err).startswith("saving checkpoint /nonexistent/out/checkpoint-4 failed: No space left on device (0 MiB "
                                "free; torch said: [enforce fail")
     assert "The partial folder was removed; no whole checkpoint exists yet." in str(err)

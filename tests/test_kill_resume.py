@@ -81,10 +81,16 @@ def test_kill_9_then_resume(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     state = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())
     assert state["global_step"] == 6
+    # The killed run's main process held output_dir's lock (trl_mdi.run_lock): kill -9 released it, or the resume
+    # would have stopped at start. Every checkpoint the runs finished carries its completion marker.
+    assert (out / ".trl_mdi.lock").is_file()
+    assert all((c / "trl_mdi_checkpoint.json").is_file() for c in out.glob("checkpoint-*"))
     for name in ("rollouts.md", "attention.md"):
         log = out / "logs" / name
         assert _steps(log) == [1, 2, 3, 4, 5, 6], name
         assert f"Resumed at step {resumed_at}" in log.read_text()
+        # What the killed run logged after its checkpoint (if anything) is kept, marked undone.
+        assert all(int(s) > resumed_at for s in re.findall(r"^### Undone step (\d+)", log.read_text(), re.M)), name
     # The data order continues deterministically: after the resume each step sees exactly the prompts the
     # uninterrupted run saw. (Sampled completions start alike too, but float rounding after a reload can flip a
     # near-tie sample later in a sequence, so they are not compared token for token.)
