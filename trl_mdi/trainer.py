@@ -52,7 +52,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from . import signals as S
 from .answer_tokens import answer_tokens
 from .attention import ModalityAttention, probe_attention, trailing_completion_layout
-from .attention.model_facts import load_model_config, unwrap_model
+from .attention.model_facts import load_model_config, processor_for_trl, unwrap_model
 from .attention.model_parts import choice_logits, hidden_states_at
 from .attention.probe import probe_support
 from .batch import check_counterfactual_encodes, encode_prompts, pad_rows, policy_batch, rng_untouched
@@ -261,6 +261,7 @@ class MDIGRPOTrainer(GRPOTrainer):
             # A model whose config cannot be read fails here with transformers' own error, as it would in plan_run.
             load_model_config(model, config.model_init_kwargs, trust_remote_code=config.trust_remote_code)
             kwargs["processing_class"] = load_processing_class(model, config)
+        kwargs["processing_class"] = processor_for_trl(kwargs["processing_class"])  # Mistral 3: text as lists
         plan = plan_run(model, reward_funcs, config, defaults_chosen=defaults_chosen,
                         columns=dataset_columns(train_dataset, eval_dataset),
                         environment_rewards=kwargs.get("environment_factory") is not None,

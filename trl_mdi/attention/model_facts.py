@@ -229,3 +229,33 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
         elif hasattr(model, "module") and isinstance(model.module, torch.nn.Module):  # DDP / DeepSpeed
             model = model.module
     return model
+
+
+def processor_for_trl(processing_class):
+    """The processor as TRL 1.16's batched prompt tokenization needs it: text returned as unpadded lists.
+
+    ``GRPOTrainer._tokenize_prompts`` renders and tokenizes a whole batch in one ``apply_chat_template`` call without
+    padding, and expects lists of ids back. ``PixtralProcessor`` (Mistral 3) sets ``return_tensors="pt"`` as its text
+    default (its class attribute ``text_kwargs``), so any batch whose prompts differ in length fails inside TRL with
+    "Unable to create tensor, you should probably activate truncation and/or padding". This returns a shallow copy
+    whose own ``text_kwargs`` leaves that default out (images keep theirs: TRL takes image tensors); a processor without
+    such a default, or a tokenizer, is returned as it is. The user's object is not changed, and nothing of this is
+    saved with the processor (``text_kwargs`` is no saved attribute).
+
+    >>> class Proc:
+    ...     text_kwargs = {"return_tensors": "pt", "padding": False}
+    >>> fixed = processor_for_trl(Proc())
+    >>> fixed.text_kwargs, Proc.text_kwargs["return_tensors"]
+    ({'padding': False}, 'pt')
+    >>> tok = object()
+    >>> processor_for_trl(tok) is tok
+    True
+    """
+    defaults = getattr(processing_class, "text_kwargs", None)
+    if not isinstance(defaults, dict) or defaults.get("return_tensors") is None:
+        return processing_class
+    import copy
+
+    fixed = copy.copy(processing_class)
+    fixed.text_kwargs = {k: v for k, v in defaults.items() if k != "return_tensors"}
+    return fixed
