@@ -180,7 +180,8 @@ def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
     assert err < 1e-5, f"{arch}: max |probe - eager| = {err:.2e}"
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3",
+                                  "glm4v", "qwen3_vl_moe", "mistral3"])
 def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     """The attention maps of a two-image row (images of different sizes): the probe's per-image-token masses equal
     eager attention weights token by token, and the per-image split the maps use (each image's token grid) cuts
@@ -214,7 +215,14 @@ def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     # The split: image k's grid tokens are the k-th contiguous run of image tokens in the sequence.
     grids = image_token_grids(processor, images)
     parts = split_per_image(mass, grids)
-    runs = torch.tensor_split(img_pos, (torch.diff(img_pos) > 1).nonzero().flatten() + 1)
+    last = torch.diff(img_pos) > 1  # an image's last token: the next image token is not next to it
+    if arch == "mistral3":  # [IMG_BREAK] closes every row of [IMG] tokens; [IMG_END] closes the image
+        marker = ids[img_pos + 1]
+        last = marker[:-1] == processor.image_end_token_id
+        for (h, w), run in zip(grids, torch.tensor_split(img_pos, last.nonzero().flatten() + 1)):
+            row_ends = ids[run + 1].reshape(h, w)[:, -1].tolist()  # the token after each row's last [IMG]
+            assert row_ends == [processor.image_break_token_id] * (h - 1) + [processor.image_end_token_id]
+    runs = torch.tensor_split(img_pos, last.nonzero().flatten() + 1)
     assert [p.shape[1] for p in parts] == [len(r) for r in runs] == [h * w for h, w in grids]
     if arch != "gemma3":  # Qwen grids follow the image's size; Gemma 3 resizes every image to one square
         assert parts[0].shape[1] != parts[1].shape[1]
