@@ -270,3 +270,28 @@ def test_every_counterfactual_kind_encodes_or_names_one_that_does(tiny_vlm_dir, 
         named = [k for k in counterfactual_kinds() if f"e.g. {k!r}" in message]
         assert named and named[0] not in refused, (arch, kind, message)
     assert len(refused) < len(counterfactual_kinds()), (arch, refused)
+
+
+@pytest.mark.parametrize("arch, markers", [("glm4v", ("<|begin_of_image|>", "<|end_of_image|>")),
+                                           ("mistral3", ("[IMG_BREAK]", "[IMG_END]"))])
+def test_tokens_around_and_inside_an_image_run_are_text_keys(tiny_vlm_dir, arch, markers):
+    """GLM-4.1V's begin / end-of-image tokens around its M-RoPE run and Pixtral's row-break / end tokens inside the run
+    are facts of the model (``ModelFacts.image_marker_ids``), never image keys: the image group is exactly the
+    placeholders that receive vision features; the markers count as prompt text, or as ``special`` under
+    ``text_keys="content"`` (``trl_mdi.attention.model_facts.IMAGE_MARKER_ATTRIBUTES``)."""
+    path = tiny_vlm_dir(arch)
+    processor = AutoProcessor.from_pretrained(path)
+    facts = model_facts(AutoConfig.from_pretrained(path), processor)
+    marker_ids = processor.tokenizer.convert_tokens_to_ids(list(markers))
+    assert set(marker_ids) <= set(facts.image_marker_ids) and not set(marker_ids) & set(facts.image_token_ids)
+    batch = _batch(processor)
+    ids, prompt = batch["input_ids"], batch["attention_mask"].bool() & ~batch["completion_mask"].bool()
+    is_marker = torch.isin(ids, torch.tensor(marker_ids)) & prompt
+    assert is_marker.sum(1).tolist() == [2, 0, 2]  # one of each per image; none in the text-only row
+    placeholders = torch.isin(ids, torch.tensor(facts.image_token_ids)) & prompt
+    model = _load(path)
+    res = measure_modality_attention(model, **batch)
+    assert res.n_image.tolist() == placeholders.sum(1).tolist()
+    assert res.n_prompt_text.tolist() == (prompt & ~placeholders).sum(1).tolist()  # markers included
+    content = measure_modality_attention(model, **batch, text_keys="content", tokenizer=processor.tokenizer)
+    assert (content.n_special >= is_marker.sum(1)).all() and content.n_image.tolist() == res.n_image.tolist()

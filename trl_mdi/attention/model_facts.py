@@ -34,6 +34,10 @@ class ModelFacts:
     vision_part: str | None = None  # the config attribute holding the vision tower's config, e.g. "vision_config"
     image_token_source: str | None = None  # where image_token_ids were read, e.g. "config.image_token_id"
     image_token_problem: str | None = None  # a vision part but no image token found: which attributes were missing
+    # Tokens that delimit or punctuate an image's run without carrying image features: GLM-4.1V's
+    # <|begin_of_image|> / <|end_of_image|>, Pixtral's [IMG_BREAK] / [IMG_END], Qwen's <|vision_start|> /
+    # <|vision_end|>, Gemma's begin / end of image. They count as text keys (``IMAGE_MARKER_ATTRIBUTES`` says why).
+    image_marker_ids: tuple[int, ...] = ()
 
     @property
     def is_vlm(self) -> bool:
@@ -70,6 +74,20 @@ IMAGE_TOKEN_ATTRIBUTES = ("image_token_id", "video_token_id", "image_token_index
 """Config attributes that hold an image / video placeholder id, as transformers' families (image_token_id,
 video_token_id; LLaVA: image_token_index) and custom-code VLMs (InternVL: img_context_token_id; Kimi-VL:
 media_placeholder_token_id) name them."""
+
+IMAGE_MARKER_ATTRIBUTES = ("image_start_token_id", "image_end_token_id", "vision_start_token_id", "vision_end_token_id",
+                           "boi_token_id", "eoi_token_id", "boi_token_index", "eoi_token_index",
+                           "image_break_token_id")
+"""Config (and processor) attributes naming tokens that sit around or inside an image's run of placeholders but are not
+placeholders: GLM-4.1V's ``image_start_token_id`` / ``image_end_token_id`` (<|begin_of_image|> / <|end_of_image|>
+around its M-RoPE run), Qwen's vision start / end, Gemma's begin / end of image, and Pixtral's ``[IMG_BREAK]`` (after
+each row of ``[IMG]`` tokens) and ``[IMG_END]`` (closing the image; ``PixtralProcessor.image_end_token_id``).
+
+Decision: they are text keys (prompt text; the ``special`` group under ``attention_text_keys="content"``, as special
+tokens). The image group is exactly the positions whose input embedding the model replaces with vision features (the
+placeholders, ``IMAGE_TOKEN_ATTRIBUTES``); a marker's embedding is a learned text-vocabulary row, the same for every
+image, so mass on it says nothing about how much the model reads the picture. ``ModelFacts.image_marker_ids`` lists
+them so that logs and tests can name them; they are never added to ``image_token_ids``."""
 
 _VISION_WORDS = frozenset({"vision", "visual", "vit", "img", "image"})
 
@@ -137,6 +155,19 @@ def find_image_token_ids(config, processor=None) -> tuple[tuple[int, ...], str |
     return tuple(ids), source
 
 
+def _marker_ids(config, processor, image_ids) -> tuple[int, ...]:
+    """The ids ``IMAGE_MARKER_ATTRIBUTES`` name on the config, then on the processor (Pixtral keeps its markers
+    there), leaving out any that is an image placeholder."""
+    ids = []
+    for source in (config, processor):
+        for name in IMAGE_MARKER_ATTRIBUTES:
+            value = getattr(source, name, None) if source is not None else None
+            if (isinstance(value, int) and not isinstance(value, bool) and value >= 0 and value not in ids
+                    and value not in image_ids):
+                ids.append(value)
+    return tuple(ids)
+
+
 def model_facts(config, processor=None) -> ModelFacts:
     """Read :class:`ModelFacts` from a transformers config (a VLM's top config or a causal LM's config).
 
@@ -174,6 +205,7 @@ def model_facts(config, processor=None) -> ModelFacts:
         vision_part=part,
         image_token_source=source,
         image_token_problem=problem,
+        image_marker_ids=_marker_ids(config, processor, ids) if part is not None else (),
     )
 
 
