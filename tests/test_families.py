@@ -295,3 +295,23 @@ def test_tokens_around_and_inside_an_image_run_are_text_keys(tiny_vlm_dir, arch,
     assert res.n_prompt_text.tolist() == (prompt & ~placeholders).sum(1).tolist()  # markers included
     content = measure_modality_attention(model, **batch, text_keys="content", tokenizer=processor.tokenizer)
     assert (content.n_special >= is_marker.sum(1)).all() and content.n_image.tolist() == res.n_image.tolist()
+
+
+def test_a_family_transformers_cannot_load_under_zero3_is_refused_by_path_with_the_fix(tiny_vlm_dir, tmp_path,
+                                                                                       monkeypatch):
+    """Qwen3-VL-MoE under DeepSpeed ZeRO-3: transformers 5.23's ZeRO-3 loading path skips the experts' Transpose
+    conversion, so TRL's load by path fails ("size mismatch for ...experts.down_proj"); the trainer says so at
+    construction, before TRL loads anything, with the fix (load the model first and pass it; the every-family ZeRO-3
+    launch trains it that way)."""
+    from trl import GRPOConfig
+
+    from fixtures.testing import zen_image_dataset
+    from trl_mdi import MDIGRPOTrainer
+    from trl_mdi import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "is_deepspeed_zero3_enabled", lambda: True)
+    path = str(tiny_vlm_dir("qwen3_vl_moe"))
+    args = GRPOConfig(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2, num_generations=2)
+    with pytest.raises(ValueError, match=r"\(qwen3_vl_moe\) cannot be loaded under DeepSpeed ZeRO-3 .* pass the model "
+                                         r"object"):
+        MDIGRPOTrainer(path, reward_funcs=[lambda **k: []], args=args, train_dataset=zen_image_dataset(2))

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import DistributedType, gather_object
+from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
@@ -52,7 +53,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from . import signals as S
 from .answer_tokens import answer_tokens
 from .attention import ModalityAttention, probe_attention, trailing_completion_layout
-from .attention.model_facts import load_model_config, processor_for_trl, unwrap_model
+from .attention.model_facts import check_zero3_loading, load_model_config, processor_for_trl, unwrap_model
 from .attention.model_parts import choice_logits, hidden_states_at
 from .attention.probe import probe_support
 from .batch import check_counterfactual_encodes, encode_prompts, pad_rows, policy_batch, rng_untouched
@@ -268,6 +269,7 @@ class MDIGRPOTrainer(GRPOTrainer):
                         processing_class=kwargs["processing_class"])
         config = effective_config(config, plan)
         check_vllm_prompts(config, kwargs["processing_class"], plan.facts)  # before vLLM's engine starts
+        check_zero3_loading(model, plan.facts.model_type, is_deepspeed_zero3_enabled())  # before TRL loads weights
         self._record: BatchRecord | None = None
         self._pending: PendingMeasurement | None = None
         self._nan_warned: set[str] = set()  # rewards already warned about returning NaN: once per reward and run

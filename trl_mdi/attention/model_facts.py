@@ -291,3 +291,32 @@ def processor_for_trl(processing_class):
     fixed = copy.copy(processing_class)
     fixed.text_kwargs = {k: v for k, v in defaults.items() if k != "return_tensors"}
     return fixed
+
+
+ZERO3_LOADING_PROBLEMS = {
+    "qwen3_vl_moe": (
+        "transformers 5.23 loads Qwen3-VL-MoE's fused expert weights (mlp.experts.gate_up_proj / down_proj, stored "
+        "transposed in its checkpoints) without their Transpose conversion when DeepSpeed ZeRO-3 is on, so loading "
+        "stops with \"size mismatch for ...mlp.experts.down_proj\" (or, where a weight happens to be square, loads it "
+        "untransposed without a word)"),
+}
+"""Families whose checkpoints transformers cannot load through its DeepSpeed ZeRO-3 path (what ``GRPOTrainer`` uses
+for a model given by id or path once a ZeRO-3 config is active), and what goes wrong."""
+
+
+def check_zero3_loading(model: Any, model_type: str, zero3: bool) -> None:
+    """ValueError at construction when ``model`` is an id or path that ``GRPOTrainer`` would load through
+    transformers' ZeRO-3 path (``zero3``: ``transformers.integrations.is_deepspeed_zero3_enabled()``) and the family
+    is in ``ZERO3_LOADING_PROBLEMS``; the message names the fix. A model object loaded before the ZeRO-3 config
+    existed loads normally, and ZeRO-3 shards it when the trainer prepares it (tests/dist/train_families.py does so).
+
+    >>> check_zero3_loading("Qwen/Qwen3-VL-30B-A3B-Instruct", "qwen3_vl_moe", zero3=False)
+    >>> check_zero3_loading(object(), "qwen3_vl_moe", zero3=True)
+    """
+    problem = ZERO3_LOADING_PROBLEMS.get(model_type)
+    if problem is None or not zero3 or not isinstance(model, str):
+        return
+    raise ValueError(
+        f"{model!r} ({model_type}) cannot be loaded under DeepSpeed ZeRO-3 by id or path: {problem}. Fix: load it "
+        f"before building the GRPOConfig (model = AutoModelForImageTextToText.from_pretrained({model!r}), outside "
+        "ZeRO-3's loading path) and pass the model object; ZeRO-3 shards it when training starts.")
