@@ -180,7 +180,8 @@ def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
     assert err < 1e-5, f"{arch}: max |probe - eager| = {err:.2e}"
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3",
+                                  "glm4v", "qwen3_vl_moe", "mistral3"])
 def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     """The attention maps of a two-image row (images of different sizes): the probe's per-image-token masses equal
     eager attention weights token by token, and the per-image split the maps use (each image's token grid) cuts
@@ -214,7 +215,14 @@ def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     # The split: image k's grid tokens are the k-th contiguous run of image tokens in the sequence.
     grids = image_token_grids(processor, images)
     parts = split_per_image(mass, grids)
-    runs = torch.tensor_split(img_pos, (torch.diff(img_pos) > 1).nonzero().flatten() + 1)
+    last = torch.diff(img_pos) > 1  # an image's last token: the next image token is not next to it
+    if arch == "mistral3":  # [IMG_BREAK] closes every row of [IMG] tokens; [IMG_END] closes the image
+        marker = ids[img_pos + 1]
+        last = marker[:-1] == processor.image_end_token_id
+        for (h, w), run in zip(grids, torch.tensor_split(img_pos, last.nonzero().flatten() + 1)):
+            row_ends = ids[run + 1].reshape(h, w)[:, -1].tolist()  # the token after each row's last [IMG]
+            assert row_ends == [processor.image_break_token_id] * (h - 1) + [processor.image_end_token_id]
+    runs = torch.tensor_split(img_pos, last.nonzero().flatten() + 1)
     assert [p.shape[1] for p in parts] == [len(r) for r in runs] == [h * w for h, w in grids]
     if arch != "gemma3":  # Qwen grids follow the image's size; Gemma 3 resizes every image to one square
         assert parts[0].shape[1] != parts[1].shape[1]
@@ -241,3 +249,69 @@ def test_families_without_a_plain_token_grid_get_no_map(tiny_vlm_dir, arch):
     res = measure_modality_attention(_load(path), **batch, image_map_rows=[0])
     assert res.image_token_mass[0].numel() > 0
     assert attention_map_records(res, [[shape_image(56, 1)]], [0], "thirds", processor) == []
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_every_counterfactual_kind_encodes_or_names_one_that_does(tiny_vlm_dir, arch):
+    """Each ``counterfactual_image`` kind either encodes with the family's processor (the trainer's check at
+    construction, ``check_counterfactual_encodes``, passes) or is refused there with a message naming a kind that
+    does."""
+    from trl_mdi.batch import check_counterfactual_encodes
+    from trl_mdi.counterfactual import counterfactual_kinds
+
+    processor = AutoProcessor.from_pretrained(tiny_vlm_dir(arch))
+    refused = {}
+    for kind in counterfactual_kinds():
+        try:
+            check_counterfactual_encodes(processor, kind)
+        except ValueError as err:
+            refused[kind] = str(err)
+    for kind, message in refused.items():
+        named = [k for k in counterfactual_kinds() if f"e.g. {k!r}" in message]
+        assert named and named[0] not in refused, (arch, kind, message)
+    assert len(refused) < len(counterfactual_kinds()), (arch, refused)
+
+
+@pytest.mark.parametrize("arch, markers", [("glm4v", ("<|begin_of_image|>", "<|end_of_image|>")),
+                                           ("mistral3", ("[IMG_BREAK]", "[IMG_END]"))])
+def test_tokens_around_and_inside_an_image_run_are_text_keys(tiny_vlm_dir, arch, markers):
+    """GLM-4.1V's begin / end-of-image tokens around its M-RoPE run and Pixtral's row-break / end tokens inside the run
+    are facts of the model (``ModelFacts.image_marker_ids``), never image keys: the image group is exactly the
+    placeholders that receive vision features; the markers count as prompt text, or as ``special`` under
+    ``text_keys="content"`` (``trl_mdi.attention.model_facts.IMAGE_MARKER_ATTRIBUTES``)."""
+    path = tiny_vlm_dir(arch)
+    processor = AutoProcessor.from_pretrained(path)
+    facts = model_facts(AutoConfig.from_pretrained(path), processor)
+    marker_ids = processor.tokenizer.convert_tokens_to_ids(list(markers))
+    assert set(marker_ids) <= set(facts.image_marker_ids) and not set(marker_ids) & set(facts.image_token_ids)
+    batch = _batch(processor)
+    ids, prompt = batch["input_ids"], batch["attention_mask"].bool() & ~batch["completion_mask"].bool()
+    is_marker = torch.isin(ids, torch.tensor(marker_ids)) & prompt
+    assert is_marker.sum(1).tolist() == [2, 0, 2]  # one of each per image; none in the text-only row
+    placeholders = torch.isin(ids, torch.tensor(facts.image_token_ids)) & prompt
+    model = _load(path)
+    res = measure_modality_attention(model, **batch)
+    assert res.n_image.tolist() == placeholders.sum(1).tolist()
+    assert res.n_prompt_text.tolist() == (prompt & ~placeholders).sum(1).tolist()  # markers included
+    content = measure_modality_attention(model, **batch, text_keys="content", tokenizer=processor.tokenizer)
+    assert (content.n_special >= is_marker.sum(1)).all() and content.n_image.tolist() == res.n_image.tolist()
+
+
+def test_a_family_transformers_cannot_load_under_zero3_is_refused_by_path_with_the_fix(tiny_vlm_dir, tmp_path,
+                                                                                       monkeypatch):
+    """Qwen3-VL-MoE under DeepSpeed ZeRO-3: transformers 5.23's ZeRO-3 loading path skips the experts' Transpose
+    conversion, so TRL's load by path fails ("size mismatch for ...experts.down_proj"); the trainer says so at
+    construction, before TRL loads anything, with the fix (load the model first and pass it; the every-family ZeRO-3
+    launch trains it that way)."""
+    from trl import GRPOConfig
+
+    from fixtures.testing import zen_image_dataset
+    from trl_mdi import MDIGRPOTrainer
+    from trl_mdi import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "is_deepspeed_zero3_enabled", lambda: True)
+    path = str(tiny_vlm_dir("qwen3_vl_moe"))
+    args = GRPOConfig(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2, num_generations=2)
+    with pytest.raises(ValueError, match=r"\(qwen3_vl_moe\) cannot be loaded under DeepSpeed ZeRO-3 .* pass the model "
+                                         r"object"):
+        MDIGRPOTrainer(path, reward_funcs=[lambda **k: []], args=args, train_dataset=zen_image_dataset(2))

@@ -227,7 +227,7 @@ def test_mrope_section_fits_head_dim(arch, head_dim):
         ("qwen2_5_vl", {"num_layer": 3}, "unknown size knob.*num_layer"),
         ("qwen2_5_vl", {"num_layers": 0}, "positive integer"),
         ("smolvlm", {"min_pixels": 784}, "Qwen archs only"),
-        ("qwen3_vl", {"image_size": 64}, "smolvlm only"),
+        ("qwen3_vl", {"image_size": 64}, r"image_size applies to gemma3, llava_next, smolvlm\b.* only"),
         ("smolvlm", {"image_size": 40}, "pixel-shuffle"),
     ],
 )

@@ -16,6 +16,7 @@ from fixtures import tiny
 from fixtures.tiny import SYSTEM_PROMPT, TINY_ARCHS, build_tiny_vlm
 
 FAMILIES = ("qwen3_5", "gemma3", "llava_next", "qwen3_5_moe", "gemma4")
+FAMILIES += ("glm4v", "qwen3_vl_moe", "mistral3")
 EXPECTED = {
     # arch: (model class, processor class, image placeholder token, image tokens per square image)
     "qwen3_5": ("Qwen3_5ForConditionalGeneration", "Qwen3VLProcessor", "<|image_pad|>", 4),
@@ -24,6 +25,12 @@ EXPECTED = {
     "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "Qwen3VLProcessor", "<|image_pad|>", 4),
     # Gemma4ImageProcessor's smallest budget is 70 soft tokens: any square image becomes an 8 x 8 grid.
     "gemma4": ("Gemma4ForConditionalGeneration", "Gemma4Processor", "<|image|>", 64),
+}
+EXPECTED |= {
+    "glm4v": ("Glm4vForConditionalGeneration", "Glm4vProcessor", "<|image|>", 4),
+    "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", "Qwen3VLProcessor", "<|image_pad|>", 4),
+    # Two rows of two [IMG] tokens: [IMG] [IMG] [IMG_BREAK] [IMG] [IMG] [IMG_END].
+    "mistral3": ("Mistral3ForConditionalGeneration", "PixtralProcessor", "[IMG]", 4),
 }
 # What each official template writes around the generation prompt.
 TEMPLATE_MARKS = {
@@ -36,6 +43,11 @@ TEMPLATE_MARKS = {
     "gemma4": ("<bos><|turn>user\n<|image|>", "<turn|>\n<|turn>model\n"),
 }
 TEMPLATE_MARKS["qwen3_5_moe"] = TEMPLATE_MARKS["qwen3_5"]
+TEMPLATE_MARKS |= {
+    "glm4v": ("[gMASK]<sop><|user|>\n<|begin_of_image|><|image|><|end_of_image|>", "<|assistant|>\n"),
+    "qwen3_vl_moe": ("<|vision_start|><|image_pad|><|vision_end|>", "<|im_end|>\n<|im_start|>assistant\n"),
+    "mistral3": ("[/SYSTEM_PROMPT][INST][IMG]", "[/INST]"),
+}
 QUESTION = "What colour is the circle?"
 
 
@@ -78,14 +90,24 @@ def test_build_save_reload_batch_forward_generate(arch, tiny_vlm_dir):
     texts = [processor.apply_chat_template(_messages(s), add_generation_prompt=True) for s in (False, True)]
     start, end = TEMPLATE_MARKS[arch]
     assert start in texts[0] and texts[0].endswith(end)
-    assert SYSTEM_PROMPT in texts[1]
+    if arch == "glm4v":  # the official template prints a typed system message as the list's repr (docs say so)
+        assert "<|system|>\n[{'type': 'text', 'text': " in texts[1]
+    else:
+        assert SYSTEM_PROMPT in texts[1]
+    if arch == "mistral3":  # no system message: the template writes Mistral Small's default one, dated today
+        assert texts[0].startswith("<s>[SYSTEM_PROMPT]You are Mistral Small 3") and SYSTEM_PROMPT not in texts[0]
 
     images = [[_image(56)], [_image(64, (0, 0, 255))]]
     batch = processor(text=texts, images=images, return_tensors="pt", padding=True, padding_side="left")
     mask = batch["attention_mask"]
-    assert mask[0].sum() < mask[1].sum(), "the row without a system prompt is shorter, so it gets padded"
-    assert not mask[0, 0] and mask[:, -1].all(), "padding must be on the left"
+    short = 1 if arch == "mistral3" else 0  # Mistral 3's default system message is longer than ours
+    assert mask[short].sum() < mask[1 - short].sum(), "the row with the shorter system turn gets padded"
+    assert not mask[short, 0] and mask[:, -1].all(), "padding must be on the left"
     said = processor._get_num_multimodal_tokens(image_sizes=[[56, 56], [64, 64]]).num_image_tokens
+    if arch == "mistral3":  # the processor counts the row markers too: one [IMG_BREAK] and one [IMG_END] per image
+        for marker in ("[IMG_BREAK]", "[IMG_END]"):
+            assert (batch["input_ids"] == tok.convert_tokens_to_ids(marker)).sum(dim=1).tolist() == [1, 1]
+        said = [n - 2 for n in said]
     assert said == [tokens_per_image] * 2
     assert (batch["input_ids"] == model.config.image_token_id).sum(dim=1).tolist() == said
     if arch == "gemma3":  # the processor's image_token_id is the begin-of-image token, one per image
@@ -300,14 +322,18 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
         ("gemma3", {"image_size": 40}, "pooling"),
         ("gemma3", {"min_pixels": 1024}, "Qwen archs only"),
         ("llava_next", {"image_size": 40}, "not a multiple of image_patch_size"),
-        ("qwen3_5", {"image_size": 32}, "gemma3, llava_next and smolvlm only"),
-        ("qwen3_5", {"num_experts": 4}, "apply to qwen3_5_moe only"),
+        ("qwen3_5", {"image_size": 32}, r"image_size applies to gemma3, llava_next, smolvlm\b.* only, not qwen3_5"),
+        ("qwen3_5", {"num_experts": 4}, "apply to qwen3_5_moe and qwen3_vl_moe only"),
         ("qwen3_5_moe", {"num_experts_per_tok": 5}, "exceeds num_experts 4"),
         ("qwen3_5_moe", {"image_patch_size": 8}, "image_patch_size applies to"),
         ("gemma4", {"image_size": 64}, "set image_patch_size instead"),
         ("gemma4", {"full_attention_interval": 3}, "last text layer must use full attention"),
         ("gemma4", {"vision_hidden_size": 24, "vision_num_heads": 4}, "2D vision RoPE"),
         ("gemma4", {"hidden_size": 16}, "head_dim"),
+        ("mistral3", {"image_size": 40}, "patch-merge factor 2"),
+        ("mistral3", {"min_pixels": 1024}, "set image_size instead"),
+        ("glm4v", {"image_size": 32}, "set min_pixels/max_pixels instead"),
+        ("qwen3_vl_moe", {"num_experts_per_tok": 5}, "exceeds num_experts 4"),
     ],
 )
 def test_invalid_family_requests_raise_value_error(arch, overrides, message):

@@ -266,3 +266,40 @@ def test_what_the_fault_handling_relies_on():
     assert (T.TRAINER_STATE_NAME, T.OPTIMIZER_NAME, T.SCHEDULER_NAME) == ("trainer_state.json", "optimizer.pt",
                                                                         "scheduler.pt")
     assert T.PREFIX_CHECKPOINT_DIR == "checkpoint"
+
+
+def test_tokenize_prompts_takes_text_as_lists_which_pixtral_needs_the_trainers_copy_for(tiny_vlm_dir, tmp_path):
+    """TRL 1.16's ``_tokenize_prompts`` tokenizes a whole batch in one ``apply_chat_template`` call, unpadded, and
+    keeps ``input_ids`` as lists. ``PixtralProcessor`` (Mistral 3) defaults its text to ``return_tensors="pt"``, so a
+    batch of prompts of different lengths fails there; the trainer hands TRL ``processor_for_trl``'s copy, which
+    returns lists (the user's processor untouched)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoProcessor
+
+    from fixtures.testing import shape_image
+    from trl_mdi.attention.model_facts import processor_for_trl
+
+    processor = AutoProcessor.from_pretrained(tiny_vlm_dir("mistral3"))
+    prompts = [[{"role": "user", "content": [{"type": "image", "image": shape_image(56, 1)},
+                                             {"type": "text", "text": "What colour is the shape in the image?"}]}],
+               [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]]
+
+    def tokenize(proc):
+        trl_self = SimpleNamespace(_is_vlm=True, environment_factories=None, tools=None, chat_template=None,
+                                   chat_template_kwargs={}, processing_class=proc)
+        return GRPOTrainer._tokenize_prompts(trl_self, prompts)
+
+    with pytest.raises(ValueError, match="Unable to create tensor"):
+        tokenize(processor)
+    prompt_ids, images, fields = tokenize(processor_for_trl(processor))
+    assert all(isinstance(ids, list) for ids in prompt_ids) and len(prompt_ids[0]) != len(prompt_ids[1])
+    assert images[1] is None and fields["pixel_values"].shape[0] == 1
+    assert processor.text_kwargs == {"return_tensors": "pt"}  # the user's object as it was
+    from fixtures.testing import zen_image_dataset
+
+    trainer = MDIGRPOTrainer(str(tiny_vlm_dir("mistral3")), processing_class=processor, reward_funcs=[lambda **k: []],
+                             args=MDIGRPOConfig(str(tmp_path), use_cpu=True, report_to="none",
+                                                per_device_train_batch_size=2, num_generations=2),
+                             train_dataset=zen_image_dataset(2))
+    assert "return_tensors" not in trainer.processing_class.text_kwargs

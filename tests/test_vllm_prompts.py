@@ -27,6 +27,10 @@ from trl_mdi.vllm_prompts import (
 # tile markers). Checked against vLLM 0.31's own multimodal processor (.venv-vllm): for the first six, vLLM expands
 # the collapsed ids into exactly the processor's ids; it expands the processor's ids into 3 to 9 more.
 COLLAPSE_EXACT = {"qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "llava_next"}
+# GLM-4.1V: its template writes <|begin_of_image|> and <|end_of_image|> around the placeholder, so they are in the
+# tokenizer-only rendering too; Qwen3-VL-MoE: Qwen3-VL's processor. Mistral 3's processor adds [IMG_BREAK] / [IMG_END]
+# inside the image's tokens: not exact, refused.
+COLLAPSE_EXACT |= {"glm4v", "qwen3_vl_moe"}
 assert COLLAPSE_EXACT < set(TINY_ARCHS)
 
 

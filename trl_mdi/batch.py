@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .attention.model_facts import processor_for_trl
 from .counterfactual import NO_IMAGE, counterfactual_prompts
 
 # Multimodal keys of a processor's output that TRL's log-prob forward takes (its keyword arguments), by kind:
@@ -170,6 +171,7 @@ def encode_prompts(processing_class, prompts: list, images: list[list] | None = 
     """
     from trl.data_utils import prepare_multimodal_messages
 
+    processing_class = processor_for_trl(processing_class)  # as the trainer hands it to TRL
     if images is not None:
         prompts = [prepare_multimodal_messages(p, images=list(imgs or [])) for p, imgs in zip(prompts, images)]
     else:

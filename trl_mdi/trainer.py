@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import DistributedType, gather_object
+from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
@@ -59,7 +60,7 @@ from . import checkpoints
 from . import signals as S
 from .answer_tokens import answer_tokens
 from .attention import ModalityAttention, probe_attention, trailing_completion_layout
-from .attention.model_facts import load_model_config, unwrap_model
+from .attention.model_facts import check_zero3_loading, load_model_config, processor_for_trl, unwrap_model
 from .attention.model_parts import choice_logits, hidden_states_at
 from .attention.probe import probe_support
 from .batch import check_counterfactual_encodes, encode_prompts, pad_rows, policy_batch, rng_untouched
@@ -274,12 +275,14 @@ class MDIGRPOTrainer(GRPOTrainer):
             # A model whose config cannot be read fails here with transformers' own error, as it would in plan_run.
             load_model_config(model, config.model_init_kwargs, trust_remote_code=config.trust_remote_code)
             kwargs["processing_class"] = load_processing_class(model, config)
+        kwargs["processing_class"] = processor_for_trl(kwargs["processing_class"])  # Mistral 3: text as lists
         plan = plan_run(model, reward_funcs, config, defaults_chosen=defaults_chosen,
                         columns=dataset_columns(train_dataset, eval_dataset),
                         environment_rewards=kwargs.get("environment_factory") is not None,
                         processing_class=kwargs["processing_class"])
         config = effective_config(config, plan)
         check_vllm_prompts(config, kwargs["processing_class"], plan.facts)  # before vLLM's engine starts
+        check_zero3_loading(model, plan.facts.model_type, is_deepspeed_zero3_enabled())  # before TRL loads weights
         self._record: BatchRecord | None = None
         self._pending: PendingMeasurement | None = None
         self._nan_warned: set[str] = set()  # rewards already warned about returning NaN: once per reward and run

@@ -12,9 +12,11 @@ import json
 import sys
 from pathlib import Path
 
+from transformers import AutoConfig, AutoModelForImageTextToText
 from trl import GRPOConfig
 
 from trl_mdi import MDIGRPOTrainer
+from trl_mdi.attention.model_facts import ZERO3_LOADING_PROBLEMS
 
 # Run as a script, so tests/dist/ is on sys.path and not the checkout, whose fixtures/ folder is not installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -27,6 +29,10 @@ def spread_reward(completions, **kwargs):
 
 def main():
     out_path, model_dirs = sys.argv[1], sys.argv[2:]
+    # Families transformers cannot load through its ZeRO-3 path (model_facts.ZERO3_LOADING_PROBLEMS: the trainer refuses
+    # them by path, naming this fix) are loaded first, before any GRPOConfig turns ZeRO-3 on, and passed as objects.
+    preloaded = {d: AutoModelForImageTextToText.from_pretrained(d) for d in model_dirs
+                 if AutoConfig.from_pretrained(d).model_type in ZERO3_LOADING_PROBLEMS}
     data = zen_image_dataset(16, images_per_row=[1, 0])
     for i, model_dir in enumerate(model_dirs):
         out_dir = Path(out_path).parent / f"run{i}"
@@ -34,7 +40,8 @@ def main():
                           num_generations=4, max_completion_length=6, max_steps=2, logging_steps=1,
                           save_strategy="no", seed=0, learning_rate=1e-2, disable_tqdm=True, ddp_backend="gloo",
                           shuffle_dataset=False)
-        trainer = MDIGRPOTrainer(model_dir, reward_funcs=spread_reward, args=args, train_dataset=data)
+        trainer = MDIGRPOTrainer(preloaded.pop(model_dir, model_dir), reward_funcs=spread_reward, args=args,
+                                 train_dataset=data)
         trainer.train()
         acc = trainer.accelerator
         record = {"model": model_dir, "rank": acc.process_index, "world_size": acc.num_processes,

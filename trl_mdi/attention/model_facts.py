@@ -34,6 +34,10 @@ class ModelFacts:
     vision_part: str | None = None  # the config attribute holding the vision tower's config, e.g. "vision_config"
     image_token_source: str | None = None  # where image_token_ids were read, e.g. "config.image_token_id"
     image_token_problem: str | None = None  # a vision part but no image token found: which attributes were missing
+    # Tokens that delimit or punctuate an image's run without carrying image features: GLM-4.1V's
+    # <|begin_of_image|> / <|end_of_image|>, Pixtral's [IMG_BREAK] / [IMG_END], Qwen's <|vision_start|> /
+    # <|vision_end|>, Gemma's begin / end of image. They count as text keys (``IMAGE_MARKER_ATTRIBUTES`` says why).
+    image_marker_ids: tuple[int, ...] = ()
 
     @property
     def is_vlm(self) -> bool:
@@ -70,6 +74,20 @@ IMAGE_TOKEN_ATTRIBUTES = ("image_token_id", "video_token_id", "image_token_index
 """Config attributes that hold an image / video placeholder id, as transformers' families (image_token_id,
 video_token_id; LLaVA: image_token_index) and custom-code VLMs (InternVL: img_context_token_id; Kimi-VL:
 media_placeholder_token_id) name them."""
+
+IMAGE_MARKER_ATTRIBUTES = ("image_start_token_id", "image_end_token_id", "vision_start_token_id", "vision_end_token_id",
+                           "boi_token_id", "eoi_token_id", "boi_token_index", "eoi_token_index",
+                           "image_break_token_id")
+"""Config (and processor) attributes naming tokens that sit around or inside an image's run of placeholders but are not
+placeholders: GLM-4.1V's ``image_start_token_id`` / ``image_end_token_id`` (<|begin_of_image|> / <|end_of_image|>
+around its M-RoPE run), Qwen's vision start / end, Gemma's begin / end of image, and Pixtral's ``[IMG_BREAK]`` (after
+each row of ``[IMG]`` tokens) and ``[IMG_END]`` (closing the image; ``PixtralProcessor.image_end_token_id``).
+
+Decision: they are text keys (prompt text; the ``special`` group under ``attention_text_keys="content"``, as special
+tokens). The image group is exactly the positions whose input embedding the model replaces with vision features (the
+placeholders, ``IMAGE_TOKEN_ATTRIBUTES``); a marker's embedding is a learned text-vocabulary row, the same for every
+image, so mass on it says nothing about how much the model reads the picture. ``ModelFacts.image_marker_ids`` lists
+them so that logs and tests can name them; they are never added to ``image_token_ids``."""
 
 _VISION_WORDS = frozenset({"vision", "visual", "vit", "img", "image"})
 
@@ -137,6 +155,19 @@ def find_image_token_ids(config, processor=None) -> tuple[tuple[int, ...], str |
     return tuple(ids), source
 
 
+def _marker_ids(config, processor, image_ids) -> tuple[int, ...]:
+    """The ids ``IMAGE_MARKER_ATTRIBUTES`` name on the config, then on the processor (Pixtral keeps its markers
+    there), leaving out any that is an image placeholder."""
+    ids = []
+    for source in (config, processor):
+        for name in IMAGE_MARKER_ATTRIBUTES:
+            value = getattr(source, name, None) if source is not None else None
+            if (isinstance(value, int) and not isinstance(value, bool) and value >= 0 and value not in ids
+                    and value not in image_ids):
+                ids.append(value)
+    return tuple(ids)
+
+
 def model_facts(config, processor=None) -> ModelFacts:
     """Read :class:`ModelFacts` from a transformers config (a VLM's top config or a causal LM's config).
 
@@ -174,6 +205,7 @@ def model_facts(config, processor=None) -> ModelFacts:
         vision_part=part,
         image_token_source=source,
         image_token_problem=problem,
+        image_marker_ids=_marker_ids(config, processor, ids) if part is not None else (),
     )
 
 
@@ -229,3 +261,62 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
         elif hasattr(model, "module") and isinstance(model.module, torch.nn.Module):  # DDP / DeepSpeed
             model = model.module
     return model
+
+
+def processor_for_trl(processing_class):
+    """The processor as TRL 1.16's batched prompt tokenization needs it: text returned as unpadded lists.
+
+    ``GRPOTrainer._tokenize_prompts`` renders and tokenizes a whole batch in one ``apply_chat_template`` call without
+    padding, and expects lists of ids back. ``PixtralProcessor`` (Mistral 3) sets ``return_tensors="pt"`` as its text
+    default (its class attribute ``text_kwargs``), so any batch whose prompts differ in length fails inside TRL with
+    "Unable to create tensor, you should probably activate truncation and/or padding". This returns a shallow copy
+    whose own ``text_kwargs`` leaves that default out (images keep theirs: TRL takes image tensors); a processor without
+    such a default, or a tokenizer, is returned as it is. The user's object is not changed, and nothing of this is
+    saved with the processor (``text_kwargs`` is no saved attribute).
+
+    >>> class Proc:
+    ...     text_kwargs = {"return_tensors": "pt", "padding": False}
+    >>> fixed = processor_for_trl(Proc())
+    >>> fixed.text_kwargs, Proc.text_kwargs["return_tensors"]
+    ({'padding': False}, 'pt')
+    >>> tok = object()
+    >>> processor_for_trl(tok) is tok
+    True
+    """
+    defaults = getattr(processing_class, "text_kwargs", None)
+    if not isinstance(defaults, dict) or defaults.get("return_tensors") is None:
+        return processing_class
+    import copy
+
+    fixed = copy.copy(processing_class)
+    fixed.text_kwargs = {k: v for k, v in defaults.items() if k != "return_tensors"}
+    return fixed
+
+
+ZERO3_LOADING_PROBLEMS = {
+    "qwen3_vl_moe": (
+        "transformers 5.23 loads Qwen3-VL-MoE's fused expert weights (mlp.experts.gate_up_proj / down_proj, stored "
+        "transposed in its checkpoints) without their Transpose conversion when DeepSpeed ZeRO-3 is on, so loading "
+        "stops with \"size mismatch for ...mlp.experts.down_proj\" (or, where a weight happens to be square, loads it "
+        "untransposed without a word)"),
+}
+"""Families whose checkpoints transformers cannot load through its DeepSpeed ZeRO-3 path (what ``GRPOTrainer`` uses
+for a model given by id or path once a ZeRO-3 config is active), and what goes wrong."""
+
+
+def check_zero3_loading(model: Any, model_type: str, zero3: bool) -> None:
+    """ValueError at construction when ``model`` is an id or path that ``GRPOTrainer`` would load through
+    transformers' ZeRO-3 path (``zero3``: ``transformers.integrations.is_deepspeed_zero3_enabled()``) and the family
+    is in ``ZERO3_LOADING_PROBLEMS``; the message names the fix. A model object loaded before the ZeRO-3 config
+    existed loads normally, and ZeRO-3 shards it when the trainer prepares it (tests/dist/train_families.py does so).
+
+    >>> check_zero3_loading("Qwen/Qwen3-VL-30B-A3B-Instruct", "qwen3_vl_moe", zero3=False)
+    >>> check_zero3_loading(object(), "qwen3_vl_moe", zero3=True)
+    """
+    problem = ZERO3_LOADING_PROBLEMS.get(model_type)
+    if problem is None or not zero3 or not isinstance(model, str):
+        return
+    raise ValueError(
+        f"{model!r} ({model_type}) cannot be loaded under DeepSpeed ZeRO-3 by id or path: {problem}. Fix: load it "
+        f"before building the GRPOConfig (model = AutoModelForImageTextToText.from_pretrained({model!r}), outside "
+        "ZeRO-3's loading path) and pass the model object; ZeRO-3 shards it when training starts.")

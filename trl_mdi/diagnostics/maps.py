@@ -8,6 +8,11 @@ its token grid. The grid is known for two layouts (:func:`image_token_grids`):
   ``merge_size`` into a ``(gh / merge, gw / merge)`` grid (:func:`token_grid_hw`): any size and aspect ratio.
 - Gemma 3 without pan-and-scan: every image is resized to one square and pooled to ``image_seq_length`` tokens, a
   ``sqrt(n) x sqrt(n)`` grid (the projector average-pools the vision tower's row-major patch grid).
+- Mistral 3 (``PixtralProcessor``): each image is resized to multiples of ``patch_size * spatial_merge_size`` pixels
+  and written as rows of ``[IMG]`` tokens, each row closed by ``[IMG_BREAK]`` (the last by ``[IMG_END]``); the
+  projector merges the patch grid row-major, so the image's ``[IMG]`` tokens, markers left out (they are text keys),
+  are its ``(H / (patch * merge), W / (patch * merge))`` grid. GLM-4.1V is the Qwen layout (``image_grid_thw``),
+  between its begin/end-of-image tokens.
 
 Other layouts (LLaVA-NeXT's any-resolution tiles with newline tokens, SmolVLM's image splitting, Gemma 4's variable
 budgets) are not a single grid per image: those families are logged without maps rather than with wrong ones.
@@ -254,6 +259,10 @@ def image_token_grids(processing_class, images: list) -> list[tuple[int, int]] |
     if merge is not None:
         grids = image_processor(images=images, return_tensors="pt")["image_grid_thw"]
         return [token_grid_hw(g, merge) for g in grids]
+    if type(processing_class).__name__ == "PixtralProcessor":
+        side = int(processing_class.patch_size) * int(processing_class.spatial_merge_size)
+        sizes = image_processor(images=images, patch_size=side, return_tensors="pt")["image_sizes"]
+        return [(int(h) // side, int(w) // side) for h, w in sizes]
     n = getattr(processing_class, "image_seq_length", None)
     if type(processing_class).__name__ == "Gemma3Processor" and n and not getattr(image_processor, "do_pan_and_scan",
                                                                                       False):
