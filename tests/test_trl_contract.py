@@ -121,7 +121,7 @@ def test_tool_mask_only_enters_the_loss_mask():
     assert "num_items_in_batch = self.accelerator.gather(loss_mask.sum()).sum()" in gen
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3", "smolvlm"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3", "idefics3"])
 def test_forward_inputs_match_what_trl_passes(tiny_vlm_dir, grpo_train_dataset, tmp_path, monkeypatch, arch):
     """With num_iterations=2 TRL runs its own old-log-prob forward: the trainer's batch builder must lay out exactly
     its inputs, both from TRL's own prompt encoding (``_tokenize_prompts``, the usual path) and from the prompts
