@@ -59,7 +59,7 @@ from .batch import check_counterfactual_encodes, encode_prompts, pad_rows, polic
 from .config import MDIGRPOConfig
 from .counterfactual import NO_IMAGE, counterfactual_prompts
 from .data.columns import check_choices
-from .data.images import decode_row_images, lazy_images, report_bad_images, row_images
+from .data.images import check_images_per_row, decode_row_images, lazy_images, report_bad_images, row_images
 from .diagnostics import (
     BatchLog,
     ConsoleSummaryCallback,
@@ -512,6 +512,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         record.step = self.state.global_step + 1  # the optimizer step this batch feeds
         errors = decode_row_images(inputs)
         report_bad_images(inputs, errors, self.args.on_bad_image, gather_object)
+        check_images_per_row(inputs, self.run_plan.facts, gather_object)
         zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
         record.mixed = images_on_some_processes_only(inputs, self.accelerator, zero3=zero3,
                                                      has_vision_pass=self.vision_pass is not None)
