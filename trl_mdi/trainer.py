@@ -55,7 +55,14 @@ from .attention import ModalityAttention, probe_attention, trailing_completion_l
 from .attention.model_facts import load_model_config, unwrap_model
 from .attention.model_parts import choice_logits, hidden_states_at
 from .attention.probe import probe_support
-from .batch import check_counterfactual_encodes, encode_prompts, pad_rows, policy_batch, rng_untouched
+from .batch import (
+    check_counterfactual_encodes,
+    encode_prompts,
+    pad_rows,
+    policy_batch,
+    rng_untouched,
+    tile_counts,
+)
 from .config import MDIGRPOConfig
 from .counterfactual import NO_IMAGE, counterfactual_prompts
 from .data.columns import check_choices
@@ -618,9 +625,10 @@ class MDIGRPOTrainer(GRPOTrainer):
             self.processing_class, prompts, chat_template_kwargs=self.chat_template_kwargs,
             chat_template=self.chat_template)
         images = [row_images(x) for x in inputs] if with_images else []
-        return policy_batch(prompt_ids, completion_ids_list, pad_token_id=self._tokenizer.pad_token_id,
-                            multimodal=fields, num_images=[len(i) for i in images] if any(images) else None,
-                            pad_to_multiple_of=self.pad_to_multiple_of, device=self.accelerator.device)
+        batch = policy_batch(prompt_ids, completion_ids_list, pad_token_id=self._tokenizer.pad_token_id,
+                             multimodal=fields, num_images=[len(i) for i in images] if any(images) else None,
+                             pad_to_multiple_of=self.pad_to_multiple_of, device=self.accelerator.device)
+        return dataclasses.replace(batch, num_tiles=tile_counts(self.processing_class, images, batch.multimodal))
 
     @contextlib.contextmanager
     def _probe(self, map_rows: list[int], completion_length: int):
