@@ -16,7 +16,7 @@ from trl_mdi.attention import (
 )
 from trl_mdi.attention.metrics import layer_segments
 
-ARCHS = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "smolvlm"]
+ARCHS = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "idefics3"]
 def rows_of(res, segments="thirds"):
     """Per-rollout plain dicts of a probe result, as the trainer builds them (trl_mdi.signals)."""
     return S.rollout_rows(S.rollout_signals(res, segments, 2.0))

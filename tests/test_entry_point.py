@@ -184,7 +184,7 @@ def test_processor_pixel_budget(tiny_vlm_dir):
     processor = load_processor(str(tiny_vlm_dir("qwen2_5_vl")), min_pixels=28 * 28, max_pixels=112 * 112)
     assert (processor.image_processor.size.shortest_edge, processor.image_processor.size.longest_edge) == (784, 12544)
     with pytest.raises(ModelCheckError, match="Qwen-VL-style"):
-        load_processor(str(tiny_vlm_dir("smolvlm")), max_pixels=12544)
+        load_processor(str(tiny_vlm_dir("idefics3")), max_pixels=12544)
     with pytest.raises(ModelCheckError, match="^min_pixels 12544 is larger than max_pixels 784$"):
         load_processor(str(tiny_vlm_dir("qwen2_5_vl")), min_pixels=112 * 112, max_pixels=28 * 28)
 

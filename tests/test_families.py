@@ -164,6 +164,10 @@ def test_per_query_image_mass_falls_back_to_all_layers(tiny_vlm_dir, caplog):
     assert measure_modality_attention(_load(path), **batch).query_image_mass is None  # only when asked for
 
 
+# LLaVA-OneVision: several images in one row need the processor's batch_num_images, which TRL 1.16 drops.
+TWO_IMAGE_ROWS_FAIL_UNDER_TRL = ("llava_onevision",)
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
     """A row with two images next to a one-image row and a text-only row: every image token of the row counts, and
@@ -172,6 +176,13 @@ def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
     processor = AutoProcessor.from_pretrained(path)
     batch = grpo_batch(processor, ["Compare the two shapes.", "Shape?", "No image here."],
                        [[shape_image(56, 1), shape_image(56, 2)], shape_image(56, 3), None], [4, 6, 3], seed=5)
+    if arch in TWO_IMAGE_ROWS_FAIL_UNDER_TRL:
+        # The processor lays a multi-image row out without tiles and says so in batch_num_images, which TRL 1.16's
+        # log-prob forward does not pass on (nor does the probe, which takes what TRL takes): the model then tiles
+        # every image and its features outnumber the image tokens.
+        with pytest.raises(ValueError, match="Image features and image tokens do not match"):
+            measure_modality_attention(_load(path), **batch)
+        return
     res = measure_modality_attention(_load(path), **batch)
     assert res.n_image[0] == 2 * res.n_image[1] > 0 and res.n_image[2] == 0
     ref, _ = _eager_masses(path, batch)
@@ -181,7 +192,7 @@ def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3",
-                                  "glm4v", "qwen3_vl_moe", "mistral3"])
+                                  "llava", "glm4v", "qwen3_vl_moe", "mistral3"])
 def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     """The attention maps of a two-image row (images of different sizes): the probe's per-image-token masses equal
     eager attention weights token by token, and the per-image split the maps use (each image's token grid) cuts
@@ -195,7 +206,8 @@ def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     processor = AutoProcessor.from_pretrained(path)
     wide = Image.new("RGB", (112, 56), (255, 255, 255))
     wide.paste(shape_image(56, 4), (56, 0))
-    images = [shape_image(56, 1), wide]
+    # LLaVA 1.5's processor centre-crops a square: its maps are drawn for square images only (a larger one here).
+    images = [shape_image(56, 1), shape_image(112, 4) if arch == "llava" else wide]
     batch = grpo_batch(processor, ["Which picture shows more?", "Shape?"], [images, shape_image(56, 3)], [5, 3],
                        seed=7)
     res = measure_modality_attention(_load(path), **batch, image_map_rows=[0])
@@ -224,7 +236,7 @@ def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
             assert row_ends == [processor.image_break_token_id] * (h - 1) + [processor.image_end_token_id]
     runs = torch.tensor_split(img_pos, last.nonzero().flatten() + 1)
     assert [p.shape[1] for p in parts] == [len(r) for r in runs] == [h * w for h, w in grids]
-    if arch != "gemma3":  # Qwen grids follow the image's size; Gemma 3 resizes every image to one square
+    if arch not in ("gemma3", "llava"):  # Qwen grids follow the image's size; Gemma 3 and LLaVA use one square
         assert parts[0].shape[1] != parts[1].shape[1]
     # What the live log draws: one entry per image, its masses from its own run, shares adding up to 1.
     (record,) = attention_map_records(res, [images, [shape_image(56, 3)]], [0], "thirds", processor)
@@ -237,9 +249,10 @@ def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     assert abs(sum(shares) - 100) <= 1
 
 
-@pytest.mark.parametrize("arch", ["smolvlm", "llava_next", "gemma4"])
+@pytest.mark.parametrize("arch", ["idefics3", "llava_next", "gemma4", "smolvlm", "llava_onevision", "internvl"])
 def test_families_without_a_plain_token_grid_get_no_map(tiny_vlm_dir, arch):
-    """No single row-major grid per image: no map rather than a wrong one."""
+    """No single row-major grid per image: no map rather than a wrong one. (InternVL: the tiles' grids, then the
+    thumbnail's, one after another; LLaVA-OneVision: base view, tiles and newline tokens, as LLaVA-NeXT.)"""
     from trl_mdi.diagnostics.maps import attention_map_records, image_token_grids
 
     path = tiny_vlm_dir(arch)
@@ -315,3 +328,15 @@ def test_a_family_transformers_cannot_load_under_zero3_is_refused_by_path_with_t
     with pytest.raises(ValueError, match=r"\(qwen3_vl_moe\) cannot be loaded under DeepSpeed ZeRO-3 .* pass the model "
                                          r"object"):
         MDIGRPOTrainer(path, reward_funcs=[lambda **k: []], args=args, train_dataset=zen_image_dataset(2))
+
+
+def test_llava_maps_only_square_images(tiny_vlm_dir):
+    """LLaVA 1.5's image processor centre-crops a square, so a non-square image's token grid covers only its middle:
+    no map rather than one drawn over the whole image."""
+    from PIL import Image
+
+    from trl_mdi.diagnostics.maps import image_token_grids
+
+    processor = AutoProcessor.from_pretrained(tiny_vlm_dir("llava"))
+    assert image_token_grids(processor, [shape_image(56, 1), shape_image(112, 2)]) == [(4, 4), (4, 4)]
+    assert image_token_grids(processor, [shape_image(56, 1), Image.new("RGB", (112, 56))]) is None

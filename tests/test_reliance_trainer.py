@@ -302,10 +302,28 @@ def test_the_plan_says_which_forwards_run_and_why(model_dir, grpo_train_dataset,
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_every_counterfactual_kind_encodes_on_every_family(tiny_vlm_dir, arch):
+    """Each ``counterfactual_image`` kind, checked as the trainer checks it at construction (the family's processor
+    and template encode a prompt with that counterfactual image, or a ValueError names a kind to use instead): on
+    every tiny family every kind encodes, removing the image ("none") included."""
+    from trl_mdi.batch import check_counterfactual_encodes
+    from trl_mdi.counterfactual import counterfactual_kinds
+
+    processor = AutoProcessor.from_pretrained(tiny_vlm_dir(arch))
+    failed = {}
+    for kind in counterfactual_kinds():
+        try:
+            check_counterfactual_encodes(processor, kind)
+        except ValueError as err:
+            failed[kind] = str(err)
+    assert not failed, (arch, failed)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_every_family_gets_the_signals_at_its_answer_letter(tiny_vlm_dir, grpo_train_dataset, tmp_path, monkeypatch,
                                                             arch):
-    """Hybrid (Qwen3.5), sliding-window (Gemma 3), any-resolution tiles (LLaVA-NeXT), image splitting (SmolVLM),
-    MoE, Gemma 4: the counterfactual forward finds every rollout's answer letter and reads the choice letters'
+    """Hybrid (Qwen3.5), sliding-window (Gemma 3), any-resolution tiles (LLaVA-NeXT, LLaVA-OneVision), image splitting
+    (Idefics3, SmolVLM), tiles + thumbnail (InternVL), MoE, Gemma 4: the counterfactual forward finds every rollout's answer letter and reads the choice letters'
     logits there, with the image removed and with a black one; every per-rollout signal equals the profile's
     reference (plain forwards of a fresh copy of the checkpoint, on the same rollouts) within 1e-5. (The tiny
     Gemma 3's output does not depend on its image at all: its gains with a black image are exactly 0 and the blind

@@ -21,13 +21,13 @@ EXPECTED_CLASSES = {
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor"),
     "qwen2_vl": ("Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"),
     "qwen3_vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLProcessor"),
-    "smolvlm": ("Idefics3ForConditionalGeneration", "Idefics3Processor"),
+    "idefics3": ("Idefics3ForConditionalGeneration", "Idefics3Processor"),
 }
 IMAGE_TOKEN = {
     "qwen2_5_vl": "<|image_pad|>",
     "qwen2_vl": "<|image_pad|>",
     "qwen3_vl": "<|image_pad|>",
-    "smolvlm": "<image>",
+    "idefics3": "<image>",
 }
 # The first four archs; Qwen3.5, Gemma 3 and LLaVA-NeXT have their own tests in test_tiny_families.py.
 CORE_ARCHS = tuple(EXPECTED_CLASSES)
@@ -63,7 +63,7 @@ def test_build_save_reload_generate(arch, tiny_vlm_dir):
     tok = processor.tokenizer
     image_id = tok.convert_tokens_to_ids(IMAGE_TOKEN[arch])
     assert model.config.image_token_id == image_id
-    if arch != "smolvlm":
+    if arch != "idefics3":
         for key, token in [
             ("video_token_id", "<|video_pad|>"),
             ("vision_start_token_id", "<|vision_start|>"),
@@ -107,7 +107,7 @@ def test_mixed_batch_with_left_padding_matches_single_rows(arch, tiny_vlm_dir):
     ]
     img = _image((0, 0, 255))
     # Idefics3 wants images grouped per row; the Qwen processors take a flat list over the batch.
-    images = [[img], []] if arch == "smolvlm" else [img]
+    images = [[img], []] if arch == "idefics3" else [img]
     batch = processor(text=texts, images=images, padding=True, return_tensors="pt")
     mask = batch["attention_mask"]
     lengths = mask.sum(dim=1)
@@ -135,7 +135,7 @@ def test_mixed_batch_with_left_padding_matches_single_rows(arch, tiny_vlm_dir):
     assert not bool((new_ids == image_id).any())
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "smolvlm"])  # the two tokenizer families
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "idefics3"])  # the two tokenizer families
 def test_vocabulary_is_cheap(arch):
     tok = tiny._build_tokenizer(arch, tiny._chat_template(arch), model_max_length=8192)
     assert len(tok) < 600
@@ -217,7 +217,7 @@ def test_mrope_section_fits_head_dim(arch, head_dim):
 @pytest.mark.parametrize(
     ("arch", "overrides", "message"),
     [
-        ("llava", {}, "unknown tiny VLM arch 'llava'.*qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm"),
+        ("llava_1_5", {}, "unknown tiny VLM arch 'llava_1_5'.*qwen2_5_vl, qwen2_vl, qwen3_vl, idefics3"),
         ("qwen2_5_vl", {"hidden_size": 65}, "not divisible by num_heads"),
         ("qwen2_5_vl", {"num_heads": 4, "num_kv_heads": 3}, "not divisible by num_kv_heads"),
         ("qwen2_5_vl", {"hidden_size": 16, "num_heads": 4}, "head_dim"),
@@ -226,9 +226,9 @@ def test_mrope_section_fits_head_dim(arch, head_dim):
         ("qwen2_5_vl", {"max_pixels": 100}, "min_pixels <= max_pixels"),
         ("qwen2_5_vl", {"num_layer": 3}, "unknown size knob.*num_layer"),
         ("qwen2_5_vl", {"num_layers": 0}, "positive integer"),
-        ("smolvlm", {"min_pixels": 784}, "Qwen archs only"),
-        ("qwen3_vl", {"image_size": 64}, r"image_size applies to gemma3, llava_next, smolvlm\b.* only"),
-        ("smolvlm", {"image_size": 40}, "pixel-shuffle"),
+        ("idefics3", {"min_pixels": 784}, "Qwen archs only"),
+        ("qwen3_vl", {"image_size": 64}, r"image_size applies to gemma3, llava_next, idefics3, smolvlm\b.* only"),
+        ("idefics3", {"image_size": 40}, "pixel-shuffle"),
     ],
 )
 def test_invalid_requests_raise_value_error(arch, overrides, message):
@@ -279,10 +279,10 @@ def test_cli_writes_a_reloadable_model(tmp_path, tiny_vlm_dir):
 
 def test_cli_rejects_unknown_arch_and_bad_sizes(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        tiny.main(["--arch", "llava", "--out", str(tmp_path / "x")])
+        tiny.main(["--arch", "llava_1_5", "--out", str(tmp_path / "x")])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "llava" in err and all(arch in err for arch in TINY_ARCHS)
+    assert "llava_1_5" in err and all(arch in err for arch in TINY_ARCHS)
 
     assert tiny.main(["--arch", "qwen2_5_vl", "--out", str(tmp_path / "y"), "--hidden_size", "65"]) == 2
     assert "num_heads" in capsys.readouterr().err

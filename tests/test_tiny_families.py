@@ -1,4 +1,5 @@
-"""Tiny offline Qwen3.5 (dense and MoE), Gemma 3, LLaVA-NeXT and Gemma 4 VLMs (text-only models: test_tiny.py).
+"""Tiny offline Qwen3.5 (dense and MoE), Gemma 3, LLaVA-NeXT, Gemma 4, SmolVLM (its own class), LLaVA 1.5,
+LLaVA-OneVision and InternVL VLMs (the first four archs and the text-only models: test_tiny.py).
 
 Build, save, reload through the Auto classes, count image tokens, run a left-padded batch forward and
 a short generate (also with a row without image), stay deterministic; the hybrid archs' layer layouts,
@@ -15,7 +16,17 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from fixtures import tiny
 from fixtures.tiny import SYSTEM_PROMPT, TINY_ARCHS, build_tiny_vlm
 
-FAMILIES = ("qwen3_5", "gemma3", "llava_next", "qwen3_5_moe", "gemma4")
+FAMILIES = (
+    "qwen3_5",
+    "gemma3",
+    "llava_next",
+    "qwen3_5_moe",
+    "gemma4",
+    "smolvlm",
+    "llava",
+    "llava_onevision",
+    "internvl",
+)
 FAMILIES += ("glm4v", "qwen3_vl_moe", "mistral3")
 EXPECTED = {
     # arch: (model class, processor class, image placeholder token, image tokens per square image)
@@ -25,6 +36,11 @@ EXPECTED = {
     "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "Qwen3VLProcessor", "<|image_pad|>", 4),
     # Gemma4ImageProcessor's smallest budget is 70 soft tokens: any square image becomes an 8 x 8 grid.
     "gemma4": ("Gemma4ForConditionalGeneration", "Gemma4Processor", "<|image|>", 64),
+    "smolvlm": ("SmolVLMForConditionalGeneration", "SmolVLMProcessor", "<image>", 4),
+    "llava": ("LlavaForConditionalGeneration", "LlavaProcessor", "<image>", 16),  # a 4 x 4 grid
+    "llava_onevision": ("LlavaOnevisionForConditionalGeneration", "LlavaOnevisionProcessor", "<image>", 10),
+    # 2 x 2 tiles + a thumbnail, 4 tokens each (the processor also counts <img> and </img>: 22).
+    "internvl": ("InternVLForConditionalGeneration", "InternVLProcessor", "<IMG_CONTEXT>", 20),
 }
 EXPECTED |= {
     "glm4v": ("Glm4vForConditionalGeneration", "Glm4vProcessor", "<|image|>", 4),
@@ -32,6 +48,9 @@ EXPECTED |= {
     # Two rows of two [IMG] tokens: [IMG] [IMG] [IMG_BREAK] [IMG] [IMG] [IMG_END].
     "mistral3": ("Mistral3ForConditionalGeneration", "PixtralProcessor", "[IMG]", 4),
 }
+# Tokens the processor counts per image besides the placeholder (InternVL: <img> and </img>; Mistral 3: its row
+# markers).
+EXTRA_COUNTED = {"internvl": 2, "mistral3": 2}  # Mistral 3: [IMG_BREAK] and [IMG_END]
 # What each official template writes around the generation prompt.
 TEMPLATE_MARKS = {
     "qwen3_5": (
@@ -41,6 +60,10 @@ TEMPLATE_MARKS = {
     "gemma3": ("<bos><start_of_turn>user\n<start_of_image>", "<end_of_turn>\n<start_of_turn>model\n"),
     "llava_next": ("[INST] <image>\n", " [/INST]"),
     "gemma4": ("<bos><|turn>user\n<|image|>", "<turn|>\n<|turn>model\n"),
+    "smolvlm": ("<|im_start|>User:<image>What", "<end_of_utterance>\nAssistant:"),
+    "llava": ("USER: <image>\nWhat", "? ASSISTANT:"),
+    "llava_onevision": ("<|im_start|>user\n<image>\nWhat", "<|im_end|>\n<|im_start|>assistant\n"),
+    "internvl": ("<|im_start|>user\n<IMG_CONTEXT>\nWhat", "<|im_end|>\n<|im_start|>assistant\n"),
 }
 TEMPLATE_MARKS["qwen3_5_moe"] = TEMPLATE_MARKS["qwen3_5"]
 TEMPLATE_MARKS |= {
@@ -66,7 +89,7 @@ def _load(path):
 
 
 def test_tiny_archs_lists_the_new_families():
-    assert TINY_ARCHS[:4] == ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "smolvlm")  # the old order is kept
+    assert TINY_ARCHS[:4] == ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "idefics3")  # the old order is kept
     assert TINY_ARCHS[4:] == FAMILIES  # each later family appended after the earlier ones
 
 
@@ -103,13 +126,13 @@ def test_build_save_reload_batch_forward_generate(arch, tiny_vlm_dir):
     short = 1 if arch == "mistral3" else 0  # Mistral 3's default system message is longer than ours
     assert mask[short].sum() < mask[1 - short].sum(), "the row with the shorter system turn gets padded"
     assert not mask[short, 0] and mask[:, -1].all(), "padding must be on the left"
-    said = processor._get_num_multimodal_tokens(image_sizes=[[56, 56], [64, 64]]).num_image_tokens
     if arch == "mistral3":  # the processor counts the row markers too: one [IMG_BREAK] and one [IMG_END] per image
         for marker in ("[IMG_BREAK]", "[IMG_END]"):
             assert (batch["input_ids"] == tok.convert_tokens_to_ids(marker)).sum(dim=1).tolist() == [1, 1]
-        said = [n - 2 for n in said]
-    assert said == [tokens_per_image] * 2
-    assert (batch["input_ids"] == model.config.image_token_id).sum(dim=1).tolist() == said
+    if hasattr(processor, "_get_num_multimodal_tokens"):  # SmolVLMProcessor has no such method
+        said = processor._get_num_multimodal_tokens(image_sizes=[[56, 56], [64, 64]]).num_image_tokens
+        assert said == [tokens_per_image + EXTRA_COUNTED.get(arch, 0)] * 2
+    assert (batch["input_ids"] == model.config.image_token_id).sum(dim=1).tolist() == [tokens_per_image] * 2
     if arch == "gemma3":  # the processor's image_token_id is the begin-of-image token, one per image
         assert processor.image_token_id == tok.convert_tokens_to_ids("<start_of_image>") != image_id
         assert (batch["input_ids"] == processor.image_token_id).sum(dim=1).tolist() == [1, 1]
@@ -322,7 +345,9 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
         ("gemma3", {"image_size": 40}, "pooling"),
         ("gemma3", {"min_pixels": 1024}, "Qwen archs only"),
         ("llava_next", {"image_size": 40}, "not a multiple of image_patch_size"),
-        ("qwen3_5", {"image_size": 32}, r"image_size applies to gemma3, llava_next, smolvlm\b.* only, not qwen3_5"),
+        ("qwen3_5", {"image_size": 32}, r"image_size applies to gemma3, llava_next, idefics3, smolvlm\b.* only, not qwen3_5"),
+        ("llava", {"image_size": 36}, "not a multiple of image_patch_size"),
+        ("internvl", {"image_size": 24}, "pixel-shuffle"),
         ("qwen3_5", {"num_experts": 4}, "apply to qwen3_5_moe and qwen3_vl_moe only"),
         ("qwen3_5_moe", {"num_experts_per_tok": 5}, "exceeds num_experts 4"),
         ("qwen3_5_moe", {"image_patch_size": 8}, "image_patch_size applies to"),

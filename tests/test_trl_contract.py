@@ -121,7 +121,8 @@ def test_tool_mask_only_enters_the_loss_mask():
     assert "num_items_in_batch = self.accelerator.gather(loss_mask.sum()).sum()" in gen
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3", "smolvlm"])
+# InternVL: tile-indexed pixel_values, whose per-row tile counts TRL recomputes (num_tiles).
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3", "idefics3", "internvl"])
 def test_forward_inputs_match_what_trl_passes(tiny_vlm_dir, grpo_train_dataset, tmp_path, monkeypatch, arch):
     """With num_iterations=2 TRL runs its own old-log-prob forward: the trainer's batch builder must lay out exactly
     its inputs, both from TRL's own prompt encoding (``_tokenize_prompts``, the usual path) and from the prompts
@@ -168,6 +169,7 @@ def test_forward_inputs_match_what_trl_passes(tiny_vlm_dir, grpo_train_dataset, 
             assert torch.equal(trl_in[key], ours[key]), (name, key)
         assert trl_in["logits_to_keep"] == ours["logits_to_keep"]
         assert trl_in["num_images"] == ours["num_images"]
+        assert trl_in.get("num_tiles") == ours["num_tiles"], name
 
 
 # reward_funcs / reward_weights / reward_processing_classes with reward_func_names: TRL's four parallel reward lists,

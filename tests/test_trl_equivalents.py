@@ -100,15 +100,29 @@ def test_training_vlm_peft(arch, tiny_vlm_dir, image_data, tmp_path):
     assert finite_mdi([h for h in trainer.state.log_history if "loss" in h])
 
 
-def test_training_vlm_multi_image(tiny_vlm_dir, tmp_path):
+# LLaVA 1.5 too: huggingface/trl#4488 reports its multi-image path broken under GRPOTrainer.
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava"])
+def test_training_vlm_multi_image(arch, tiny_vlm_dir, tmp_path):
     # As TRL's zen-multi-image: rows with 0, 1 and 2 images, mixed inside a batch.
     data = zen_image_dataset(12, images_per_row=[2, 1, 0])
-    trainer = MDIGRPOTrainer(model=str(tiny_vlm_dir("qwen2_5_vl")), reward_funcs=spread_reward,
+    trainer = MDIGRPOTrainer(model=str(tiny_vlm_dir(arch)), reward_funcs=spread_reward,
                              args=grpo_args(tmp_path, max_steps=3), train_dataset=data)
     logs = train_and_check(trainer)
     assert finite_mdi(logs)
     assert any(0 < h["attention/rows_without_image"] < 1 for h in logs) or any(
         h["attention/rows_without_image"] == 1 for h in logs)
+
+
+def test_several_images_per_prompt_on_llava_onevision_stop_with_the_reason(tiny_vlm_dir, tmp_path):
+    """TRL 1.16 drops LLaVA-OneVision's batch_num_images, so a two-image prompt would fail inside the model with a
+    bare shape error (tests/test_families.py::test_two_image_row_equals_eager shows it): the trainer stops first,
+    saying why and what to do."""
+    data = zen_image_dataset(6, images_per_row=[2])
+    trainer = MDIGRPOTrainer(model=str(tiny_vlm_dir("llava_onevision")), reward_funcs=spread_reward,
+                             args=grpo_args(tmp_path, max_steps=1), train_dataset=data)
+    with pytest.raises(ValueError, match=r"'llava_onevision' prompts with several images cannot be trained under "
+                                         r"TRL 1.16 .*batch_num_images.*at most one image"):
+        trainer.train()
 
 
 def test_training_vlm_log_multimodal_false(tiny_vlm_dir, image_data, tmp_path):

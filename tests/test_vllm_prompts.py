@@ -23,10 +23,12 @@ from trl_mdi.vllm_prompts import (
 )
 
 # Families whose processor expands an image placeholder into a run of that one token, so collapsing the run gives the
-# ids vLLM starts from; the others add tokens around the run (Gemma 3 / 4: begin / end of image and newlines; SmolVLM:
-# tile markers). Checked against vLLM 0.31's own multimodal processor (.venv-vllm): for the first six, vLLM expands
-# the collapsed ids into exactly the processor's ids; it expands the processor's ids into 3 to 9 more.
-COLLAPSE_EXACT = {"qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "llava_next"}
+# ids vLLM starts from; the others add tokens around the run (Gemma 3 / 4: begin / end of image and newlines; Idefics3
+# and SmolVLM: tile markers; InternVL: <img> ... </img>). Checked against vLLM 0.31's own multimodal processor
+# (.venv-vllm, tests_vllm/test_prompt_ids.py): for these, vLLM expands the collapsed ids into exactly the processor's
+# ids; it expands the processor's ids into more.
+COLLAPSE_EXACT = {"qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "llava_next",
+                  "llava", "llava_onevision"}
 # GLM-4.1V: its template writes <|begin_of_image|> and <|end_of_image|> around the placeholder, so they are in the
 # tokenizer-only rendering too; Qwen3-VL-MoE: Qwen3-VL's processor. Mistral 3's processor adds [IMG_BREAK] / [IMG_END]
 # inside the image's tokens: not exact, refused.
@@ -119,13 +121,13 @@ def zero_reward(completions, **kwargs):
     return [0.0] * len(completions)
 
 
-def test_trainer_refuses_smolvlm_under_vllm_colocate_before_loading_vllm(tiny_vlm_dir, tmp_path):
+def test_trainer_refuses_idefics3_under_vllm_colocate_before_loading_vllm(tiny_vlm_dir, tmp_path):
     """At construction, before TRL starts (so before any vLLM import: the main environment has none)."""
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", use_vllm=True, vllm_mode="colocate",
                       per_device_train_batch_size=2, num_generations=2)
     with mock.patch.object(GRPOTrainer, "__init__", side_effect=AssertionError("TRL was built")):
         with pytest.raises(ValueError, match=r"'idefics3'.*huggingface/trl#6294"):
-            MDIGRPOTrainer(str(tiny_vlm_dir("smolvlm")), reward_funcs=[zero_reward], args=args)
+            MDIGRPOTrainer(str(tiny_vlm_dir("idefics3")), reward_funcs=[zero_reward], args=args)
 
 
 def test_the_trainer_hands_the_engine_collapsed_ids_and_keeps_its_own(processors):

@@ -14,7 +14,8 @@ import pytest
 from fixtures.tiny import TINY_ARCHS
 from trl_mdi.vllm_prompts import collapse_image_runs, collapse_problem, probe_conversation, rendered_ids
 
-COLLAPSE_EXACT = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "llava_next"]
+COLLAPSE_EXACT = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "llava_next",
+                  "llava", "llava_onevision"]
 COLLAPSE_EXACT += ["glm4v", "qwen3_vl_moe"]  # Mistral 3: [IMG_BREAK] / [IMG_END] inside the run, refused
 # vLLM 0.31's processors for these fail on the tiny models themselves (not on the ids): Gemma 3's newline handling
 # looks up "\n" in the vocabulary (the tiny tokenizer has none: KeyError), Gemma 4's reads a vision-config attribute
@@ -62,6 +63,6 @@ def test_vllm_expands_what_the_trainer_sends_into_the_scored_prompt(arch, family
     if arch in COLLAPSE_EXACT:
         assert collapse_problem(processor, image_token) is None
         assert vllm_expand(folder, collapsed, image) == expanded
-    else:  # SmolVLM: the trainer refuses colocate mode (collapse_problem), rightly: collapsing is not enough
+    else:  # Idefics3, SmolVLM, InternVL: the trainer refuses colocate mode (collapse_problem), rightly
         assert collapse_problem(processor, image_token) is not None
         assert vllm_expand(folder, collapsed, image) != expanded

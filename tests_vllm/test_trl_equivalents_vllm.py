@@ -303,7 +303,7 @@ def test_vlm_processor_vllm_colocate_mode(text_models, tiny_vlm_dir, tmp_path):
     policy, _ = text_models
     config = trl_args(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=2, num_generations=2,
                       max_completion_length=4, vllm_gpu_memory_utilization=0.05, logging_strategy="no")
-    processor = AutoProcessor.from_pretrained(tiny_vlm_dir("smolvlm"), use_fast=True, padding_side="left")
+    processor = AutoProcessor.from_pretrained(tiny_vlm_dir("idefics3"), use_fast=True, padding_side="left")
     assert hasattr(processor, "tokenizer") and hasattr(processor, "image_processor")
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1, bias="none",
                       task_type="CAUSAL_LM")

@@ -59,6 +59,7 @@ class PolicyBatch:
     logits_to_keep: int
     multimodal: dict[str, torch.Tensor] = field(default_factory=dict)
     num_images: list[int] | None = None
+    num_tiles: list[int] | None = None  # per row, where pixel_values hold tiles, not images (``tile_counts``)
 
     @property
     def completion_ids(self) -> torch.Tensor:
@@ -75,7 +76,8 @@ class PolicyBatch:
 
     def logp_inputs(self) -> dict[str, Any]:
         """Keyword arguments of TRL's ``_get_per_token_logps_and_entropies`` after ``model``."""
-        return {**self.model_inputs(), "logits_to_keep": self.logits_to_keep, "num_images": self.num_images}
+        return {**self.model_inputs(), "logits_to_keep": self.logits_to_keep, "num_images": self.num_images,
+                "num_tiles": self.num_tiles}
 
 
 def pad_rows(rows: Sequence[Sequence[int]] | Sequence[torch.Tensor], value: int, side: str,
@@ -160,6 +162,21 @@ def policy_batch(prompt_ids: Sequence[Sequence[int]] | torch.Tensor, completion_
         multimodal=mm,
         num_images=num_images,
     )
+
+
+def tile_counts(processing_class, images: list[list] | None, multimodal: dict[str, Any]) -> list[int] | None:
+    """Tiles per row where the processor's ``pixel_values`` hold tiles rather than images (InternVL: up to
+    ``max_patches`` tiles and a thumbnail per image), counted as TRL 1.16's ``_generate_and_score_completions``
+    counts them for its log-prob forward (``num_tiles``): the image processor run again with
+    ``crop_to_patches=True``. Without them TRL's chunked forward slices the tiles as if they were images. None for
+    every other layout (LFM2-VL's ``spatial_shapes`` tiles TRL counts another way; no tiny family has them)."""
+    pixels = multimodal.get("pixel_values")
+    num_images = [len(i) if i else 0 for i in images or []]
+    if (not any(num_images) or not torch.is_tensor(pixels) or pixels.ndim != 4 or pixels.shape[0] == sum(num_images)
+            or "spatial_shapes" in multimodal):
+        return None
+    patches = processing_class.image_processor(images=images, crop_to_patches=True, return_tensors="pt")["num_patches"]
+    return [int(group.sum()) for group in torch.split(torch.as_tensor(patches), num_images)]
 
 
 def encode_prompts(processing_class, prompts: list, images: list[list] | None = None,

@@ -63,11 +63,18 @@ from .attention import ModalityAttention, probe_attention, trailing_completion_l
 from .attention.model_facts import check_zero3_loading, load_model_config, processor_for_trl, unwrap_model
 from .attention.model_parts import choice_logits, hidden_states_at
 from .attention.probe import probe_support
-from .batch import check_counterfactual_encodes, encode_prompts, pad_rows, policy_batch, rng_untouched
+from .batch import (
+    check_counterfactual_encodes,
+    encode_prompts,
+    pad_rows,
+    policy_batch,
+    rng_untouched,
+    tile_counts,
+)
 from .config import MDIGRPOConfig
 from .counterfactual import NO_IMAGE, counterfactual_prompts
 from .data.columns import check_choices
-from .data.images import decode_row_images, lazy_images, report_bad_images, row_images
+from .data.images import check_images_per_row, decode_row_images, lazy_images, report_bad_images, row_images
 from .diagnostics import (
     BatchLog,
     ConsoleSummaryCallback,
@@ -562,6 +569,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         record.step = self.state.global_step + 1  # the optimizer step this batch feeds
         errors = decode_row_images(inputs)
         report_bad_images(inputs, errors, self.args.on_bad_image, gather_object)
+        check_images_per_row(inputs, self.run_plan.facts, gather_object)
         zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
         record.mixed = images_on_some_processes_only(inputs, self.accelerator, zero3=zero3,
                                                      has_vision_pass=self.vision_pass is not None)
@@ -667,9 +675,10 @@ class MDIGRPOTrainer(GRPOTrainer):
             self.processing_class, prompts, chat_template_kwargs=self.chat_template_kwargs,
             chat_template=self.chat_template)
         images = [row_images(x) for x in inputs] if with_images else []
-        return policy_batch(prompt_ids, completion_ids_list, pad_token_id=self._tokenizer.pad_token_id,
-                            multimodal=fields, num_images=[len(i) for i in images] if any(images) else None,
-                            pad_to_multiple_of=self.pad_to_multiple_of, device=self.accelerator.device)
+        batch = policy_batch(prompt_ids, completion_ids_list, pad_token_id=self._tokenizer.pad_token_id,
+                             multimodal=fields, num_images=[len(i) for i in images] if any(images) else None,
+                             pad_to_multiple_of=self.pad_to_multiple_of, device=self.accelerator.device)
+        return dataclasses.replace(batch, num_tiles=tile_counts(self.processing_class, images, batch.multimodal))
 
     @contextlib.contextmanager
     def _probe(self, map_rows: list[int], completion_length: int):

@@ -20,6 +20,13 @@ from transformers import PretrainedConfig
 # convolution and MoE-only layers of some hybrid models.)
 UNMEASURED_LAYER_TYPES = frozenset({"linear_attention", "mamba", "conv", "moe"})
 
+# Families that cannot take more than one image per prompt under TRL 1.16, and why: {model_type: reason}.
+ONE_IMAGE_PER_ROW = {
+    "llava_onevision": "its processor lays a prompt with several images out without tiles and says so in "
+    "batch_num_images, which TRL 1.16's log-prob forward does not pass to the model (it forwards a fixed list of "
+    "keys), so the model tiles every image and stops with 'Image features and image tokens do not match'",
+}
+
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -38,6 +45,7 @@ class ModelFacts:
     # <|begin_of_image|> / <|end_of_image|>, Pixtral's [IMG_BREAK] / [IMG_END], Qwen's <|vision_start|> /
     # <|vision_end|>, Gemma's begin / end of image. They count as text keys (``IMAGE_MARKER_ATTRIBUTES`` says why).
     image_marker_ids: tuple[int, ...] = ()
+    one_image_per_row: str | None = None  # why a prompt may hold at most one image (ONE_IMAGE_PER_ROW), else None
 
     @property
     def is_vlm(self) -> bool:
@@ -48,6 +56,15 @@ class ModelFacts:
     def has_vision(self) -> bool:
         """A vision-language model, image token found or not (``image_token_problem`` says what is missing)."""
         return self.is_vlm or self.vision_part is not None
+
+    def images_per_row_problem(self, counts: list[int]) -> str | None:
+        """None when every prompt's image count (``counts``) is one this family takes under TRL, else the error."""
+        over = [i for i, n in enumerate(counts) if n > 1]
+        if not self.one_image_per_row or not over:
+            return None
+        return (f"{self.model_type!r} prompts with several images cannot be trained under TRL 1.16 ({len(over)} "
+                f"row(s) here, e.g. row {over[0]} with {counts[over[0]]} images): {self.one_image_per_row}. Give "
+                "each prompt at most one image (e.g. paste the images side by side into one).")
 
     @property
     def unmeasured_layers(self) -> tuple[int, ...]:
@@ -206,6 +223,7 @@ def model_facts(config, processor=None) -> ModelFacts:
         image_token_source=source,
         image_token_problem=problem,
         image_marker_ids=_marker_ids(config, processor, ids) if part is not None else (),
+        one_image_per_row=ONE_IMAGE_PER_ROW.get(str(getattr(config, "model_type", ""))),
     )
 
 

@@ -89,6 +89,18 @@ def report_bad_images(inputs: list[dict], errors: dict[int, str], policy: str, g
         logger.warning("skipping %d rollout(s) with an unreadable image: %s", len(described), "; ".join(described))
 
 
+def check_images_per_row(inputs: list[dict], facts, gather_object: Callable) -> None:
+    """Stop every process at once, with the reason, when a prompt holds more images than the family takes under TRL
+    (``ModelFacts.images_per_row_problem``), before TRL hands the batch to the model, which would fail with a bare
+    shape error. ``facts`` is the same on every process, so all of them gather or none does."""
+    if not getattr(facts, "one_image_per_row", None):
+        return
+    problem = facts.images_per_row_problem([len(row_images(x)) for x in inputs])
+    problems = [p for p in gather_object([problem]) if p]
+    if problems:
+        raise ValueError(problems[0])
+
+
 def images_per_process(inputs: list[dict], gather: Callable, device) -> list[bool]:
     """Per process, whether its part of the batch holds any image. All processes must call it (one gather)."""
     has = torch.tensor([float(any(row_images(x) for x in inputs))], device=device)

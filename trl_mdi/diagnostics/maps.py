@@ -8,14 +8,17 @@ its token grid. The grid is known for two layouts (:func:`image_token_grids`):
   ``merge_size`` into a ``(gh / merge, gw / merge)`` grid (:func:`token_grid_hw`): any size and aspect ratio.
 - Gemma 3 without pan-and-scan: every image is resized to one square and pooled to ``image_seq_length`` tokens, a
   ``sqrt(n) x sqrt(n)`` grid (the projector average-pools the vision tower's row-major patch grid).
+- LLaVA 1.5 (``LlavaProcessor``): a centre-cropped square, ``crop / patch`` tokens a side (the projector maps the
+  CLIP patch grid token by token); square images only, since the crop hides the rest of any other.
 - Mistral 3 (``PixtralProcessor``): each image is resized to multiples of ``patch_size * spatial_merge_size`` pixels
   and written as rows of ``[IMG]`` tokens, each row closed by ``[IMG_BREAK]`` (the last by ``[IMG_END]``); the
   projector merges the patch grid row-major, so the image's ``[IMG]`` tokens, markers left out (they are text keys),
   are its ``(H / (patch * merge), W / (patch * merge))`` grid. GLM-4.1V is the Qwen layout (``image_grid_thw``),
   between its begin/end-of-image tokens.
 
-Other layouts (LLaVA-NeXT's any-resolution tiles with newline tokens, SmolVLM's image splitting, Gemma 4's variable
-budgets) are not a single grid per image: those families are logged without maps rather than with wrong ones.
+Other layouts (LLaVA-NeXT's and LLaVA-OneVision's any-resolution tiles with newline tokens, Idefics3's and SmolVLM's
+image splitting, InternVL's tiles followed by a thumbnail, each its own grid, Gemma 4's variable budgets) are not a
+single grid per image: those families are logged without maps rather than with wrong ones.
 
 :func:`attention_map_records` cuts a rollout's masses (``ModalityAttention.image_token_mass[row]``, (layers, image
 tokens)) per image (:func:`split_per_image`) and averages them per layer segment; :func:`render_image_maps` draws one
@@ -269,7 +272,23 @@ def image_token_grids(processing_class, images: list) -> list[tuple[int, int]] |
         side = math.isqrt(int(n))
         if side * side == n:
             return [(side, side)] * len(images)
+    if type(processing_class).__name__ == "LlavaProcessor":
+        return _llava_grids(processing_class, image_processor, images)
     return None
+
+
+def _llava_grids(processing_class, image_processor, images: list) -> list[tuple[int, int]] | None:
+    """LLaVA 1.5: every image becomes one fixed square (crop / patch tokens a side, row-major from the CLIP patch
+    grid). Its image processor centre-crops that square out of the image, so the grid covers a non-square image's
+    middle only: maps for square images only (None if any is not)."""
+    crop = getattr(image_processor, "crop_size", None) or {}
+    patch = getattr(processing_class, "patch_size", None)
+    if not patch or crop.get("height") != crop.get("width") or not crop.get("height"):
+        return None
+    if any(getattr(img, "size", (0, 1))[0] != getattr(img, "size", (0, 1))[1] for img in images):
+        return None
+    side = int(crop["height"]) // int(patch)
+    return [(side, side)] * len(images)
 
 
 def map_record(index: int, images: list, token_mass_by_segment: list[dict[str, Any]],
