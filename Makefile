@@ -1,4 +1,7 @@
 # Two commands: `make demo` runs the main job on the embedded default, `make test` runs the suite.
+# `make test-e2e` runs the few end-to-end tests that take minutes each (marker `e2e`: the demo, a benchmark's quick
+# mode, a 2-process launch of the entry point); `.ci/run` calls it after `make test`, so CI runs every test while
+# `make test` stays within its 15 minutes on 2 cores.
 # Both create .venv and install the project on first use; later runs skip the install unless
 # pyproject.toml changed.
 PYTHON ?= python3
@@ -16,7 +19,7 @@ export WANDB_MODE ?= offline
 
 DEMO_DIR ?= demo_run
 
-.PHONY: install test test-fast test-vllm demo lint clean
+.PHONY: install test test-e2e test-fast test-vllm demo lint clean
 
 install: $(STAMP)
 
@@ -30,10 +33,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not e2e"
+
+test-e2e: install
+	$(BIN)/python -m pytest -m e2e
 
 test-fast: install
-	$(BIN)/python -m pytest -m "not slow and not distributed"
+	$(BIN)/python -m pytest -m "not slow and not distributed and not e2e"
 
 # `make test-vllm`: the vLLM tests (tests_vllm/, outside `make test`'s testpaths) in a second virtualenv holding
 # vLLM's CPU build, so that TRL's colocate mode really generates. The main .venv is left as it is. From a fresh

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.e2e
 def test_make_demo_learns_and_its_logs_show_it(tmp_path):
     out, logs = tmp_path / "demo_run", tmp_path / "logs"
     env = {**os.environ, "PYTHON": sys.executable, "TRL_MDI_LOG_DIR": str(logs)}

@@ -454,6 +454,7 @@ def test_accelerate_config(name):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_two_process_zero3_run(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path):
     """The script under accelerate with 2 processes and ZeRO-3 on CPU, configured by the demo YAML."""
     out = tmp_path / "run"

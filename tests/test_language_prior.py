@@ -494,6 +494,7 @@ def test_reliance_records_recompute_the_tables_and_use_prompts(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_benchmark_quick_mode_runs_end_to_end_and_resumes(tmp_path):
     """`python -m benchmarks.language_prior --quick` trains every variant briefly from a shared warm-up, measures the reliance signals'
     AUROC on the warm-up model under every counterfactual kind and at the end of every run, and reports them with

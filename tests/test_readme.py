@@ -104,9 +104,21 @@ def test_readme_opens_with_the_two_commands():
     assert lines[2:6] == [
         "```bash",
         "make demo   # set up .venv, then run the main job on the embedded default (tiny VLM + synthetic A-OKVQA, CPU)",
-        "make test   # set up .venv, then run the whole test suite (offline, CPU)",
+        "make test   # set up .venv, then run the test suite (offline, CPU; CI adds make test-e2e)",
         "```",
     ]
+
+
+def test_ci_runs_every_test():
+    """`make test` leaves out only the tests marked e2e, `make test-e2e` runs exactly those, and .ci/run calls both
+    (and the vLLM suite): splitting the suite for time never drops a test from CI."""
+    root = Path(__file__).resolve().parents[1]
+    make = (root / "Makefile").read_text(encoding="utf-8")
+    assert "test: install\n\t$(BIN)/python -m pytest -m \"not e2e\"\n" in make
+    assert "test-e2e: install\n\t$(BIN)/python -m pytest -m e2e\n" in make
+    ci = [line for line in (root / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+          if line.startswith("make ")]
+    assert ci == ["make test", "make test-e2e", "make test-vllm"]
 
 
 def test_config_reference_is_generated_from_the_dataclass():
