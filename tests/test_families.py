@@ -319,3 +319,40 @@ def test_llava_maps_only_square_images(tiny_vlm_dir):
     processor = AutoProcessor.from_pretrained(tiny_vlm_dir("llava"))
     assert image_token_grids(processor, [shape_image(56, 1), shape_image(112, 2)]) == [(4, 4), (4, 4)]
     assert image_token_grids(processor, [shape_image(56, 1), Image.new("RGB", (112, 56))]) is None
+
+
+def test_only_glm4v_garbles_a_typed_system_message(tiny_vlm_dir):
+    """TRL hands every message's content as typed blocks; GLM-4.1V's official template prints a system message's
+    content as it is, so the prompt holds the list's repr (``model_facts.typed_system_problem``, which the trainer
+    warns about at construction when the prompts have a system turn). Every other family's template reads the
+    blocks."""
+    from trl_mdi.attention.model_facts import typed_system_problem
+
+    garbled = {arch for arch in TINY_ARCHS
+               if typed_system_problem(AutoProcessor.from_pretrained(tiny_vlm_dir(arch))) is not None}
+    assert garbled == {"glm4v"}
+
+
+def test_the_trainer_warns_when_glm4v_would_garble_the_prompts_system_turn(tiny_vlm_dir, tmp_path, caplog):
+    """The construction-time warning, only when the prompts have a system turn (the A-OKVQA prep writes one)."""
+    import logging
+
+    from datasets import Dataset
+
+    from fixtures.testing import shape_image
+    from trl_mdi import MDIGRPOConfig, MDIGRPOTrainer
+
+    def dataset(system):
+        turns = [{"role": "system", "content": "Answer with one letter."}] if system else []
+        return Dataset.from_dict({"prompt": [turns + [{"role": "user", "content": "What colour?"}]] * 2,
+                                  "image": [shape_image(56, 0)] * 2})
+
+    for system in (True, False):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            MDIGRPOTrainer(str(tiny_vlm_dir("glm4v")), reward_funcs=[lambda **k: [0.0] * len(k["prompts"])],
+                           args=MDIGRPOConfig(str(tmp_path / str(system)), use_cpu=True, report_to="none",
+                                              per_device_train_batch_size=2, num_generations=2),
+                           train_dataset=dataset(system))
+        warned = [r.getMessage() for r in caplog.records if "typed system message" in r.getMessage()]
+        assert len(warned) == int(system), (system, warned)

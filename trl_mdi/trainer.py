@@ -60,7 +60,13 @@ from . import checkpoints
 from . import signals as S
 from .answer_tokens import answer_tokens
 from .attention import ModalityAttention, probe_attention, trailing_completion_layout
-from .attention.model_facts import check_zero3_loading, load_model_config, processor_for_trl, unwrap_model
+from .attention.model_facts import (
+    check_zero3_loading,
+    load_model_config,
+    processor_for_trl,
+    typed_system_problem,
+    unwrap_model,
+)
 from .attention.model_parts import choice_logits, hidden_states_at
 from .attention.probe import probe_support
 from .batch import (
@@ -229,6 +235,16 @@ class PendingMeasurement:
 
 
 # ------------------------------------------------------------------------------------------------ the trainer
+
+def _first_prompt_has_system(dataset) -> bool:
+    """Whether the dataset's first conversational prompt has a system turn (True when it cannot be read: warn)."""
+    try:
+        prompt = next(iter(dataset))["prompt"]
+    except Exception:  # noqa: BLE001 - no dataset, no prompt column, an unreadable first row
+        return dataset is not None
+    return isinstance(prompt, list) and any(isinstance(m, dict) and m.get("role") == "system" for m in prompt)
+
+
 class MDIGRPOTrainer(GRPOTrainer):
     """GRPOTrainer that measures, per rollout, how much the generated tokens attend to the image vs the text.
 
@@ -289,6 +305,8 @@ class MDIGRPOTrainer(GRPOTrainer):
                         processing_class=kwargs["processing_class"])
         config = effective_config(config, plan)
         check_vllm_prompts(config, kwargs["processing_class"], plan.facts)  # before vLLM's engine starts
+        if (problem := typed_system_problem(kwargs["processing_class"])) and _first_prompt_has_system(train_dataset):
+            logger.warning(f"The training prompts have a system turn, but the processor's {problem}.")
         check_zero3_loading(model, plan.facts.model_type, is_deepspeed_zero3_enabled())  # before TRL loads weights
         self._record: BatchRecord | None = None
         self._pending: PendingMeasurement | None = None

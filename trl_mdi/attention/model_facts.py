@@ -311,6 +311,37 @@ def processor_for_trl(processing_class):
     return fixed
 
 
+
+def typed_system_problem(processing_class) -> str | None:
+    """Why the processor's chat template garbles a system message in TRL's typed form, or None.
+
+    TRL 1.16 (``prepare_multimodal_messages``) turns every message's content, the system turn's included, into a list
+    of ``{"type": "text", "text": ...}`` blocks before rendering. A template that prints a system message's content
+    as it is (GLM-4.1V's official one: ``{{ msg.content }}``) then writes that list's Python repr into the prompt. This
+    renders a typed system turn and looks for the repr; a template that cannot render it at all is left to TRL's own
+    error.
+
+    >>> class Tok:
+    ...     def apply_chat_template(self, messages, tokenize=False, **kw):
+    ...         return "".join(str(m["content"]) for m in messages)
+    >>> typed_system_problem(Tok()).startswith("its chat template prints a typed system message as a Python list")
+    True
+    """
+    probe = "trl_mdi system probe"
+    messages = [{"role": "system", "content": [{"type": "text", "text": probe}]},
+                {"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+    try:
+        rendered = processing_class.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that cannot render this is not ours to judge
+        return None
+    if not isinstance(rendered, str) or f"'text': '{probe}'" not in rendered:
+        return None
+    return ("its chat template prints a typed system message as a Python list (TRL hands every message's content as "
+            "a list of {'type': 'text', ...} blocks), so a system turn reaches the model as \"[{'type': 'text', "
+            "'text': ...}]\". Fix: put the instructions in the user turn, or pass a chat_template whose system turn "
+            "reads the text blocks")
+
+
 ZERO3_LOADING_PROBLEMS = {
     "qwen3_vl_moe": (
         "transformers 5.23 loads Qwen3-VL-MoE's fused expert weights (mlp.experts.gate_up_proj / down_proj, stored "
