@@ -69,7 +69,7 @@ from .diagnostics import (
     perception_strips,
     write_batch,
 )
-from .diagnostics.completions_table import CompletionColumns, TableBatch, table_columns, text_prompts
+from .diagnostics.completions_table import CompletionColumns, TableBatch, table_columns, table_prompts
 from .diagnostics.writers import marked_completion
 from .filtering import apply_group_filter, group_filter_keep
 from .rewards import RewardTally, ThinkFormatReward, outcome_metrics, zero_spread_fraction
@@ -515,11 +515,11 @@ class MDIGRPOTrainer(GRPOTrainer):
         if self.completion_columns is not None:
             for name, values in self.completion_columns.columns(len(rows)).items():
                 self._logs["extra"][name] = deque(values, maxlen=rows.maxlen)
-        texts = (text_prompts(rows) if self.log_completions and "wandb" in (self.args.report_to or []) and
-                 self.accelerator.is_main_process else None)
-        if texts is None:
+        prompts = (table_prompts(rows, text="wandb" in (self.args.report_to or []))
+                   if self.log_completions and self.accelerator.is_main_process else None)
+        if prompts is None:
             return super().log(logs, start_time)
-        self._logs["prompt"] = deque(texts, maxlen=rows.maxlen)  # for this table only (text_prompts says why)
+        self._logs["prompt"] = deque(prompts, maxlen=rows.maxlen)  # for this table only (table_prompts says why)
         try:
             super().log(logs, start_time)
         finally:
@@ -653,7 +653,8 @@ class MDIGRPOTrainer(GRPOTrainer):
             rows = image_evidence(signals.counterfactual.token_gain, out["completion_ids"], out["completion_mask"],
                                   self._tokenizer, rows=len(out["completion_ids"]))
             has_image = signals.counterfactual.has_image.tolist()
-            evidence = gather_object([marked_completion(e) if seen else None for e, seen in zip(rows, has_image)])
+            evidence = gather_object([marked_completion(e, markdown=False) if seen else None
+                                      for e, seen in zip(rows, has_image)])
         return table_columns(signals.gathered, evidence)
 
     # ------------------------------------------------------------------------------------ the trainer's own forwards

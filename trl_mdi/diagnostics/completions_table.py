@@ -84,20 +84,30 @@ def table_columns(gathered: dict[str, torch.Tensor], evidence: list[str | None] 
     return out
 
 
-def text_prompts(prompts) -> list[str] | None:
-    """The prompts as text (``[image]`` for each image part, as the rollout log writes them) when some prompt holds
-    an image part, else None. wandb cannot type TRL's multimodal messages (an image part ``{"type": "image"}`` beside
-    text parts ``{"type": "text", "text": ...}``): TRL 1.16's ``wandb.Table`` of such prompts raises a TypeError.
+def table_prompts(prompts, *, text: bool) -> list | None:
+    """TRL's prompts (conversations) in a form its completions table can store, or None when they can be stored as
+    they are. ``text=True`` (wandb): as text (``[image]`` for each image part, as the rollout log writes them) when
+    some prompt holds an image part: wandb cannot type TRL's multimodal messages (an image part ``{"type": "image"}``
+    beside text parts), and TRL 1.16's ``wandb.Table`` raises a TypeError. Otherwise, when some messages' content is
+    a list of parts and others' a string (TRL turns a process's prompts into parts only when that process holds an
+    image), each string content becomes one text part: pyarrow cannot mix the two in the parquet file.
 
-    >>> text_prompts([[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Color?"}]}]])
-    ['user: [image] Color?']
-    >>> text_prompts([[{"role": "user", "content": "Color?"}]]) is None
+    >>> mixed = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Color?"}]}],
+    ...          [{"role": "user", "content": "Shape?"}]]
+    >>> table_prompts(mixed, text=True)
+    ['user: [image] Color?', 'user: Shape?']
+    >>> table_prompts(mixed, text=False)[1]
+    [{'role': 'user', 'content': [{'type': 'text', 'text': 'Shape?'}]}]
+    >>> table_prompts(mixed[1:], text=True) is None
     True
     """
     from .writers import prompt_text
 
-    def has_image(prompt) -> bool:
-        return isinstance(prompt, list) and any(
-            isinstance(m.get("content"), list) and any(p.get("type") == "image" for p in m["content"]) for m in prompt)
-
-    return [prompt_text(p) for p in prompts] if any(has_image(p) for p in prompts) else None
+    messages = [m for p in prompts if isinstance(p, list) for m in p if isinstance(m, dict)]
+    parts = [m["content"] for m in messages if isinstance(m.get("content"), list)]
+    if text and any(isinstance(part, dict) and part.get("type") == "image" for c in parts for part in c):
+        return [prompt_text(p) for p in prompts]
+    if not text and parts and any(isinstance(m.get("content"), str) for m in messages):
+        return [[{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str)
+                 else m for m in p] if isinstance(p, list) else p for p in prompts]
+    return None
