@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.overhead            # completions of 32 and 128 tokens, ~10 min on 2 cores
     .venv/bin/python -m benchmarks.overhead --quick    # fewer rounds
+    .venv/bin/python -m benchmarks.overhead --log_completions   # every variant writes TRL's completions table
 
 Same tiny Qwen2.5-VL (built offline, deeper and wider than the test one), same synthetic A-OKVQA data, same seed
 for every variant:
@@ -12,6 +13,9 @@ for every variant:
                    training forward (no extra forward)
     extra_forward  MDIGRPOTrainer with the brief's 4:1:1 stack (mc_idx, think_format, mdi_balance), logs on:
                    mdi_balance reads MDI before the loss, so the probe runs its one extra no-grad forward
+
+With ``--log_completions`` every variant (stock too) writes TRL's completions table each step (``log_completions=True``,
+the per-rollout signals as its columns): its own section, "Trainer overhead with log_completions".
 
 Variants run in alternating rounds (stock, metrics_only, extra_forward, stock, ...) so that machine load hits them
 alike. Per round and length, each variant's median step wall time (first step of each run dropped as warm-up) is
@@ -90,10 +94,20 @@ MODEL = dict(num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=4, interme
 
 
 class StepTimer(TrainerCallback):
-    def __init__(self):
+    """Wall time of each training step, and the policy's no-grad forwards in each (a pre-hook on the policy)."""
+
+    def __init__(self, model: torch.nn.Module | None = None):
         self.times: list[float] = []
+        self.no_grad_forwards: list[int] = []
+        if model is not None:
+            model.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args):
+        if self.no_grad_forwards and not torch.is_grad_enabled():
+            self.no_grad_forwards[-1] += 1
 
     def on_step_begin(self, args, state, control, **kwargs):
+        self.no_grad_forwards.append(0)
         self._t = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -109,11 +123,13 @@ def tiny_model_and_data(work: Path):
     return model_dir, dataset.map(to_conversational)
 
 
-def run(variant: str, model_dir: Path, dataset, work: Path, steps: int, completion_length: int) -> list[float]:
+def run(variant: str, model_dir: Path, dataset, work: Path, steps: int, completion_length: int,
+        log_completions: bool = False) -> tuple[list[float], list[int]]:
+    """Step times (first step dropped) and no-grad policy forwards per step of one run of ``variant``."""
     common = dict(
         output_dir=str(work / variant), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=8,
         num_generations=4, max_completion_length=completion_length, max_steps=steps, logging_steps=1, save_strategy="no", seed=0,
-        learning_rate=1e-5, disable_tqdm=True, gradient_checkpointing=False,
+        learning_rate=1e-5, disable_tqdm=True, gradient_checkpointing=False, log_completions=log_completions,
     )
     rewards = [mc_idx_reward, think_format_reward]
     if variant == "stock":
@@ -131,10 +147,12 @@ def run(variant: str, model_dir: Path, dataset, work: Path, steps: int, completi
         trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=rewards, args=args, train_dataset=dataset)
         expected = "training_forward" if variant == "metrics_only" else "extra_forward"
         assert trainer.run_plan.placement == expected, (variant, trainer.run_plan.placement)
-    timer = StepTimer()
+    timer = StepTimer(trainer.model)
     trainer.add_callback(timer)
     trainer.train()
-    return timer.times[1:]  # the first step pays one-off costs (allocator, kernel selection)
+    if log_completions:
+        assert (work / variant / "completions").is_dir(), "log_completions wrote no completions table"
+    return timer.times[1:], timer.no_grad_forwards  # the first step pays one-off costs (allocator, kernel selection)
 
 
 def main() -> None:
@@ -148,6 +166,8 @@ def main() -> None:
                         "default 32 128; with --vllm one length, default 32)")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 5 steps (with --vllm: 1 seed, 4 steps, prints only)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    parser.add_argument("--log_completions", action="store_true",
+                        help="every variant writes TRL's completions table (log_completions=True); its own section")
     parser.add_argument("--vllm", action="store_true",
                         help="vLLM generating (colocate, CPU): stock GRPOTrainer vs MDIGRPOTrainer's default stack; "
                         "run with .venv-vllm/bin/python")
@@ -169,6 +189,7 @@ def main() -> None:
     started = time.time()
     variants = ("stock", "metrics_only", "extra_forward")
     times: dict[tuple[int, str], list[float]] = {(c, v): [] for c in a.completion_lengths for v in variants}
+    forwards: dict[str, Counter] = {v: Counter() for v in variants}
     ratios: dict[tuple[int, str], list[float]] = {(c, v): [] for c in a.completion_lengths for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -177,7 +198,8 @@ def main() -> None:
             for c in a.completion_lengths:
                 medians = {}
                 for variant in variants:
-                    t = run(variant, model_dir, dataset, work / f"r{r}_c{c}", a.steps, c)
+                    t, counts = run(variant, model_dir, dataset, work / f"r{r}_c{c}", a.steps, c, a.log_completions)
+                    forwards[variant].update(counts)
                     times[(c, variant)].extend(t)
                     medians[variant] = statistics.median(t)
                     ratios[(c, variant)].append(medians[variant] / medians.get("stock", medians[variant]))
@@ -196,8 +218,11 @@ def main() -> None:
         for c in a.completion_lengths for v in variants
     ]
     lengths = " ".join(str(c) for c in a.completion_lengths)
+    section = SECTION.replace(":", " with log_completions:") if a.log_completions else SECTION
+    per_step = "; ".join(f"`{v}` " + ", ".join(f"{n} ({k} steps)" for n, k in sorted(forwards[v].items()))
+                         for v in variants)
     body = "\n".join([
-        SECTION,
+        section,
         "",
         f"Reproduce: `.venv/bin/python -m benchmarks.overhead{''.join(' ' + x for x in result_args(sys.argv[1:], ()))}`"
         " (from the repository root; "
@@ -214,6 +239,10 @@ def main() -> None:
         f"- {a.rounds} alternating rounds x {a.steps} steps per variant and length; first step of each run dropped. "
         "Per round, median step time of the variant / stock's in the same round; the table gives the median of those "
         "paired ratios and their min - max over rounds. Targets: metrics_only <= 1.05, extra_forward <= 1.15.",
+        *([f"- `log_completions=True` in every variant, stock included: TRL's completions table written each step "
+           "(parquet), with the per-rollout signals as columns in the MDIGRPOTrainer variants."]
+          if a.log_completions else []),
+        f"- No-grad policy forwards per training step (a pre-hook on the policy): {per_step}.",
         "",
         "| completion tokens | variant | steps | median step s | ratio to stock (median of rounds) | ratio min - max |",
         "|---:|---|---:|---:|---:|---:|",
@@ -229,7 +258,7 @@ def main() -> None:
     ])
     print(body)
     if not a.no_write:
-        replace_section(SECTION, body)
+        replace_section(section, body)
 
 
 # ------------------------------------------------------------------------------------------------ vLLM (colocate)
