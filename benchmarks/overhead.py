@@ -239,7 +239,7 @@ def main() -> None:
         f"- {a.rounds} alternating rounds x {a.steps} steps per variant and length; first step of each run dropped. "
         "Per round, median step time of the variant / stock's in the same round; the table gives the median of those "
         "paired ratios and their min - max over rounds. Targets: metrics_only <= 1.05, extra_forward <= 1.15.",
-        *([f"- `log_completions=True` in every variant, stock included: TRL's completions table written each step "
+        *(["- `log_completions=True` in every variant, stock included: TRL's completions table written each step "
            "(parquet), with the per-rollout signals as columns in the MDIGRPOTrainer variants."]
           if a.log_completions else []),
         f"- No-grad policy forwards per training step (a pre-hook on the policy): {per_step}.",

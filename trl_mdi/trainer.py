@@ -21,7 +21,9 @@ interception):
    per-token perception signal: ``perturbation`` (one forward with perturbed images) or ``attention`` (the probe).
 7. **Online group filtering** and **unreadable images**: such rollouts leave the update; images on some processes
    only: a dummy vision pass (``trl_mdi.vision_pass``).
-8. **Live diagnostics** (``trl_mdi.diagnostics``): Markdown logs, attention maps, console summary; ``perf/*``.
+8. **Live diagnostics** (``trl_mdi.diagnostics``): Markdown logs, attention maps, console summary; ``perf/*``; with
+   ``log_completions``, every per-rollout signal as a column of TRL's completions table (parquet, wandb, trackio),
+   laid under TRL's rows in ``log()``, and the table's images gathered on every process.
 9. **Observing changes nothing**: the extra forwards run no-grad in a forked RNG, on every process.
 10. **vLLM colocate** (``trl_mdi.vllm_prompts``): the engine gets one placeholder per image (TRL 1.16 hands it the
     processor's expanded ids, which vLLM expands again), and its cached image features are dropped before each
@@ -363,7 +365,8 @@ class MDIGRPOTrainer(GRPOTrainer):
             # collective, and a batch without images would leave the image column out of step with the rows. The
             # trainer gathers them itself, on every process, every batch of a VLM (tests/test_trl_contract.py pins
             # TRL's condition and its _logs["images"]).
-            own_images = self.log_multimodal and (record.mixed or (self.log_completions and self.run_plan.facts.is_vlm))
+            own_images = self.log_multimodal and (record.mixed or
+                                                  (self.log_completions and self.run_plan.facts.is_vlm))
             log_multimodal, self.log_multimodal = self.log_multimodal, self.log_multimodal and not own_images
             try:
                 out = super()._generate_and_score_completions(inputs)
