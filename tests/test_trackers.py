@@ -1,8 +1,11 @@
-"""Trackers receive the trainer's metrics: trackio (local) and wandb (offline), read back from what they stored.
+"""Trackers receive the trainer's metrics and TRL's completions table: trackio (local) and wandb (offline), read back
+from what they stored.
 
-Each test trains the tiny VLM for 2 steps with every TPRL part on and `report_to=[tracker]`, then reads the
-tracker's own on-disk record and checks that the attention/*, tprl/*, perf/* and rewards/* metrics of both steps
-are there, with the values the trainer logged. Trainer.log's integrations prefix train metrics with "train/"
+Each test trains the tiny VLM for 2 steps with every TPRL part, the reliance signals and `log_completions` on and
+`report_to=[tracker]`, then reads the tracker's own on-disk record and checks that the attention/*, tprl/*, perf/*
+and rewards/* metrics of both steps are there, with the values the trainer logged, and that each step's completions
+table carries a column per per-rollout signal, row for row the trainer's values, with step 1's visual_gain equal to
+two plain forwards per rollout (with the image and with a black one), and the image column. Trainer.log's integrations prefix train metrics with "train/"
 (`rewrite_logs`), so "attention/mdi" is stored as "train/attention/mdi".
 
 The training runs in a child Python process, with every tracker directory pointed at tmp_path through the
@@ -15,6 +18,8 @@ pytest process. The child blocks and records any socket connection or DNS lookup
 How each tracker is read back, without network:
 - trackio: its local SQLite database, TRACKIO_DIR/<project>.db, table `metrics` (one row per trackio.log call,
   the metrics as a JSON object in the `metrics` column).
+- trackio's table: the same store, the row of TRL's own trackio.log call (`completions`: trackio's table record, its
+  rows as JSON objects). wandb's table: files/media/table/completions_<step>_<hash>.table.json in the run's folder.
 - wandb: the offline run's transaction log, WANDB_DIR/wandb/offline-run-*/run-<id>.wandb. Offline runs write no
   files/wandb-summary.json, and wandb 0.31 ships no Python reader for that log any more (the old
   wandb.sdk.internal.datastore is gone; `wandb sync` is in Go and uploads). The log is in LevelDB's log format
