@@ -49,6 +49,7 @@ overhead under vLLM" of benchmarks/RESULTS.md is replaced.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import math
@@ -94,24 +95,38 @@ MODEL = dict(num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=4, interme
 
 
 class StepTimer(TrainerCallback):
-    """Wall time of each training step, and the policy's no-grad forwards in each (a pre-hook on the policy)."""
+    """Wall and process CPU time of each training step (CPU time: what other jobs' load disturbs less), and the
+    no-grad log-prob forwards of the policy in each (TRL's and the trainer's share GRPOTrainer's method, counted
+    while ``counting()`` is on; generation's decoding forwards are not log-prob forwards)."""
 
-    def __init__(self, model: torch.nn.Module | None = None):
+    def __init__(self):
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
         self.no_grad_forwards: list[int] = []
-        if model is not None:
-            model.register_forward_pre_hook(self._count)
 
-    def _count(self, module, args):
-        if self.no_grad_forwards and not torch.is_grad_enabled():
-            self.no_grad_forwards[-1] += 1
+    @contextlib.contextmanager
+    def counting(self):
+        original = GRPOTrainer._get_per_token_logps_and_entropies
+        timer = self
+
+        def counted(trainer, model, *args, **kwargs):
+            if timer.no_grad_forwards and not torch.is_grad_enabled() and model is trainer.model:
+                timer.no_grad_forwards[-1] += 1
+            return original(trainer, model, *args, **kwargs)
+
+        GRPOTrainer._get_per_token_logps_and_entropies = counted
+        try:
+            yield self
+        finally:
+            GRPOTrainer._get_per_token_logps_and_entropies = original
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.no_grad_forwards.append(0)
-        self._t = time.perf_counter()
+        self._t, self._cpu = time.perf_counter(), time.process_time()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.times.append(time.perf_counter() - self._t)
+        self.cpu_times.append(time.process_time() - self._cpu)
 
 
 def tiny_model_and_data(work: Path):
@@ -124,8 +139,8 @@ def tiny_model_and_data(work: Path):
 
 
 def run(variant: str, model_dir: Path, dataset, work: Path, steps: int, completion_length: int,
-        log_completions: bool = False) -> tuple[list[float], list[int]]:
-    """Step times (first step dropped) and no-grad policy forwards per step of one run of ``variant``."""
+        log_completions: bool = False) -> tuple[list[float], list[float], list[int]]:
+    """Wall and CPU step times (first step dropped) and no-grad log-prob forwards per step of one run of ``variant``."""
     common = dict(
         output_dir=str(work / variant), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=8,
         num_generations=4, max_completion_length=completion_length, max_steps=steps, logging_steps=1, save_strategy="no", seed=0,
@@ -147,12 +162,14 @@ def run(variant: str, model_dir: Path, dataset, work: Path, steps: int, completi
         trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=rewards, args=args, train_dataset=dataset)
         expected = "training_forward" if variant == "metrics_only" else "extra_forward"
         assert trainer.run_plan.placement == expected, (variant, trainer.run_plan.placement)
-    timer = StepTimer(trainer.model)
+    timer = StepTimer()
     trainer.add_callback(timer)
-    trainer.train()
+    with timer.counting():
+        trainer.train()
     if log_completions:
         assert (work / variant / "completions").is_dir(), "log_completions wrote no completions table"
-    return timer.times[1:], timer.no_grad_forwards  # the first step pays one-off costs (allocator, kernel selection)
+    # the first step pays one-off costs (allocator, kernel selection)
+    return timer.times[1:], timer.cpu_times[1:], timer.no_grad_forwards
 
 
 def main() -> None:
@@ -190,19 +207,22 @@ def main() -> None:
     variants = ("stock", "metrics_only", "extra_forward")
     times: dict[tuple[int, str], list[float]] = {(c, v): [] for c in a.completion_lengths for v in variants}
     forwards: dict[str, Counter] = {v: Counter() for v in variants}
+    cpu_ratios: dict[tuple[int, str], list[float]] = {(c, v): [] for c in a.completion_lengths for v in variants}
     ratios: dict[tuple[int, str], list[float]] = {(c, v): [] for c in a.completion_lengths for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model_dir, dataset = tiny_model_and_data(work)
         for r in range(a.rounds):
             for c in a.completion_lengths:
-                medians = {}
+                medians, cpu = {}, {}
                 for variant in variants:
-                    t, counts = run(variant, model_dir, dataset, work / f"r{r}_c{c}", a.steps, c, a.log_completions)
+                    t, t_cpu, counts = run(variant, model_dir, dataset, work / f"r{r}_c{c}", a.steps, c,
+                                           a.log_completions)
                     forwards[variant].update(counts)
                     times[(c, variant)].extend(t)
-                    medians[variant] = statistics.median(t)
+                    medians[variant], cpu[variant] = statistics.median(t), statistics.median(t_cpu)
                     ratios[(c, variant)].append(medians[variant] / medians.get("stock", medians[variant]))
+                    cpu_ratios[(c, variant)].append(cpu[variant] / cpu.get("stock", cpu[variant]))
                     print(f"round {r} completion {c} {variant:13s} median step {medians[variant]:.3f} s "
                           f"ratio {ratios[(c, variant)][-1]:.3f}", flush=True)
 
@@ -214,7 +234,8 @@ def main() -> None:
 
     rows = [
         f"| {c} | {v} | {len(times[(c, v)])} | {statistics.median(times[(c, v)]):.3f} "
-        f"| {statistics.median(ratios[(c, v)]):.3f}{mark(c, v)} | {min(ratios[(c, v)]):.3f} - {max(ratios[(c, v)]):.3f} |"
+        f"| {statistics.median(ratios[(c, v)]):.3f}{mark(c, v)} | {min(ratios[(c, v)]):.3f} - {max(ratios[(c, v)]):.3f} "
+        f"| {statistics.median(cpu_ratios[(c, v)]):.3f} |"
         for c in a.completion_lengths for v in variants
     ]
     lengths = " ".join(str(c) for c in a.completion_lengths)
@@ -242,10 +263,13 @@ def main() -> None:
         *(["- `log_completions=True` in every variant, stock included: TRL's completions table written each step "
            "(parquet), with the per-rollout signals as columns in the MDIGRPOTrainer variants."]
           if a.log_completions else []),
-        f"- No-grad policy forwards per training step (a pre-hook on the policy): {per_step}.",
+        f"- No-grad log-prob forwards of the policy per training step (counted on GRPOTrainer's log-prob method, "
+        f"which TRL's forwards and the trainer's share): {per_step}. CPU-time ratio: the same paired ratio of the "
+        "process's CPU time per step, which other jobs' load disturbs less than wall time.",
         "",
-        "| completion tokens | variant | steps | median step s | ratio to stock (median of rounds) | ratio min - max |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| completion tokens | variant | steps | median step s | ratio to stock (median of rounds) | ratio min - max "
+        "| CPU-time ratio to stock (median of rounds) |",
+        "|---:|---|---:|---:|---:|---:|---:|",
         *rows,
         "",
         "`metrics_only`: attention metrics and live logs on, no reward reads them: the probe measures inside TRL's "
