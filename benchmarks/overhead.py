@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.overhead            # completions of 32 and 128 tokens, ~10 min on 2 cores
     .venv/bin/python -m benchmarks.overhead --quick    # fewer rounds
+    .venv/bin/python -m benchmarks.overhead --log_completions   # every variant writes TRL's completions table
 
 Same tiny Qwen2.5-VL (built offline, deeper and wider than the test one), same synthetic A-OKVQA data, same seed
 for every variant:
@@ -12,6 +13,9 @@ for every variant:
                    training forward (no extra forward)
     extra_forward  MDIGRPOTrainer with the brief's 4:1:1 stack (mc_idx, think_format, mdi_balance), logs on:
                    mdi_balance reads MDI before the loss, so the probe runs its one extra no-grad forward
+
+With ``--log_completions`` every variant (stock too) writes TRL's completions table each step (``log_completions=True``,
+the per-rollout signals as its columns): its own section, "Trainer overhead with log_completions".
 
 Variants run in alternating rounds (stock, metrics_only, extra_forward, stock, ...) so that machine load hits them
 alike. Per round and length, each variant's median step wall time (first step of each run dropped as warm-up) is
@@ -45,6 +49,7 @@ overhead under vLLM" of benchmarks/RESULTS.md is replaced.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import math
@@ -90,14 +95,38 @@ MODEL = dict(num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=4, interme
 
 
 class StepTimer(TrainerCallback):
+    """Wall and process CPU time of each training step (CPU time: what other jobs' load disturbs less), and the
+    no-grad log-prob forwards of the policy in each (TRL's and the trainer's share GRPOTrainer's method, counted
+    while ``counting()`` is on; generation's decoding forwards are not log-prob forwards)."""
+
     def __init__(self):
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
+        self.no_grad_forwards: list[int] = []
+
+    @contextlib.contextmanager
+    def counting(self):
+        original = GRPOTrainer._get_per_token_logps_and_entropies
+        timer = self
+
+        def counted(trainer, model, *args, **kwargs):
+            if timer.no_grad_forwards and not torch.is_grad_enabled() and model is trainer.model:
+                timer.no_grad_forwards[-1] += 1
+            return original(trainer, model, *args, **kwargs)
+
+        GRPOTrainer._get_per_token_logps_and_entropies = counted
+        try:
+            yield self
+        finally:
+            GRPOTrainer._get_per_token_logps_and_entropies = original
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._t = time.perf_counter()
+        self.no_grad_forwards.append(0)
+        self._t, self._cpu = time.perf_counter(), time.process_time()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.times.append(time.perf_counter() - self._t)
+        self.cpu_times.append(time.process_time() - self._cpu)
 
 
 def tiny_model_and_data(work: Path):
@@ -109,11 +138,13 @@ def tiny_model_and_data(work: Path):
     return model_dir, dataset.map(to_conversational)
 
 
-def run(variant: str, model_dir: Path, dataset, work: Path, steps: int, completion_length: int) -> list[float]:
+def run(variant: str, model_dir: Path, dataset, work: Path, steps: int, completion_length: int,
+        log_completions: bool = False) -> tuple[list[float], list[float], list[int]]:
+    """Wall and CPU step times (first step dropped) and no-grad log-prob forwards per step of one run of ``variant``."""
     common = dict(
         output_dir=str(work / variant), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=8,
         num_generations=4, max_completion_length=completion_length, max_steps=steps, logging_steps=1, save_strategy="no", seed=0,
-        learning_rate=1e-5, disable_tqdm=True, gradient_checkpointing=False,
+        learning_rate=1e-5, disable_tqdm=True, gradient_checkpointing=False, log_completions=log_completions,
     )
     rewards = [mc_idx_reward, think_format_reward]
     if variant == "stock":
@@ -133,8 +164,12 @@ def run(variant: str, model_dir: Path, dataset, work: Path, steps: int, completi
         assert trainer.run_plan.placement == expected, (variant, trainer.run_plan.placement)
     timer = StepTimer()
     trainer.add_callback(timer)
-    trainer.train()
-    return timer.times[1:]  # the first step pays one-off costs (allocator, kernel selection)
+    with timer.counting():
+        trainer.train()
+    if log_completions:
+        assert (work / variant / "completions").is_dir(), "log_completions wrote no completions table"
+    # the first step pays one-off costs (allocator, kernel selection)
+    return timer.times[1:], timer.cpu_times[1:], timer.no_grad_forwards
 
 
 def main() -> None:
@@ -148,6 +183,8 @@ def main() -> None:
                         "default 32 128; with --vllm one length, default 32)")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 5 steps (with --vllm: 1 seed, 4 steps, prints only)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    parser.add_argument("--log_completions", action="store_true",
+                        help="every variant writes TRL's completions table (log_completions=True); its own section")
     parser.add_argument("--vllm", action="store_true",
                         help="vLLM generating (colocate, CPU): stock GRPOTrainer vs MDIGRPOTrainer's default stack; "
                         "run with .venv-vllm/bin/python")
@@ -169,18 +206,23 @@ def main() -> None:
     started = time.time()
     variants = ("stock", "metrics_only", "extra_forward")
     times: dict[tuple[int, str], list[float]] = {(c, v): [] for c in a.completion_lengths for v in variants}
+    forwards: dict[str, Counter] = {v: Counter() for v in variants}
+    cpu_ratios: dict[tuple[int, str], list[float]] = {(c, v): [] for c in a.completion_lengths for v in variants}
     ratios: dict[tuple[int, str], list[float]] = {(c, v): [] for c in a.completion_lengths for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model_dir, dataset = tiny_model_and_data(work)
         for r in range(a.rounds):
             for c in a.completion_lengths:
-                medians = {}
+                medians, cpu = {}, {}
                 for variant in variants:
-                    t = run(variant, model_dir, dataset, work / f"r{r}_c{c}", a.steps, c)
+                    t, t_cpu, counts = run(variant, model_dir, dataset, work / f"r{r}_c{c}", a.steps, c,
+                                           a.log_completions)
+                    forwards[variant].update(counts)
                     times[(c, variant)].extend(t)
-                    medians[variant] = statistics.median(t)
+                    medians[variant], cpu[variant] = statistics.median(t), statistics.median(t_cpu)
                     ratios[(c, variant)].append(medians[variant] / medians.get("stock", medians[variant]))
+                    cpu_ratios[(c, variant)].append(cpu[variant] / cpu.get("stock", cpu[variant]))
                     print(f"round {r} completion {c} {variant:13s} median step {medians[variant]:.3f} s "
                           f"ratio {ratios[(c, variant)][-1]:.3f}", flush=True)
 
@@ -192,12 +234,16 @@ def main() -> None:
 
     rows = [
         f"| {c} | {v} | {len(times[(c, v)])} | {statistics.median(times[(c, v)]):.3f} "
-        f"| {statistics.median(ratios[(c, v)]):.3f}{mark(c, v)} | {min(ratios[(c, v)]):.3f} - {max(ratios[(c, v)]):.3f} |"
+        f"| {statistics.median(ratios[(c, v)]):.3f}{mark(c, v)} | {min(ratios[(c, v)]):.3f} - {max(ratios[(c, v)]):.3f} "
+        f"| {statistics.median(cpu_ratios[(c, v)]):.3f} |"
         for c in a.completion_lengths for v in variants
     ]
     lengths = " ".join(str(c) for c in a.completion_lengths)
+    section = SECTION.replace(":", " with log_completions:") if a.log_completions else SECTION
+    per_step = "; ".join(f"`{v}` " + ", ".join(f"{n} ({k} steps)" for n, k in sorted(forwards[v].items()))
+                         for v in variants)
     body = "\n".join([
-        SECTION,
+        section,
         "",
         f"Reproduce: `.venv/bin/python -m benchmarks.overhead{''.join(' ' + x for x in result_args(sys.argv[1:], ()))}`"
         " (from the repository root; "
@@ -214,9 +260,16 @@ def main() -> None:
         f"- {a.rounds} alternating rounds x {a.steps} steps per variant and length; first step of each run dropped. "
         "Per round, median step time of the variant / stock's in the same round; the table gives the median of those "
         "paired ratios and their min - max over rounds. Targets: metrics_only <= 1.05, extra_forward <= 1.15.",
+        *(["- `log_completions=True` in every variant, stock included: TRL's completions table written each step "
+           "(parquet), with the per-rollout signals as columns in the MDIGRPOTrainer variants."]
+          if a.log_completions else []),
+        f"- No-grad log-prob forwards of the policy per training step (counted on GRPOTrainer's log-prob method, "
+        f"which TRL's forwards and the trainer's share): {per_step}. CPU-time ratio: the same paired ratio of the "
+        "process's CPU time per step, which other jobs' load disturbs less than wall time.",
         "",
-        "| completion tokens | variant | steps | median step s | ratio to stock (median of rounds) | ratio min - max |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| completion tokens | variant | steps | median step s | ratio to stock (median of rounds) | ratio min - max "
+        "| CPU-time ratio to stock (median of rounds) |",
+        "|---:|---|---:|---:|---:|---:|---:|",
         *rows,
         "",
         "`metrics_only`: attention metrics and live logs on, no reward reads them: the probe measures inside TRL's "
@@ -229,7 +282,7 @@ def main() -> None:
     ])
     print(body)
     if not a.no_write:
-        replace_section(SECTION, body)
+        replace_section(section, body)
 
 
 # ------------------------------------------------------------------------------------------------ vLLM (colocate)

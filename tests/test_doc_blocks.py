@@ -281,6 +281,31 @@ def _none_and_nan_check(ns, request):
     assert ns["totals"].tolist() == [1.0, 2.0]
 
 
+def _completions_table_setup(request):
+    """One step of the tiny Qwen2.5-VL with scripted answer-line rollouts (tests/test_reliance_trainer.py), the
+    mc_idx reward, reliance signals and the completions table on: the block reads the run's step-1 parquet."""
+    from test_reliance_trainer import scripted_generation
+    from test_trainer import make_args
+
+    from trl_mdi.trainer import MDIGRPOTrainer
+
+    tmp = request.getfixturevalue("tmp_path")
+    scripted_generation(request.getfixturevalue("monkeypatch"))
+    trainer = MDIGRPOTrainer(str(request.getfixturevalue("tiny_vlm_dir")("qwen2_5_vl")), reward_funcs=["mc_idx"],
+                             args=make_args(tmp, reliance_signals=True, log_completions=True, max_steps=1,
+                                            per_device_train_batch_size=8, num_generations=2),
+                             train_dataset=request.getfixturevalue("grpo_train_dataset"))
+    trainer.train()
+    path = tmp / "out" / "completions" / "completions_00001.parquet"
+    return {'"grpo_run/completions/completions_00001.parquet"': repr(str(path))}, {}
+
+
+def _completions_table_check(ns, request):
+    table, blind = ns["table"], ns["blind"]
+    assert len(table) == 8 and {"answer_visual_gain", "blind_agrees", "mdi_balance", "image_evidence"} <= set(table)
+    assert list(blind.index) == [i for i, v in enumerate(table["blind_agrees"]) if v == 1]
+
+
 BLOCKS: tuple[DocBlock, ...] = (
     DocBlock("readme-training-script", "README.md", "MDIGRPOTrainer(model=", RUN, setup=_readme_setup, check=_readme_check),
     DocBlock("concepts-probe-call", "docs/concepts.md", "measure_modality_attention(model", RUN, setup=_probe_setup, check=_probe_check),
@@ -300,6 +325,8 @@ BLOCKS: tuple[DocBlock, ...] = (
     DocBlock("signals-counterfactual-reward", "docs/signals.md", "gain_share_reward", RUN,
              check=_counterfactual_reward_check),
     DocBlock("reliance-statistics", "docs/reliance.md", "within_prompt_auroc(gains", RUN, check=_reliance_statistics_check),
+    DocBlock("logs-completions-table", "docs/logs.md", "completions_00001.parquet", RUN,
+             setup=_completions_table_setup, check=_completions_table_check),
     DocBlock("rewards-group-scaling", "docs/rewards.md", "def advantage_of_a_difference", RUN,
              check=_group_scaling_check),
 )

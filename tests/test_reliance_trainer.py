@@ -9,6 +9,10 @@ the same size (``counterfactual_image="black"``, the default).
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 from PIL import Image
@@ -140,6 +144,36 @@ def profile_reference(path, batch, kind: str, temperature: float, attention: boo
                              temperature=temperature)
 
 
+def completions_table(trainer, step: int) -> pd.DataFrame:
+    """TRL's completions parquet of one step (``log_completions=True``)."""
+    return pd.read_parquet(Path(trainer.args.output_dir) / "completions" / f"completions_{step:05d}.parquet")
+
+
+def check_completions_table(trainer, seen: list[dict], want: list[dict[str, list[float]]]) -> None:
+    """Every step's parquet carries every per-rollout signal the trainer computed for that step's batch, row for row
+    in TRL's order, equal to ``want`` (two plain forwards per rollout) where given; the image-evidence column marks
+    the answer letter in bold where the image made it at least 1 nat likelier; the step's p10/p50/p90 metrics are
+    the quantiles of the plain-forward values."""
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    for step, (batch, expected, logged) in enumerate(zip(seen, want, logs), start=1):
+        table = completions_table(trainer, step)
+        assert len(table) == len(batch["completions"]) and (table["step"] == step).all()
+        missing = sorted(set(batch["signals"]) - set(table.columns))
+        assert not missing, f"step {step}: the completions table lacks {missing}; it has {list(table.columns)}"
+        for name, values in batch["signals"].items():
+            np.testing.assert_allclose(table[name].to_numpy(), values.double().numpy(), rtol=0, atol=0,
+                                       equal_nan=True, err_msg=name)
+        for name, values in expected.items():
+            np.testing.assert_allclose(table[name].to_numpy(), values, rtol=0, atol=1e-5, err_msg=name)
+            if name != "blind_agrees":
+                assert logged[f"reliance/{name}/p50"] == pytest.approx(float(np.quantile(values, 0.5)), abs=1e-5)
+        for cell, gain in zip(table["image_evidence"], expected.get("answer_visual_gain", [])):
+            assert isinstance(cell, str) and cell, cell
+            assert ("**" in cell) == (gain >= 1.0), (cell, gain)
+    # varies across rollouts, not a broadcast batch mean (the scripted rollouts of one prompt are identical)
+    assert pd.concat([completions_table(trainer, s) for s in (1, 2)])["visual_gain"].nunique() > 1
+
+
 RELIANCE_REWARD = dict(reward_funcs=["answer_visual_gain", spread_reward])
 
 
@@ -152,13 +186,15 @@ def test_signals_equal_two_plain_forwards(model_dir, blind_model_dir, grpo_train
     path = model_dir if which == "model" else blind_model_dir
     scripted_generation(monkeypatch)
     seen = capture(monkeypatch)
-    trainer = MDIGRPOTrainer(str(path), reward_funcs=RELIANCE_REWARD["reward_funcs"], args=make_args(tmp_path),
-                             train_dataset=grpo_train_dataset)
+    trainer = MDIGRPOTrainer(str(path), reward_funcs=RELIANCE_REWARD["reward_funcs"],
+                             args=make_args(tmp_path, log_completions=which == "model"), train_dataset=grpo_train_dataset)
     assert trainer.run_plan.counterfactual and trainer.run_plan.placement == "extra_forward"
     trainer.train()
     assert len(seen) == 2
+    wants = []
     for batch in seen:
         want = expected_signals(path, batch)
+        wants.append(want)
         got = batch["signals"]
         for name in want:
             torch.testing.assert_close(got[name].double(), torch.tensor(want[name], dtype=torch.double),
@@ -176,6 +212,9 @@ def test_signals_equal_two_plain_forwards(model_dir, blind_model_dir, grpo_train
     assert all("reliance/blind_agree_rate" in h and h["reliance/answer_rate"] == 1.0 for h in logs)
     if which == "model":
         assert any(abs(v) > 1e-3 for b in seen for v in b["signals"]["visual_gain"].tolist())  # the image matters
+        # The completions table (extra forward before the rewards): step 2's plain forwards use the checkpoint's
+        # weights, not the weights after step 1, so only step 1 is compared with them.
+        check_completions_table(trainer, seen, wants[:1] + [{}])
 
 
 def test_signals_from_the_training_forward(model_dir, grpo_train_dataset, tmp_path, monkeypatch):
@@ -185,17 +224,22 @@ def test_signals_from_the_training_forward(model_dir, grpo_train_dataset, tmp_pa
     seen = capture(monkeypatch)
     counter = ForwardCounter(monkeypatch)
     trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward],
-                             args=make_args(tmp_path, reliance_signals=True), train_dataset=grpo_train_dataset)
+                             args=make_args(tmp_path, reliance_signals=True, log_completions=True),
+                             train_dataset=grpo_train_dataset)
     assert trainer.run_plan.placement == "training_forward"
     trainer.train()
-    assert counter.per_generation == [1, 1]  # the counterfactual forward alone
-    errors = []
+    assert counter.per_generation == [1, 1]  # the counterfactual forward alone: the completions table adds none
+    errors, wants = [], []
     for batch in seen:
         want = expected_signals(model_dir, batch)
+        wants.append(want)
         for name in want:
             errors.append((batch["signals"][name].double() - torch.tensor(want[name], dtype=torch.double)).abs().max())
     print(f"\nmax |training-forward signals - plain forwards| = {max(errors):.1e}")
     assert max(errors) < 1e-5
+    # Measured after TRL flushed its log_extra queue, yet in the table TRL wrote at the step's log.
+    check_completions_table(trainer, seen, wants[:1] + [{}])
+    assert all(completions_table(trainer, step)["mdi"].notna().all() for step in (1, 2))
 
 
 @pytest.mark.parametrize("case, overrides, rewards, expected", [

@@ -1,8 +1,11 @@
-"""Trackers receive the trainer's metrics: trackio (local) and wandb (offline), read back from what they stored.
+"""Trackers receive the trainer's metrics and TRL's completions table: trackio (local) and wandb (offline), read back
+from what they stored.
 
-Each test trains the tiny VLM for 2 steps with every TPRL part on and `report_to=[tracker]`, then reads the
-tracker's own on-disk record and checks that the attention/*, tprl/*, perf/* and rewards/* metrics of both steps
-are there, with the values the trainer logged. Trainer.log's integrations prefix train metrics with "train/"
+Each test trains the tiny VLM for 2 steps with every TPRL part, the reliance signals and `log_completions` on and
+`report_to=[tracker]`, then reads the tracker's own on-disk record and checks that the attention/*, tprl/*, perf/*
+and rewards/* metrics of both steps are there, with the values the trainer logged, and that each step's completions
+table carries a column per per-rollout signal, row for row the trainer's values, with step 1's visual_gain equal to
+two plain forwards per rollout (with the image and with a black one), and the image column. Trainer.log's integrations prefix train metrics with "train/"
 (`rewrite_logs`), so "attention/mdi" is stored as "train/attention/mdi".
 
 The training runs in a child Python process, with every tracker directory pointed at tmp_path through the
@@ -15,6 +18,8 @@ pytest process. The child blocks and records any socket connection or DNS lookup
 How each tracker is read back, without network:
 - trackio: its local SQLite database, TRACKIO_DIR/<project>.db, table `metrics` (one row per trackio.log call,
   the metrics as a JSON object in the `metrics` column).
+- trackio's table: the same store, the row of TRL's own trackio.log call (`completions`: trackio's table record, its
+  rows as JSON objects). wandb's table: files/media/table/completions_<step>_<hash>.table.json in the run's folder.
 - wandb: the offline run's transaction log, WANDB_DIR/wandb/offline-run-*/run-<id>.wandb. Offline runs write no
   files/wandb-summary.json, and wandb 0.31 ships no Python reader for that log any more (the old
   wandb.sdk.internal.datastore is gone; `wandb sync` is in Go and uploads). The log is in LevelDB's log format
@@ -82,15 +87,26 @@ cfg = json.loads(sys.argv[1])
 sys.path.insert(0, cfg["tests_dir"])
 from datasets import load_from_disk  # noqa: E402
 from test_trainer import make_args, spread_reward  # noqa: E402
+from test_reliance_trainer import capture  # noqa: E402
 from test_trainer_tprl import TPRL_ALL  # noqa: E402
+from pytest import MonkeyPatch  # noqa: E402
 
 from trl_mdi.trainer import MDIGRPOTrainer  # noqa: E402
 
+seen = capture(MonkeyPatch())  # each batch's rollouts as the counterfactual forward saw them
 args = make_args(Path(cfg["work"]), report_to=[cfg["tracker"]], project=cfg["project"], run_name=cfg["run_name"],
-                 **TPRL_ALL)
+                 log_completions=True, reliance_signals=True, **TPRL_ALL)
 trainer = MDIGRPOTrainer(cfg["model_dir"], reward_funcs=[spread_reward], args=args,
                          train_dataset=load_from_disk(cfg["dataset_dir"]))
 trainer.train()
+# Step 1's rollouts, scored independently: two plain forwards of the checkpoint per rollout (with its image and with
+# a black one of the same size), for the completions table's visual_gain.
+from test_trackers import plain_visual_gain  # noqa: E402
+
+Path(cfg["table_out"]).write_text(json.dumps({
+    "visual_gain": plain_visual_gain(cfg["model_dir"], seen[0]),
+    "signals": {n: [None if v != v else v for v in t.tolist()] for n, t in seen[0]["signals"].items()},
+}))
 if cfg["tracker"] == "wandb":
     import wandb
 
@@ -135,7 +151,7 @@ def run_child(tiny_vlm_dir, saved_dataset, tmp_path, monkeypatch):
     def run(tracker: str) -> tuple[list[dict], dict[str, Path]]:
         cfg = dict(tracker=tracker, tests_dir=str(TESTS_DIR), model_dir=str(model_dir),
                    dataset_dir=str(saved_dataset), work=str(dirs["work"]), project=PROJECT, run_name=RUN_NAME,
-                   history_out=str(tmp_path / "history.json"))
+                   history_out=str(tmp_path / "history.json"), table_out=str(tmp_path / "table.json"))
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], cwd=dirs["cwd"], capture_output=True,
                               text=True, timeout=180)
@@ -146,6 +162,7 @@ def run_child(tiny_vlm_dir, saved_dataset, tmp_path, monkeypatch):
         assert not any(dirs["cwd"].iterdir()), f"files left in the working directory: {list(dirs['cwd'].iterdir())}"
         history = json.loads((tmp_path / "history.json").read_text())
         assert [h["step"] for h in history] == [1, 2], history
+        dirs["table"] = json.loads((tmp_path / "table.json").read_text())
         return history, dirs
 
     return run
@@ -169,6 +186,54 @@ def check_received(stored: dict[int, dict], history: list[dict]) -> None:
         assert row["train/tprl/perception_token_fraction"] == pytest.approx(0.25)
 
 
+def plain_visual_gain(model_dir, batch) -> list[float]:
+    """visual_gain of each rollout of ``batch`` (what the counterfactual forward saw) from two plain forwards of the
+    checkpoint per rollout, with its image and with a black one (tests/test_reliance_trainer.py's reference)."""
+    from PIL import Image
+    from test_reliance_trainer import plain_reference
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    processor = AutoProcessor.from_pretrained(model_dir)
+    out = []
+    for prompt, row, completion in zip(batch["prompts"], batch["inputs"], batch["completions"]):
+        images = row["images"] if row.get("images") is not None else [row["image"]]
+        black = [Image.new("RGB", img.size, (0, 0, 0)) for img in images]
+        real, _ = plain_reference(model, processor, prompt, images, completion)
+        cf, _ = plain_reference(model, processor, prompt, black, completion)
+        out.append(float((real - cf).mean()))
+    return out
+
+
+def number(cell) -> float:
+    """A table cell as a float: NaN stored as null, "NaN" or NaN, whichever the tracker chose."""
+    return math.nan if cell is None or cell == "NaN" else float(cell)
+
+
+def check_table(rows: list[dict], step: int, table: dict) -> None:
+    """The completions table a tracker stored for ``step`` (one dict per rollout, TRL's order): TRL's own columns and
+    a column per measured signal, equal to the trainer's values row by row; at step 1 visual_gain also equals the
+    plain-forward recomputation; finite where defined and varying across rollouts; the image column present."""
+    assert rows and all(r["step"] == step for r in rows), rows[:1]
+    for column in ("prompt", "completion", "advantage", "spread_reward", "image_evidence", "image"):
+        assert column in rows[0], f"the table has no {column!r} column: {sorted(rows[0])}"
+    signals = table["signals"]
+    missing = sorted(set(signals) - set(rows[0]))
+    assert not missing, f"the tracker's table lacks {missing}"
+    if step == 1:
+        for name, values in signals.items():
+            got = [number(r[name]) for r in rows]
+            want = [math.nan if v is None else v for v in values]
+            assert got == pytest.approx(want, abs=1e-6, nan_ok=True), name
+        got = [number(r["visual_gain"]) for r in rows]
+        assert got == pytest.approx(table["visual_gain"], abs=1e-5)
+    for name in ("visual_gain", "mdi", "mdi_late", "mdi_balance"):
+        values = [number(r[name]) for r in rows]
+        assert all(math.isfinite(v) for v in values), (name, values)  # every rollout has an image and a completion
+        assert len(set(values)) > 1, (name, values)
+    assert all(r["image"] for r in rows), "every rollout of this dataset has an image"
+
+
 # ----------------------------------------------------------------------------------------------------- trackio
 def read_trackio(trackio_dir: Path, project: str, run_name: str) -> dict[int, dict]:
     """Rows of trackio's local SQLite store for one run, keyed by the logged train/global_step."""
@@ -177,19 +242,26 @@ def read_trackio(trackio_dir: Path, project: str, run_name: str) -> dict[int, di
     with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
         rows = conn.execute("SELECT step, metrics FROM metrics WHERE run_name = ? ORDER BY step", (run_name,)).fetchall()
     assert rows, f"no metrics rows for run {run_name!r} in {db}"
-    stored = {}
+    stored, tables = {}, {}
     for _, blob in rows:
         metrics = json.loads(blob)
         if "train/loss" in metrics:  # per-step logs; the end-of-training summary log has no loss
             stored[int(metrics["train/global_step"])] = metrics
-    return stored
+        elif "completions" in metrics:  # TRL's completions table, logged by its own trackio.log call
+            table = metrics["completions"]
+            assert table["_type"] == "trackio.table", table
+            tables[table["_value"][0]["step"]] = table["_value"]  # the last one of a step wins, as in the parquet
+    return stored, tables
 
 
 @pytest.mark.slow
 def test_trackio_receives_metrics(run_child):
     history, dirs = run_child("trackio")
-    stored = read_trackio(dirs["trackio"], PROJECT, RUN_NAME)
+    stored, tables = read_trackio(dirs["trackio"], PROJECT, RUN_NAME)
     check_received(stored, history)
+    assert sorted(tables) == [1, 2], sorted(tables)
+    for step, rows in tables.items():
+        check_table(rows, step, dirs["table"])
     # Nothing went to trackio's default location under HF_HOME.
     assert not (dirs["hf_home"] / "trackio").exists()
 
@@ -237,11 +309,29 @@ def read_wandb(wandb_dir: Path) -> tuple[dict[int, dict], list]:
     return stored, records
 
 
+def read_wandb_tables(wandb_dir: Path) -> dict[int, list[dict]]:
+    """The completions tables of the offline run, one per step (the last one of a step wins, as in the parquet):
+    wandb writes each logged Table to files/media/table/<key>_<step>_<hash>.table.json, columns and rows."""
+    tables = {}
+    paths = sorted((wandb_dir / "wandb").glob("offline-run-*/files/media/table/completions_*.table.json"),
+                   key=lambda p: p.stat().st_mtime)
+    assert paths, f"no completions table under {wandb_dir}"
+    for path in paths:
+        stored = json.loads(path.read_text())
+        rows = [dict(zip(stored["columns"], row)) for row in stored["data"]]
+        tables[rows[0]["step"]] = rows
+    return tables
+
+
 @pytest.mark.slow
 def test_wandb_offline_receives_metrics(run_child):
     history, dirs = run_child("wandb")
     stored, records = read_wandb(dirs["wandb"])
     check_received(stored, history)
+    tables = read_wandb_tables(dirs["wandb"])
+    assert sorted(tables) == [1, 2], sorted(tables)
+    for step, rows in tables.items():
+        check_table(rows, step, dirs["table"])
     kinds = [r.WhichOneof("record_type") for r in records]
     assert kinds[-1] == "exit" and records[-1].exit.exit_code == 0, "the run was not finished cleanly"
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")

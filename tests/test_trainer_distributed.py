@@ -13,12 +13,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def launch(config: str, model_dir: Path, data: Path, out: Path, overrides: dict) -> list[dict]:
+def launch(config: str, model_dir: Path, data: Path, out: Path, overrides: dict, env: dict | None = None) -> list[dict]:
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
         str(ROOT / "tests" / "dist" / "train_tiny.py"), str(model_dir), str(data), str(out), json.dumps(overrides),
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ})
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-5000:]
     return sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["rank"])
 
@@ -133,15 +133,45 @@ def test_ddp_parameters_are_the_same_with_and_without_the_dummy_vision_pass(tiny
     tower's gradient is 0 with the pass and None without, and Adam skips None but still moves on 0 with momentum)."""
     base = {**MIXED_LAYOUT, "max_steps": 2, "use_cpu": True, "ddp_find_unused_parameters": True, "optim": "sgd"}
     digests = {}
-    for label, extra in (("with", {}), ("without", {"no_vision_pass": True})):
+    # The "with" run also logs its completions table to trackio (local store under tmp_path): observing changes nothing.
+    table = {"log_completions": True, "report_to": ["trackio"], "project": "dist", "run_name": "mixed"}
+    for label, extra in (("with", table), ("without", {"no_vision_pass": True})):
         records = launch("cpu_ddp.yaml", tiny_vlm_dir("qwen2_5_vl"), prepared_aokvqa_dir / "train.parquet",
-                         tmp_path / f"{label}.jsonl", {**base, **extra, "output_dir": str(tmp_path / label)})
+                         tmp_path / f"{label}.jsonl", {**base, **extra, "output_dir": str(tmp_path / label)},
+                         env={"TRACKIO_DIR": str(tmp_path / "trackio"), "HF_HOME": str(tmp_path / "hf_home")})
         assert len({r["param_digest"] for r in records}) == 1  # DDP: every rank holds the same weights
         digests[label] = records[0]["param_digest"]
         if label == "with":
             assert sum(r["dummy_vision_passes"] for r in records) > 0
             check_mixed_layout(records)
+            check_mixed_table(records, tmp_path / label, tmp_path / "trackio" / "dist.db")
     assert digests["with"] == digests["without"]
+
+
+def check_mixed_table(records: list[dict], out: Path, trackio_db: Path) -> None:
+    """MIXED_LAYOUT's completions tables, 2 processes, steps_per_generation = gradient accumulation = 4: rows in TRL's
+    order (rank 0's rollouts, then rank 1's); the mdi column is the value each rank handed its rewards, NaN for the
+    text-only rollouts; in trackio's table, step 2 (images on rank 0 only) keeps its image column: an image for each
+    of rank 0's rollouts, none for rank 1's."""
+    import sqlite3
+    from contextlib import closing
+
+    import pandas as pd
+    from test_trackers import number
+
+    with closing(sqlite3.connect(f"file:{trackio_db}?mode=ro", uri=True)) as conn:
+        blobs = [json.loads(b) for (b,) in conn.execute("SELECT metrics FROM metrics WHERE run_name = 'mixed'")]
+    tables = {t["_value"][0]["step"]: t["_value"] for t in (b["completions"] for b in blobs if "completions" in b)}
+    assert sorted(tables) == [1, 2], sorted(tables)
+    for step in (1, 2):
+        want = [math.nan if v is None else v for r in records for v in r["mdi"][step - 1]]  # rank order
+        parquet = pd.read_parquet(out / "completions" / f"completions_{step:05d}.parquet")
+        assert parquet["mdi"].tolist() == pytest.approx(want, nan_ok=True), step
+        rows = tables[step]
+        assert [number(r["mdi"]) for r in rows] == pytest.approx(want, nan_ok=True), step
+        has_image = [not math.isnan(v) for v in want]
+        assert [bool(r.get("image")) for r in rows] == has_image, (step, [r.get("image") for r in rows])
+    assert [not math.isnan(number(r["mdi"])) for r in tables[2]] == [True] * 4 + [False] * 4
 
 
 @pytest.mark.distributed

@@ -305,3 +305,28 @@ def test_tokenize_prompts_takes_text_as_lists_which_pixtral_needs_the_trainers_c
                                                 per_device_train_batch_size=2, num_generations=2),
                              train_dataset=zen_image_dataset(2))
     assert "return_tensors" not in trainer.processing_class.text_kwargs
+
+
+def test_completions_table_is_written_from_logs_at_log_time():
+    """trl_mdi.diagnostics.completions_table: the trainer lays its per-rollout columns into ``_logs["extra"]`` just
+    before ``GRPOTrainer.log`` and extends ``_logs["images"]`` itself. Right only while TRL (1) keeps the table's rows
+    in ``_logs``, deques sized to the generation batch, (2) appends each generation batch's rows, gathered from every
+    process in process order, inside _generate_and_score_completions, (3) gathers the images there only when
+    ``log_multimodal`` is on (the trainer turns it off around that call and gathers them on every process), and (4)
+    builds the parquet and the wandb / trackio tables in ``log()`` from ``_logs``, every ``extra`` column included."""
+    flat = lambda fn: " ".join(inspect.getsource(fn).split())  # noqa: E731 (whitespace-insensitive source)
+    init = flat(GRPOTrainer.__init__)
+    for key in ("images", "prompt", "completion", "advantages"):
+        assert f'"{key}": deque(maxlen=args.generation_batch_size)' in init, key
+    assert '"extra": defaultdict(lambda: deque(maxlen=args.generation_batch_size))' in init
+    gen = flat(GRPOTrainer._generate_and_score_completions)
+    assert 'self._logs["prompt"].extend(gather_object(prompts))' in gen
+    assert 'self._logs["advantages"].extend(all_process_advantages.tolist())' in gen
+    assert ('if images is not None and self.log_multimodal: self._logs["images"].extend(gather_object(images))'
+            in gen)
+    log = flat(GRPOTrainer.log)
+    assert '"prompt": [strip_images_from_messages(messages) for messages in self._logs["prompt"]]' in log
+    assert '**self._logs["extra"], "advantage": self._logs["advantages"], }' in log
+    assert "df_base.to_parquet(" in log and 'images_raw = self._logs["images"] or []' in log
+    assert 'logging_backend.log({"completions": logging_backend.Table(dataframe=df)})' in log
+    assert _params(GRPOTrainer.log) == ["self", "logs", "start_time"]

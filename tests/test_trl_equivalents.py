@@ -2,8 +2,8 @@
 GRPOTrainer and a plain ``trl.GRPOConfig``, on offline tiny models of every family.
 
 Each test mirrors one of TRL's: ``test_training_vlm`` (every family), ``..._vlm_peft``, ``..._vlm_multi_image``,
-``..._vlm_beta_non_zero``, ``..._vlm_and_importance_sampling``, ``log_multimodal=False``, a reward model given by
-id as the reward, and a text-only causal LM. TRL's checks are kept (loss logged, every trainable parameter moved
+``..._vlm_beta_non_zero``, ``..._vlm_and_importance_sampling``, ``log_completions`` with ``log_multimodal`` on and
+off, a reward model given by id as the reward, and a text-only causal LM. TRL's checks are kept (loss logged, every trainable parameter moved
 except the vision parts its tiny models leave without gradient); ours are added (finite ``attention/mdi`` on VLMs,
 no attention on text-only models). TRL's length reward is replaced by one with spread inside every group: a random
 tiny model rarely stops early, so every completion has the same length and the policy gradient is exactly zero.
@@ -106,11 +106,21 @@ def test_training_vlm_multi_image(arch, tiny_vlm_dir, tmp_path):
     # As TRL's zen-multi-image: rows with 0, 1 and 2 images, mixed inside a batch.
     data = zen_image_dataset(12, images_per_row=[2, 1, 0])
     trainer = MDIGRPOTrainer(model=str(tiny_vlm_dir(arch)), reward_funcs=spread_reward,
-                             args=grpo_args(tmp_path, max_steps=3), train_dataset=data)
+                             args=grpo_args(tmp_path, max_steps=3, log_completions=True), train_dataset=data)
     logs = train_and_check(trainer)
     assert finite_mdi(logs)
     assert any(0 < h["attention/rows_without_image"] < 1 for h in logs) or any(
         h["attention/rows_without_image"] == 1 for h in logs)
+    # The completions table: each row's MDI and image count are its own prompt's (NaN MDI exactly where the prompt
+    # holds no image part), and TRL's image column matches them.
+    import pandas as pd
+
+    for step in (1, 2, 3):
+        table = pd.read_parquet(tmp_path / "completions" / f"completions_{step:05d}.parquet")
+        parts = [sum(p.get("type") == "image" for m in prompt if not isinstance(m["content"], str)
+                     for p in m["content"]) for prompt in table["prompt"]]
+        assert table["n_image"].gt(0).tolist() == [n > 0 for n in parts] == table["mdi"].notna().tolist(), step
+    assert [len(images) for images in trainer._logs["images"]] == parts  # the last step's rows
 
 
 def test_several_images_per_prompt_on_llava_onevision_stop_with_the_reason(tiny_vlm_dir, tmp_path):
@@ -125,11 +135,17 @@ def test_several_images_per_prompt_on_llava_onevision_stop_with_the_reason(tiny_
         trainer.train()
 
 
-def test_training_vlm_log_multimodal_false(tiny_vlm_dir, image_data, tmp_path):
+@pytest.mark.parametrize("log_multimodal", [False, True])
+def test_training_vlm_log_completions(tiny_vlm_dir, image_data, tmp_path, log_multimodal):
     trainer = MDIGRPOTrainer(model=str(tiny_vlm_dir("qwen2_5_vl")), reward_funcs=spread_reward,
-                             args=grpo_args(tmp_path, log_completions=True, log_multimodal=False),
+                             args=grpo_args(tmp_path, log_completions=True, log_multimodal=log_multimodal),
                              train_dataset=image_data)
     assert finite_mdi(train_and_check(trainer))
+    import pandas as pd
+
+    table = pd.read_parquet(tmp_path / "completions" / "completions_00002.parquet")
+    assert len(table) == 3 and table["mdi"].notna().all()
+    assert len(trainer._logs["images"]) == (3 if log_multimodal else 0)  # what TRL adds to the trackers' table
 
 
 def test_training_vlm_beta_non_zero(tiny_vlm_dir, image_data, tmp_path):

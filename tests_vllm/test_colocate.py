@@ -310,7 +310,11 @@ def test_the_cost_at_the_limit_under_vllm(qwen25_dir, tmp_path, monkeypatch):
         seen.append(list(mdi_balance))
         return [2.0 * b - 1.0 for b in mdi_balance]
 
-    def gain(completions, visual_gain, **kwargs):
+    gains = []
+
+    def gain(completions, visual_gain, prompts, completion_ids, image, **kwargs):
+        gains.append({"visual_gain": list(visual_gain), "prompts": prompts, "completion_ids": completion_ids,
+                      "images": [[i] for i in image]})
         return [0.0 if g is None else g for g in visual_gain]
 
     rec = record_run(monkeypatch, MDIGRPOTrainer, qwen25_dir, mdi_args(tmp_path / "mdi"), zen_image_dataset(8),
@@ -319,9 +323,26 @@ def test_the_cost_at_the_limit_under_vllm(qwen25_dir, tmp_path, monkeypatch):
     assert len(seen) == 2 and all(len(b) == 4 and all(0.0 <= x <= 1.0 for x in b) for b in seen)
     for step, balances in enumerate(seen):
         assert rec.logs[step]["attention/mdi_balance"] == pytest.approx(sum(balances) / 4, abs=1e-6)
-    rec = record_run(monkeypatch, MDIGRPOTrainer, qwen25_dir, mdi_args(tmp_path / "gain"), zen_image_dataset(8),
-                     reward_funcs=[spread_reward, gain])
-    assert rec.generations == 2 and rec.forwards == [2, 2]
+    rec = record_run(monkeypatch, MDIGRPOTrainer, qwen25_dir, mdi_args(tmp_path / "gain", log_completions=True),
+                     zen_image_dataset(8), reward_funcs=[spread_reward, gain])
+    assert rec.generations == 2 and rec.forwards == [2, 2]  # the completions table adds no forward
+    # The completions table carries the signals, row for row: what the reward got, and at step 1 (the checkpoint's
+    # weights) visual_gain recomputed by plain forwards of vLLM's completions with the image and with a black one.
+    import pandas as pd
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from trl_mdi.profile.reference import reference_signals
+
+    for step, batch in enumerate(gains, start=1):
+        table = pd.read_parquet(tmp_path / "gain" / "out" / "completions" / f"completions_{step:05d}.parquet")
+        assert table["visual_gain"].tolist() == pytest.approx(batch["visual_gain"], abs=0)
+        assert table["mdi"].notna().all() and table["image_evidence"].notna().all()
+    model = AutoModelForImageTextToText.from_pretrained(qwen25_dir).eval()
+    want = reference_signals(model, AutoProcessor.from_pretrained(qwen25_dir), gains[0]["prompts"],
+                             gains[0]["images"], gains[0]["completion_ids"], "black", attention=False)
+    table = pd.read_parquet(tmp_path / "gain" / "out" / "completions" / "completions_00001.parquet")
+    assert table["visual_gain"].tolist() == pytest.approx(want["visual_gain"].tolist(), abs=1e-5)
+    assert table["visual_gain"].nunique() > 1
 
 
 def test_probe_on_vllm_rollouts_equals_eager_attention(runs, qwen25_dir):

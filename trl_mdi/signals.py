@@ -48,6 +48,10 @@ PROBE, COUNTERFACTUAL, GROUP = "probe", "counterfactual", "group"
 """The sources a signal is computed from (``Signal.source``)."""
 
 METRIC_PREFIX = {PROBE: "attention", COUNTERFACTUAL: "reliance", GROUP: "attention"}
+QUANTILES = (0.1, 0.5, 0.9)
+"""The per-step spread of every metric signal that is not a flag, logged as ``<metric>/p10``, ``/p50``, ``/p90``."""
+EVIDENCE_COLUMN = "image_evidence"
+"""The completions table's text column of the image-evidence tokens (the counterfactual forward's per-token gains)."""
 LOW, HIGH = "low", "high"
 """``Signal.direction``: the signal's value at which a rollout follows the language prior rather than the image."""
 
@@ -585,12 +589,14 @@ def rollout_values(*, attention: ModalityAttention | None = None, counterfactual
 class BatchSignals:
     """A generation batch's per-rollout values and metrics: ``local`` (this process's rows, (B,) each, group signals
     included), ``metrics`` (``attention/*``, ``reliance/*`` of the batch gathered from every process: computed once
-    here, read by the trainer's log and the live logs alike) and ``counterfactual`` (the record the counterfactual
-    signals were computed from, None without the counterfactual forward: the live logs read its per-token gains)."""
+    here, read by the trainer's log and the live logs alike), ``counterfactual`` (the record the counterfactual
+    signals were computed from, None without the counterfactual forward: the live logs read its per-token gains) and
+    ``gathered`` (every value of the batch, all processes, in process order: TRL's completions table's order)."""
 
     local: dict[str, torch.Tensor]
     metrics: dict[str, float]
     counterfactual: CounterfactualInputs | None = None
+    gathered: dict[str, torch.Tensor] = field(default_factory=dict)  # every process's rows, (N_global,) each
 
     def reward_rows(self) -> list[dict[str, float | None]]:
         """One dict per local rollout of the reward fields (None where undefined): what rewards read by name."""
@@ -621,7 +627,7 @@ def batch_signals(policy: PolicyForward, counterfactual: CounterfactualForward |
     for name, column in group_signals(gathered, group_size).items():
         gathered[name] = column
         out[name] = local(column).float()
-    return BatchSignals(out, batch_metrics(gathered), inputs)
+    return BatchSignals(out, batch_metrics(gathered), inputs, gathered)
 
 
 def group_signals(gathered: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:
@@ -652,7 +658,21 @@ def batch_metrics(gathered: dict[str, torch.Tensor]) -> dict[str, float]:
             if v.numel():
                 key = signal.metric_name or f"{METRIC_PREFIX[signal.source]}/{name}"
                 values[key] = float(v.mean())
+                if not signal.flag:
+                    values.update(spread_metrics(key, v))
     return values
+
+
+def spread_metrics(key: str, values: torch.Tensor) -> dict[str, float]:
+    """The per-step spread of one metric's finite per-rollout ``values``: ``<key>/p10``, ``/p50``, ``/p90``. Scalars,
+    so that every tracker (and TRL's own averaging over ``logging_steps``) takes them as they are; a policy whose
+    reliance splits into two modes shows as p10 and p90 drifting apart while the mean stays put.
+
+    >>> spread_metrics("reliance/visual_gain", torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0]))
+    {'reliance/visual_gain/p10': 0.0, 'reliance/visual_gain/p50': 0.0, 'reliance/visual_gain/p90': 1.0}
+    """
+    q = torch.quantile(values.double(), torch.tensor(QUANTILES, dtype=torch.double))
+    return {f"{key}/p{round(p * 100)}": float(v) for p, v in zip(QUANTILES, q.tolist())}
 
 
 def rollout_rows(table: dict[str, torch.Tensor]) -> list[dict[str, float | None]]:

@@ -21,7 +21,9 @@ interception):
    per-token perception signal: ``perturbation`` (one forward with perturbed images) or ``attention`` (the probe).
 7. **Online group filtering** and **unreadable images**: such rollouts leave the update; images on some processes
    only: a dummy vision pass (``trl_mdi.vision_pass``).
-8. **Live diagnostics** (``trl_mdi.diagnostics``): Markdown logs, attention maps, console summary; ``perf/*``.
+8. **Live diagnostics** (``trl_mdi.diagnostics``): Markdown logs, attention maps, console summary; ``perf/*``; with
+   ``log_completions``, every per-rollout signal as a column of TRL's completions table (parquet, wandb, trackio),
+   laid under TRL's rows in ``log()``, and the table's images gathered on every process.
 9. **Observing changes nothing**: the extra forwards run no-grad in a forked RNG, on every process.
 10. **vLLM colocate** (``trl_mdi.vllm_prompts``): the engine gets one placeholder per image (TRL 1.16 hands it the
     processor's expanded ids, which vLLM expands again), and its cached image features are dropped before each
@@ -45,6 +47,7 @@ import os
 import textwrap
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +92,8 @@ from .diagnostics import (
     perception_strips,
     write_batch,
 )
+from .diagnostics.completions_table import CompletionColumns, TableBatch, table_columns, table_prompts
+from .diagnostics.writers import marked_completion
 from .filtering import apply_group_filter, group_filter_keep
 from .rewards import RewardTally, ThinkFormatReward, outcome_metrics, zero_spread_fraction
 from .rewards.inputs import dataset_columns
@@ -213,6 +218,7 @@ class PendingMeasurement:
     inputs: list[dict]
     record: BatchRecord
     out: dict[str, torch.Tensor]
+    table: TableBatch | None = None  # its rows in TRL's completions table, filled once measured (log_completions)
     slices: list[MeasuredSlice] = field(default_factory=list)
     active_rows: list[int] | None = None  # the slice being trained now (set around its loss computation)
 
@@ -311,6 +317,9 @@ class MDIGRPOTrainer(GRPOTrainer):
         self._record: BatchRecord | None = None
         self._pending: PendingMeasurement | None = None
         self._nan_warned: set[str] = set()  # rewards already warned about returning NaN: once per reward and run
+        # Our columns of TRL's completions table, batch by batch, laid under TRL's rows at each log() (TRL's deques
+        # hold one generation batch of rows).
+        self.completion_columns = CompletionColumns(config.generation_batch_size) if config.log_completions else None
         # The format check the rewards, the clean-format metric and the logs share (one definition everywhere).
         self.answer_format = ThinkFormatReward(config.answer_pattern, think_prefilled=bool(plan.think_prefilled))
         # Built before the weights load: a log path that cannot be written fails before any model work.
@@ -426,13 +435,20 @@ class MDIGRPOTrainer(GRPOTrainer):
         record = self._record = self._record or BatchRecord()
         try:
             self._prepare_batch(inputs, record)
-            # TRL 1.16 gathers the batch's images for its completion logs only on processes that have some: with
-            # images on some processes only, that gather would pair with another collective. Skip it for such batches.
-            log_multimodal, self.log_multimodal = self.log_multimodal, self.log_multimodal and not record.mixed
+            # TRL 1.16 gathers the batch's images for its completions table only on processes that have some (and
+            # only when some have): with images on some processes only, that gather would pair with another
+            # collective, and a batch without images would leave the image column out of step with the rows. The
+            # trainer gathers them itself, on every process, every batch of a VLM (tests/test_trl_contract.py pins
+            # TRL's condition and its _logs["images"]).
+            own_images = self.log_multimodal and (record.mixed or
+                                                  (self.log_completions and self.run_plan.facts.is_vlm))
+            log_multimodal, self.log_multimodal = self.log_multimodal, self.log_multimodal and not own_images
             try:
                 out = super()._generate_and_score_completions(inputs)
             finally:
                 self.log_multimodal = log_multimodal
+            if own_images and self.log_completions:
+                self._logs["images"].extend(gather_object([row_images(x) for x in inputs]))
             self._finish_batch(out, inputs, record)
             return out
         finally:
@@ -564,9 +580,28 @@ class MDIGRPOTrainer(GRPOTrainer):
             record = pending.record
             record.forward = pending.forward()
             record.signals = self._batch_signals(record, "train")
+            if pending.table is not None:
+                pending.table.columns.update(self._table_columns(record.signals, pending.out))
             if self.live_logs is not None:
                 self._write_live_logs(pending.inputs, record, pending.out)
         return loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # TRL writes its completions table (parquet, wandb, trackio) from _logs in this call: our per-rollout columns
+        # join its "extra" columns here, under TRL's rows (tests/test_trl_contract.py pins _logs and log()).
+        rows = self._logs["prompt"]
+        if self.completion_columns is not None:
+            for name, values in self.completion_columns.columns(len(rows)).items():
+                self._logs["extra"][name] = deque(values, maxlen=rows.maxlen)
+        prompts = (table_prompts(rows, text="wandb" in (self.args.report_to or []))
+                   if self.log_completions and self.accelerator.is_main_process else None)
+        if prompts is None:
+            return super().log(logs, start_time)
+        self._logs["prompt"] = deque(prompts, maxlen=rows.maxlen)  # for this table only (table_prompts says why)
+        try:
+            super().log(logs, start_time)
+        finally:
+            self._logs["prompt"] = rows
 
     # ------------------------------------------------------------------------------------ one generation batch
     def _rides_here(self, model) -> ProbePlacement | None:
@@ -628,6 +663,8 @@ class MDIGRPOTrainer(GRPOTrainer):
                 record.has_image, self.accelerator.gather))
         record.tokens = float(self.accelerator.gather(out["prompt_mask"].sum() + out["completion_mask"].sum()).sum())
         record.samples = float(len(inputs) * self.accelerator.num_processes)
+        # TRL has just appended this batch's rows to its completions table: ours follow, now or once measured.
+        table = self.completion_columns.add(int(record.samples)) if self.completion_columns is not None else None
         self._metrics[mode]["perf/generation_seconds"].append(record.timing.generation)
         self._metrics[mode]["perf/scoring_seconds"].append(record.timing.scoring)
         if self.run_plan.batch_placement(mode) is ProbePlacement.TRAINING_FORWARD:
@@ -636,8 +673,11 @@ class MDIGRPOTrainer(GRPOTrainer):
             out[ROLLOUT_KEY] = torch.arange(len(inputs), device=out["advantages"].device)
             kept = {"advantages": self.accelerator.gather(out["advantages"]), "completion_ids": out["completion_ids"],
                     "completion_mask": out["completion_mask"]}
-            self._pending = PendingMeasurement(inputs, record, kept)
-        elif self.live_logs is not None:
+            self._pending = PendingMeasurement(inputs, record, kept, table)
+            return
+        if table is not None and record.signals is not None:
+            table.columns.update(self._table_columns(record.signals, out))
+        if self.live_logs is not None:
             self._write_live_logs(inputs, record, out)
 
     def _forwards_before_rewards(self, record: BatchRecord, inputs, prompts, completion_ids_list) -> None:
@@ -682,6 +722,19 @@ class MDIGRPOTrainer(GRPOTrainer):
         each reward as a named argument (its only channel to them), so the fields are added to the rows."""
         for row, fields in zip(inputs, signals.reward_rows()):
             row.update(fields)
+
+    def _table_columns(self, signals: S.BatchSignals, out: dict[str, Any]) -> dict[str, list]:
+        """This batch's columns of TRL's completions table: every per-rollout value, gathered in TRL's order, and
+        with the counterfactual, each completion with its image-evidence tokens marked as the rollout log marks them
+        (None without an image). Every process takes part (the texts are gathered)."""
+        evidence = None
+        if signals.counterfactual is not None:
+            rows = image_evidence(signals.counterfactual.token_gain, out["completion_ids"], out["completion_mask"],
+                                  self._tokenizer, rows=len(out["completion_ids"]))
+            has_image = signals.counterfactual.has_image.tolist()
+            evidence = gather_object([marked_completion(e, markdown=False) if seen else None
+                                      for e, seen in zip(rows, has_image)])
+        return table_columns(signals.gathered, evidence)
 
     # ------------------------------------------------------------------------------------ the trainer's own forwards
     def _policy_batch(self, encoded: PromptEncoding | None, prompts, inputs, completion_ids_list,

@@ -56,11 +56,13 @@ def main():
     GRPOTrainer.compute_loss = loss
 
     group_scores: list[list] = []
+    mdi_seen: list[list] = []  # each generation batch's local MDI (None without an image), as the rewards got it
 
     def recording_reward(completions, mdi, mdi_group_score, **kwargs):
         time.sleep(slow)  # lets a test kill the run at a known point
         measured.append(sum(m is not None for m in mdi))
         group_scores.append(list(mdi_group_score))
+        mdi_seen.append(list(mdi))
         return [0.0] * len(completions)
 
     ds = load_dataset("parquet", data_files=data_path, split="train").map(to_conversational)
@@ -102,6 +104,7 @@ def main():
         "micro_batch_has_image": micro_batch_has_image,
         "measured_rows": measured,
         "group_scores": group_scores,
+        "mdi": mdi_seen,
         "logs": [h for h in trainer.state.log_history if "loss" in h] if acc.is_main_process else [],
     }
     record["dummy_vision_passes"] = trainer.vision_pass.count if trainer.vision_pass is not None else None

@@ -397,14 +397,32 @@ def image_evidence_line(evidence: dict) -> str:
     nats = f"{evidence['min_gain']:g} nat" + ("" if evidence["min_gain"] == 1 else "s")
     if not evidence["marked"]:
         return f"**Image evidence:** none (no completion token is {nats} likelier with the image than without)"
+    return f"**Image evidence** (tokens at least {nats} likelier with the image): {marked_completion(evidence)}"
+
+
+def marked_completion(evidence: dict, *, markdown: bool = True) -> str:
+    """The completion with its image-evidence tokens in **bold**, then each marked token's gain (the rollout log's
+    image-evidence line without its label); the plain completion when no token is marked. ``markdown=False``: the
+    tokens' own text, unescaped (the completions table's ``image_evidence`` cell, read in pandas and the trackers).
+
+    >>> marked_completion({"tokens": [" the", " shape", " is", " red"], "marked": [3], "gains": [4.41]})
+    'the shape is **red** · `red` +4.41'
+    >>> marked_completion({"tokens": ["<b>", "\\n", "A"], "marked": [2], "gains": [2.0]}, markdown=False)
+    '<b>\\n**A** · `A` +2'
+    >>> marked_completion({"tokens": [" a", " tomato"], "marked": [], "gains": []})
+    'a tomato'
+    """
+    esc = escape_inline if markdown else str
     marked = set(evidence["marked"])
     # keep the space before a marked word outside the bold, as Markdown needs
-    text = "".join(f" **{escape_inline(t.strip())}**" if i in marked and t.startswith(" ") and t.strip()
-                   else (f"**{escape_inline(t.strip())}**" if i in marked and t.strip() else escape_inline(t))
+    text = "".join(f" **{esc(t.strip())}**" if i in marked and t.startswith(" ") and t.strip()
+                   else (f"**{esc(t.strip())}**" if i in marked and t.strip() else esc(t))
                    for i, t in enumerate(evidence["tokens"]))
-    gains = " · ".join(f"`{escape_inline(evidence['tokens'][i]).strip()}` {g:+.3g}"
+    if not marked:
+        return text.strip()
+    gains = " · ".join(f"`{esc(evidence['tokens'][i]).strip()}` {g:+.3g}"
                        for i, g in zip(evidence["marked"], evidence["gains"]))
-    return f"**Image evidence** (tokens at least {nats} likelier with the image): {text.strip()} · {gains}"
+    return f"{text.strip()} · {gains}"
 
 
 def perception_strip_lines(strip: dict, top: int = 5) -> list[str]:
