@@ -16,18 +16,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from fixtures import tiny
 from fixtures.tiny import SYSTEM_PROMPT, TINY_ARCHS, build_tiny_vlm
 
-FAMILIES = (
-    "qwen3_5",
-    "gemma3",
-    "llava_next",
-    "qwen3_5_moe",
-    "gemma4",
-    "smolvlm",
-    "llava",
-    "llava_onevision",
-    "internvl",
-)
-FAMILIES += ("glm4v", "qwen3_vl_moe", "mistral3")
+FAMILIES = TINY_ARCHS[4:]  # the first four (the Qwen VLs, Idefics3) are tests/test_tiny.py's
+assert set(TINY_ARCHS[:4]) == {"qwen2_5_vl", "qwen2_vl", "qwen3_vl", "idefics3"}
 EXPECTED = {
     # arch: (model class, processor class, image placeholder token, image tokens per square image)
     "qwen3_5": ("Qwen3_5ForConditionalGeneration", "Qwen3VLProcessor", "<|image_pad|>", 4),
