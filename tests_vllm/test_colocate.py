@@ -496,11 +496,12 @@ def test_glm4v_trains_under_vllm_and_its_probe_equals_eager(tiny_vlm_dir, tmp_pa
     assert all(n > 0 for batch in n_image for n in batch)
 
 
-def test_qwen3_vl_moe_does_not_start_on_vllms_cpu_build(tiny_vlm_dir, tmp_path):
+def test_qwen3_vl_moe_is_refused_on_vllms_cpu_build(tiny_vlm_dir, tmp_path):
     """vLLM 0.31's CPU build cannot start Qwen3-VL-MoE in TRL's colocate mode: its fused-MoE layer asks for the expert
-    parallel group, which is not initialized in this engine (raised while the engine starts). A limit seen on the CPU build, stated
-    in docs/support_matrix.md; the prompt the trainer would hand the engine is checked in tests_vllm/test_prompt_ids.py.
-    This test fails once vLLM starts it, so the matrix can be updated."""
-    with pytest.raises(AssertionError, match="expert parallel group is not initialized"):
+    parallel group, which is not initialized in this engine (an AssertionError while the engine starts, seen when
+    this family was added). The trainer refuses it at construction with the reason and the fix
+    (``vllm_prompts.VLLM_CPU_CANNOT_START``). The prompt the trainer would hand the engine is checked in
+    tests_vllm/test_prompt_ids.py."""
+    with pytest.raises(ValueError, match=r"cannot run 'qwen3_vl_moe' on vLLM's CPU build: .*expert parallel group"):
         MDIGRPOTrainer(str(tiny_vlm_dir("qwen3_vl_moe")), reward_funcs=[spread_reward], args=mdi_args(tmp_path),
                        train_dataset=zen_image_dataset(8))

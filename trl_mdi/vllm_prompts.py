@@ -137,6 +137,21 @@ def drop_stale_image_features(vllm_generation) -> None:
     vllm_generation.llm.llm_engine.reset_encoder_cache()
 
 
+VLLM_CPU_CANNOT_START = {
+    "qwen3_vl_moe": ("vLLM 0.31's CPU build stops while the engine starts, in its fused-MoE layer (\"expert parallel "
+                     "group is not initialized\", tests_vllm/test_colocate.py)"),
+}
+"""Families vLLM's CPU build cannot start in TRL's colocate mode, and what it says; a GPU build is not affected."""
+
+
+def _vllm_runs_on_cpu() -> bool:
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # no vLLM: TRL refuses use_vllm itself
+        return False
+    return bool(current_platform.is_cpu())
+
+
 def colocated_vlm(args, facts) -> bool:
     """vLLM generates in this process (TRL's colocate mode) for a VLM: the case that needs :func:`engine_prompt_ids`.
     Server mode keeps TRL's expanded ids (the module docstring says why)."""
@@ -152,6 +167,11 @@ def check_vllm_prompts(args, processing_class, facts) -> None:
     """
     if not colocated_vlm(args, facts):
         return
+    engine_problem = VLLM_CPU_CANNOT_START.get(facts.model_type)
+    if engine_problem is not None and _vllm_runs_on_cpu():
+        raise ValueError(
+            f"vLLM colocate mode cannot run {facts.model_type!r} on vLLM's CPU build: {engine_problem}. Generate with "
+            "transformers instead (use_vllm=False, drop --use_vllm), or run vLLM on a GPU.")
     problem = collapse_problem(processing_class, facts.image_token_ids[0],
                                chat_template_kwargs=getattr(args, "chat_template_kwargs", None))
     if problem is not None:
