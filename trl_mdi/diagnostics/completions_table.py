@@ -61,13 +61,19 @@ class CompletionColumns:
         >>> _ = table.add(2)  # still being measured
         >>> table.columns(3)
         {'mdi': [2.0, nan, nan]}
+        >>> table.columns(5)  # more rows than it registered: padded at the front, the last rows aligned
+        {'mdi': [nan, 1.0, 2.0, nan, nan]}
         """
         names = list(dict.fromkeys(n for b in self.batches for n in b.columns))
+        missing = {n: None if n in TEXT_COLUMNS else math.nan for n in names}
         out: dict[str, list] = {n: [] for n in names}
         for b in self.batches:
             for n in names:
-                out[n] += b.columns.get(n) or [None if n in TEXT_COLUMNS else math.nan] * b.rows
-        return {n: v[len(v) - n_rows:] if n_rows else [] for n, v in out.items()}
+                out[n] += b.columns.get(n) or [missing[n]] * b.rows
+        # Rows TRL holds from before our first kept batch (none in a normal run) get the missing value, so a column
+        # is never shorter than TRL's table (which would fail TRL's table write) and its last rows stay aligned.
+        return {n: ([missing[n]] * max(0, n_rows - len(v)) + v[max(0, len(v) - n_rows):]) if n_rows else []
+                for n, v in out.items()}
 
 
 def table_columns(gathered: dict[str, torch.Tensor], evidence: list[str | None] | None = None) -> dict[str, list]:
