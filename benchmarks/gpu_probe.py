@@ -30,7 +30,10 @@ many single-token words as L needs), so no TRL code runs here: the GPU machine h
 Memory: on CUDA, ``torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()`` around the call, after
 ``torch.cuda.reset_peak_memory_stats()``, read while the call's output is alive (weights and inputs are in the
 baseline). On the CPU (``--tiny``), the peak RSS growth (VmHWM after - VmRSS before, ``attention_memory``'s
-method) with glibc's mmap threshold fixed at 64 KiB through ``mallopt`` so that freed buffers leave the RSS.
+method) with glibc's mmap threshold fixed at 64 KiB through ``mallopt`` so that freed buffers leave the RSS. The
+kernel records VmHWM from its per-CPU RSS counters, which may each hold back up to 32 pages (Linux >= 6.2), so a CPU
+peak is exact only to about CPUs x 128 KiB: a call that adds less can read as 0. The CPU mode is a smoke test of
+the code path; the figures it renders are the CUDA ones.
 
 Time: one warm-up call per variant and shape, then ``--repeats`` rounds calling every variant once (round robin),
 ``torch.cuda.synchronize()`` before and after each call; median per variant.
@@ -445,7 +448,8 @@ def render(report: dict) -> str:
     cuda = "cuda" in m
     memory = ("peak `torch.cuda.max_memory_allocated()` minus `torch.cuda.memory_allocated()` before the call, after "
               "`reset_peak_memory_stats()`" if cuda else
-              "peak RSS growth during the call (VmHWM after minus VmRSS before, glibc's mmap threshold fixed at 64 KiB)")
+              "peak RSS growth during the call (VmHWM after minus VmRSS before, glibc's mmap threshold fixed at 64 KiB; "
+              "exact to about CPUs x 128 KiB, the kernel's per-CPU RSS counter batches)")
     out = [
         SECTION,
         "",
