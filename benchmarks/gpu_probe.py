@@ -31,9 +31,9 @@ Memory: on CUDA, ``torch.cuda.max_memory_allocated() - torch.cuda.memory_allocat
 ``torch.cuda.reset_peak_memory_stats()``, read while the call's output is alive (weights and inputs are in the
 baseline). On the CPU (``--tiny``), the peak RSS growth (VmHWM after - VmRSS before, ``attention_memory``'s
 method) with glibc's mmap threshold fixed at 64 KiB through ``mallopt`` so that freed buffers leave the RSS. The
-kernel records VmHWM from its per-CPU RSS counters, which may each hold back up to 32 pages (Linux >= 6.2), so a CPU
-peak is exact only to about CPUs x 128 KiB: a call that adds less can read as 0. The CPU mode is a smoke test of
-the code path; the figures it renders are the CUDA ones.
+kernel records VmHWM from its per-CPU RSS counters, which may each hold back max(32, 2 x CPUs) pages (Linux >= 6.2),
+so a CPU peak is exact only to about CPUs x 128 KiB (up to 16 CPUs): a call that adds less can read as 0, and its
+ratio is then shown as "—". The CPU mode is a smoke test of the code path; RESULTS.md's figures come from CUDA.
 
 Time: one warm-up call per variant and shape, then ``--repeats`` rounds calling every variant once (round robin),
 ``torch.cuda.synchronize()`` before and after each call; median per variant.
@@ -422,8 +422,8 @@ def run(args) -> int:
         else:
             report["rows"].append(row)
             _log(f"{tag}: peak MiB a {row['peak_bytes']['a'] / MIB:,.1f} b {row['peak_bytes']['b'] / MIB:,.1f} "
-                 f"(b/a {row['ratio_mem']:.3f}); median ms a {1e3 * row['median_s']['a']:.2f} "
-                 f"b {1e3 * row['median_s']['b']:.2f} (b/a {row['ratio_time']:.3f}); checks {row['checks']}; "
+                 f"(b/a {am.fmt_ratio(row['ratio_mem'])}); median ms a {1e3 * row['median_s']['a']:.2f} "
+                 f"b {1e3 * row['median_s']['b']:.2f} (b/a {am.fmt_ratio(row['ratio_time'])}); checks {row['checks']}; "
                  f"SDPA {row['sdpa_backends']}")
         report["total_s"] = time.time() - _T0
         write_json(Path(args.out), report)

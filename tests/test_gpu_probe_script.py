@@ -159,3 +159,23 @@ def test_matching_commit_finds_the_commit_whose_files_a_dirty_base_held(tmp_path
     (device / CODE_PATHS[0] / "probe.py").write_text("v = 4\n")  # files no commit holds
     assert matching_commit(code_version(CODE_PATHS, root=device), root=repo) is None
     assert matching_commit({"commit": base, "dirty": False, "diff": None}, root=repo) is None  # clean: nothing to match
+
+
+def test_a_peak_read_as_zero_finishes_the_run_and_renders_a_dash(tmp_path):
+    # On the CPU a small call's peak can read as 0 (the kernel's per-CPU RSS counters): the ratio is then None, and
+    # the run must still log, write its JSON and render, not stop at a format string.
+    out = tmp_path / "zero.json"
+    code = ("import sys; from benchmarks import gpu_probe as g\n"
+            "g.peak_memory = lambda run, device: (run(), 0)[1]\n"
+            f"sys.exit(g.main(['--tiny', '--device', 'cpu', '--lengths', '256', '--batches', '1', '--repeats', '1', "
+            f"'--out', {str(out)!r}]))")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=BENCH.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["peak_bytes"] for r in data["rows"]] == [{"a": 0, "b": 0}] and data["rows"][0]["ratio_mem"] is None
+    from benchmarks import gpu_probe
+
+    line = next(line for line in gpu_probe.render(data).splitlines() if line.startswith("| 256 |"))
+    assert [c.strip() for c in line.strip("|").split("|")][4:7] == ["0.0", "0.0", "—"]
