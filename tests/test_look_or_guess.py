@@ -198,8 +198,11 @@ def test_recipe_guards():
         LookOrGuessRecipe(epochs=2.5)
     with pytest.raises(ValueError, match="look_share"):
         LookOrGuessRecipe(look_share=1.5)
-    with pytest.raises(ValueError, match="only"):
+    with pytest.raises(ValueError, match="one look-or-guess kind"):
         LookOrGuessRecipe(kinds=("look_or_guess", "color"))
+    with pytest.raises(ValueError, match="use LookOrGuessRecipe"):
+        WarmupRecipe(kinds=("look_or_guess_long",))
+    assert LookOrGuessRecipe(kinds=("look_or_guess_long",)).kinds == ("look_or_guess_long",)
     r = LookOrGuessRecipe()
     assert (r.n_train, r.conflict_rate, r.epochs, r.kinds) == (400, 0.5, 8.0, ("look_or_guess",))
 
