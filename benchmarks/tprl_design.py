@@ -33,9 +33,12 @@ the development split only (validation rows; never the test split) and developme
   :data:`SEGMENT_CANDIDATES`, the same rule (tie: the listed order, the library's default ``late`` first); the best
   is taken even below 0.5, and the record says so.
 - D4 steps: a timing pilot (A and T, :data:`PILOT_STEPS` steps, seed 900, evaluated once) measures the training
-  seconds per step of A and T and the seconds per evaluation; :func:`steps_for_budget` takes the largest multiple of
-  20 (at most 200) whose projected 80 runs (16 seeds x A, T, T_att, P, M; T_att and M costed as T: one extra
-  forward each at most; two evaluations per run) fit :data:`BUDGET_HOURS` hours on 2 workers.
+  seconds per step of A and T and the seconds per evaluation, as CPU seconds of the run's own process (one
+  thread: a run's cost on a core of its own; amended before the pilot ran, when the machine's load average from
+  other sessions' tests reached 12 on 2 cores, which would have made wall-clock figures several times too long;
+  the wall-clock figures are recorded beside); :func:`steps_for_budget` takes the largest multiple of 20 (at most
+  200) whose projected 80 runs (16 seeds x A, T, T_att, P, M; T_att and M costed as T: one extra forward each at
+  most; two evaluations per run) fit :data:`BUDGET_HOURS` hours on 2 workers.
 - D5 conflict rate: A at those steps on the 4 development seeds at each rate of :data:`RATE_CANDIDATES`, evaluated
   on 200 validation prompts (conflict rate 0.5) at the end; :func:`pick_rate`: the rate whose mean final conflict
   accuracy lies in [0.40, 0.75] nearest its middle 0.575 (none inside: the nearest to the interval, said so).

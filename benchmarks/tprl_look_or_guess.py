@@ -251,17 +251,21 @@ def cmd_dev(a: argparse.Namespace) -> int:
 
 
 def _timing(done: dict) -> dict:
-    """Seconds per training step (median over steps after the first, per arm), per evaluation and the fixed
-    overhead per run (set-up and model load) from the pilot's records."""
-    step = {}
+    """Rule D4's figures from the pilot's records: CPU seconds per training step (median over steps after the first,
+    per arm), per evaluation, and the rest of a run (set-up, model load, TRL's first step beyond the median), each
+    the run's own process on one thread; the wall-clock figures beside (longer on a machine other jobs load)."""
+    step, wall_step = {}, {}
     for rec in done.values():
-        times = rec["step_seconds"][1:] or rec["step_seconds"]
-        step[rec["arm"]] = statistics.median(times)
-    evals = [e for rec in done.values() for e in rec.get("eval_seconds", [])]
-    overhead = [rec["wall_seconds"] - rec["grpo_seconds"] - sum(rec.get("eval_seconds", [])) for rec in done.values()]
+        step[rec["arm"]] = statistics.median(rec["step_cpu_seconds"][1:] or rec["step_cpu_seconds"])
+        wall_step[rec["arm"]] = statistics.median(rec["step_seconds"][1:] or rec["step_seconds"])
+    evals = [e for rec in done.values() for e in rec.get("eval_cpu_seconds", [])]
+    overhead = [rec["cpu_seconds"] - step[rec["arm"]] * len(rec["step_cpu_seconds"]) - sum(rec["eval_cpu_seconds"])
+                for rec in done.values()]
     return {"step_seconds": step, "eval_seconds": max(evals) if evals else 60.0,
-            "overhead_seconds": max(overhead) if overhead else 30.0,
+            "overhead_seconds": max(overhead) if overhead else 30.0, "wall_step_seconds": wall_step,
+            "wall_eval_seconds": [e for rec in done.values() for e in rec.get("eval_seconds", [])],
             "wall_seconds": {rec["arm"]: rec["wall_seconds"] for rec in done.values()},
+            "cpu_seconds": {rec["arm"]: rec["cpu_seconds"] for rec in done.values()},
             "load": {rec["arm"]: rec.get("load") for rec in done.values()}}
 
 

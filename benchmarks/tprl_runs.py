@@ -78,17 +78,26 @@ def run_one(arm_name: str, seed: int, model_dir: Path, pool, held_out, s: TprlSe
     arm = ARMS[arm_name]
     key = f"{arm_name}-s{seed}"
     run = {"arm": arm_name, "seed": seed, "steps": [], "step_seconds": [], "eval_seconds": [],
-           "started_at": time.time(), "load": [os.getloadavg()[0]]}
-    t0 = time.perf_counter()
+           "step_cpu_seconds": [], "eval_cpu_seconds": [], "started_at": time.time(), "load": [os.getloadavg()[0]]}
+    # CPU seconds of this process (one thread) beside the wall clock: what a run costs on a core of its own, which
+    # other jobs' load on a shared machine changes far less than the wall time.
+    t0, c0 = time.perf_counter(), time.process_time()
+    cpu = {"last": c0, "eval": 0.0}
     trainer = MDIGRPOTrainer(str(model_dir), args=grpo_config(arm, seed, s, work / "grpo" / key),
                              train_dataset=pool)
     for cb in (ConsoleSummaryCallback, PrinterCallback, ProgressCallback):  # keep the output readable
         trainer.remove_callback(cb)
     processor = AutoProcessor.from_pretrained(model_dir)
     run["setup_seconds"] = round(time.perf_counter() - t0, 1)
+    run["setup_cpu_seconds"] = round(time.process_time() - c0, 1)
 
     def evaluate(model) -> dict:
-        return evaluate_styles(model, processor, held_out, s, seed, kind=s.kind)
+        c = time.process_time()
+        ev = evaluate_styles(model, processor, held_out, s, seed, kind=s.kind)
+        spent = time.process_time() - c
+        cpu["eval"] += spent
+        run["eval_cpu_seconds"].append(round(spent, 1))
+        return ev
 
     def evaluate_mid(model, step: int, elapsed: float) -> float:
         ev = evaluate(model)
@@ -100,9 +109,13 @@ def run_one(arm_name: str, seed: int, model_dir: Path, pool, held_out, s: TprlSe
 
     def record_step(step: int, logs: dict) -> None:
         run["steps"].append({"step": step, **{k: v for k, v in logs.items() if k.startswith(LOGGED)}})
+        now = time.process_time()
+        run["step_cpu_seconds"].append(round(now - cpu["last"] - cpu["eval"], 3))  # the first holds TRL's set-up
+        cpu["last"], cpu["eval"] = now, 0.0
 
     logger = EvaluateEvery(evaluate_mid, at(s.mid_step), step_seconds=run["step_seconds"], record_step=record_step)
     trainer.add_callback(logger)
+    cpu["last"] = time.process_time()
     trainer.train()
     run["grpo_seconds"] = round(logger.train_seconds(), 1)
     if evaluate_end:
@@ -114,6 +127,7 @@ def run_one(arm_name: str, seed: int, model_dir: Path, pool, held_out, s: TprlSe
         log(f"  [{key}] {s.steps} steps in {run['grpo_seconds']:.0f} s; test: conflict {f['conflict']:.3f}, look "
             f"{f['look']:.3f}, neither {f['neither']:.3f}, non-conflict {f['plain']:.3f}, clean {f['clean']:.3f}")
     run["wall_seconds"] = round(time.perf_counter() - t0, 1)
+    run["cpu_seconds"] = round(time.process_time() - c0, 1)
     run["load"].append(os.getloadavg()[0])
     run["ended_at"] = time.time()
     return run

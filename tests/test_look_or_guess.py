@@ -544,6 +544,21 @@ def test_report_from_stored_records():
     assert "Reproduce: `python -m benchmarks.look_or_guess experiment` (" in empty  # the command behind the records
 
 
+def test_the_report_states_every_variant_it_can_run():
+    """`experiment --variants ... guarded_visual_gain placebo_guarded` finished its runs and then crashed in its report
+    (KeyError: EXPECTED lacked the replication's arms): every runnable variant has its expected outcome."""
+    assert set(lg_variants.ALL_VARIANTS) <= set(lg_variants.EXPECTED)
+    s = lg_variants.ExperimentSettings(steps=2, variants=("answer_format", "guarded_visual_gain", "placebo_guarded"),
+                                       detect_seeds=())
+    runs = (_runs("answer_format", BASE) + _runs("guarded_visual_gain", [0.9, 0.88, 0.95, 0.92, 0.9])
+            + _runs("placebo_guarded", BASE))
+    body = lg_report.report(choice=None, warm=None, runs=runs, s=s, recipe=lg_task.look_or_guess_recipe(),
+                            argv=["experiment"], missing=[], failed=[], code={"commit": "abcdef123456", "dirty": False},
+                            minutes=None, workers=2, threads=1)
+    for name in s.variants:
+        assert lg_variants.EXPECTED[name][:40] in body
+
+
 def test_code_version_names_the_commit_and_the_dirty_tree():
     import re
 
