@@ -77,7 +77,8 @@ def pin_float_path(threads: int = 1, float_path: str = PINNED, environ: dict | N
     """Set the float path's variables in ``environ`` (default ``os.environ``) and return what was set.
 
     ``pinned``: :data:`PINS` plus ``threads`` for OpenMP and MKL; ``native``: the thread variables only (the
-    machine picks its kernels). Must run before torch is imported in this process (torch, MKL and oneDNN read these
+    machine picks its kernels; a pin variable holding its pinned value, inherited from a pinned parent, is removed,
+    any other value set by hand stays and is recorded). Must run before torch is imported in this process (torch, MKL and oneDNN read these
     variables once): with torch already imported it raises RuntimeError unless every variable already holds the
     value asked for (a worker that inherited them, or a second call). Spawned workers inherit ``os.environ``, and
     each checks again (:func:`check_torch_pins`).
@@ -102,8 +103,9 @@ def pin_float_path(threads: int = 1, float_path: str = PINNED, environ: dict | N
                 f"process: {', '.join(f'{k}={have!r} (wanted {want!r})' for k, (have, want) in wrong.items())}. "
                 "Call benchmarks.environment.pin_float_path() before anything imports torch.")
     if float_path == NATIVE:
-        for k in PINS:  # a native run must not inherit a pinned parent's path
-            env.pop(k, None)
+        for k, v in PINS.items():  # a native run must not inherit a pinned parent's path (another value stays)
+            if env.get(k) == v:
+                env.pop(k)
     env.update(wanted)
     return wanted
 

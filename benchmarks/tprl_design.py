@@ -40,7 +40,10 @@ the development split only (validation rows; never the test split) and developme
   200) whose projected 80 runs (16 seeds x A, T, T_att, P, M; T_att and M costed as T: one extra forward each at
   most; two evaluations per run) fit :data:`BUDGET_HOURS` hours on 2 workers.
 - D5 conflict rate: A at those steps on the 4 development seeds at each rate of :data:`RATE_CANDIDATES`, evaluated
-  on 200 validation prompts (conflict rate 0.5) at the end; :func:`pick_rate`: the rate whose mean final conflict
+  on 200 validation prompts (conflict rate 0.5) at the end (the candidates were first 0.1, 0.2, 0.3; the timing
+  pilot's A run, evaluated on the development split for its time, ended at conflict accuracy 0.77 after 20 steps at
+  rate 0.2, so at the budget's several times more steps those rates would all leave A near its ceiling: the
+  candidates became 0.025, 0.05, 0.1, 0.2 before any D5 run finished); :func:`pick_rate`: the rate whose mean final conflict
   accuracy lies in [0.40, 0.75] nearest its middle 0.575 (none inside: the nearest to the interval, said so).
   Nothing of T, T_att, P or M is evaluated on the development split: their outcomes choose nothing.
 """
@@ -63,8 +66,9 @@ PERTURBATION_CANDIDATES = ("patch_blackening", "grayscale", "black", "grey", "bl
 noise std 189, blur radius 6). ``none`` (the image removed) is not a perturbation."""
 SEGMENT_CANDIDATES = ("late", "middle", "early", "all")
 """D3's candidates: the thirds of the measured layers (``attention_layer_segments="thirds"``) and all of them."""
-RATE_CANDIDATES = (0.1, 0.2, 0.3)
-"""D5's conflict rates of the GRPO pool."""
+RATE_CANDIDATES = (0.025, 0.05, 0.1, 0.2)
+"""D5's conflict rates of the GRPO pool (first committed as 0.1, 0.2, 0.3; lowered before any D5 run finished: see
+rule D5)."""
 RATE_BAND = (0.40, 0.75)
 BUDGET_HOURS = 4.5
 ARM_NAMES = ("A", "T", "T_att", "P", "M")

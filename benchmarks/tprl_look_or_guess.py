@@ -331,7 +331,85 @@ def cmd_report(a: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"warmup": cmd_warmup, "dev": cmd_dev, "experiment": cmd_experiment, "report": cmd_report}
+# ------------------------------------------------------------------------------------ reproducibility
+
+
+REPRO_VARIANTS = {
+    "pinned": ("pinned", {}),
+    "pinned, again": ("pinned", {}),
+    "native": ("native", {}),
+    "native, ATEN_CPU_CAPABILITY=default": ("native", {"ATEN_CPU_CAPABILITY": "default"}),
+}
+"""The repro command's jobs: each a fresh process (float path, extra environment variables)."""
+
+
+def cmd_repro_job(a: argparse.Namespace) -> int:
+    """One short job in this (fresh) process, for ``repro``: a small long-chain warm-up (48 rows, 1 epoch), then 3
+    GRPO steps of arm T from it (the perturbed forward, both filters and the multipliers), no evaluation. Writes
+    ``--out``: the warm-up's and the trained weights' SHA-256, a SHA-256 of every logged step, the environment."""
+    log = _setup(a)
+    import dataclasses
+    import hashlib
+    import tempfile
+
+    from benchmarks.environment import environment_record, weights_sha256
+    from benchmarks.look_or_guess_runs import write_json
+    from benchmarks.tprl_design import TprlSettings
+    from benchmarks.tprl_runs import pool_rows, run_one
+    from fixtures.warmup import LookOrGuessRecipe, warm_start
+
+    work = Path(tempfile.mkdtemp(prefix="tprl_repro_"))
+    recipe = LookOrGuessRecipe(kinds=(_recipe(a).kinds[0],), n_train=48, epochs=1.0)
+    warm_start(recipe, work / "warm", log=log)
+    s = TprlSettings(steps=3, eval_mid=False, pool_conflict_rate=0.25, perturbation="patch_blackening")
+    run = run_one("T", 0, work / "warm", pool_rows(recipe, s), None, s, work, log, evaluate_end=False,
+                  save_to=work / "trained")
+    steps = json.dumps(run["steps"], sort_keys=True).encode()
+    out = {"warmup_sha256": weights_sha256(work / "warm"), "trained_sha256": weights_sha256(work / "trained"),
+           "steps_sha256": hashlib.sha256(steps).hexdigest(), "environment": environment_record(),
+           "settings": dataclasses.asdict(s), "steps": run["steps"]}
+    write_json(Path(a.out), out)
+    log(f"warm-up {out['warmup_sha256'][:16]}, trained {out['trained_sha256'][:16]}, steps {out['steps_sha256'][:16]}")
+    return 0
+
+
+def cmd_repro(a: argparse.Namespace) -> int:
+    """Reproducibility, shown: the same short job (:func:`cmd_repro_job`) in a fresh process per entry of
+    :data:`REPRO_VARIANTS` (pinned twice; unpinned, i.e. this machine's own kernels; unpinned with torch's CPU
+    capability forced to another level), and the hashes compared. ``--compare FILE ...``: also list the results of
+    the same job run elsewhere (a fresh clone, another machine)."""
+    import os
+    import subprocess
+
+    work = Path(a.work_dir) / "repro"
+    work.mkdir(parents=True, exist_ok=True)
+    rows = {}
+    for name, (float_path, extra) in REPRO_VARIANTS.items():
+        out = work / f"{name.replace(', ', '-').replace('=', '-').replace(' ', '_')}.json"
+        env = {**os.environ, **extra}
+        cmd = [sys.executable, "-m", "benchmarks.tprl_look_or_guess", "repro-job", "--out", str(out),
+               "--float_path", float_path, "--work_dir", a.work_dir]
+        print(f"== {name}: {' '.join(cmd[1:])}" + (f" with {extra}" if extra else ""), flush=True)
+        subprocess.run(cmd, env=env, check=True, cwd=Path(__file__).resolve().parent.parent)
+        rows[name] = json.loads(out.read_text())
+    for path in a.compare or []:
+        rows[f"elsewhere: {path}"] = json.loads(Path(path).read_text())
+    print("
+| job | float path | torch CPU capability | warm-up sha256 | trained sha256 | logged steps sha256 |")
+    print("|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        e = r["environment"]
+        print(f"| {name} | {e['float_path']} | {e.get('torch_cpu_capability')} | `{r['warmup_sha256'][:16]}` | "
+              f"`{r['trained_sha256'][:16]}` | `{r['steps_sha256'][:16]}` |")
+    pinned = [r for n, r in rows.items() if r["environment"]["float_path"] == PINNED]
+    same = len({(r["warmup_sha256"], r["trained_sha256"], r["steps_sha256"]) for r in pinned}) == 1
+    print(f"
+pinned jobs bit-identical: {same} ({len(pinned)} jobs)")
+    return 0 if same else 1
+
+
+COMMANDS = {"warmup": cmd_warmup, "dev": cmd_dev, "experiment": cmd_experiment, "report": cmd_report,
+            "repro": cmd_repro, "repro-job": cmd_repro_job}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -362,6 +440,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--arms", nargs="+", default=["A", "T", "T_att", "P", "M"])
     e.add_argument("--reuse_other_code", action="store_true",
                    help="keep finished records made by another code version (default: rerun them)")
+    x = p.add_argument_group("repro / repro-job")
+    x.add_argument("--out", help="repro-job: where its JSON goes")
+    x.add_argument("--compare", nargs="+", help="repro: results of the same job run elsewhere (JSON files)")
     r = p.add_argument_group("report")
     r.add_argument("--results", default=str(RESULTS))
     r.add_argument("--no-write", dest="no_write", action="store_true", help="print the results only")

@@ -64,10 +64,11 @@ def outcomes(ev: dict) -> dict[str, float]:
 
 
 def run_one(arm_name: str, seed: int, model_dir: Path, pool, held_out, s: TprlSettings, work: Path, log,
-            evaluate_end: bool = True) -> dict:
+            evaluate_end: bool = True, save_to: Path | None = None) -> dict:
     """One GRPO run of arm ``arm_name`` from the warm-up in ``model_dir``: every step's logged metrics (the look and
     guess rates of its rollouts among them) and training seconds, the held-out figures at ``s.mid_step`` and at the
-    end (``evaluate_end=False``: none at the end, for the timing pilot), and the seconds each part took."""
+    end (``evaluate_end=False``: none at the end, for the timing pilot), and the seconds each part took. With
+    ``save_to``, the trained model is saved there (the reproducibility check hashes it)."""
     from transformers import AutoProcessor
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -118,6 +119,8 @@ def run_one(arm_name: str, seed: int, model_dir: Path, pool, held_out, s: TprlSe
     cpu["last"] = time.process_time()
     trainer.train()
     run["grpo_seconds"] = round(logger.train_seconds(), 1)
+    if save_to is not None:
+        trainer.model.save_pretrained(save_to)
     if evaluate_end:
         ev = evaluate(trainer.model)
         run["eval_seconds"].append(ev["seconds"])
