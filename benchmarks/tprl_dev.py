@@ -55,7 +55,7 @@ def token_signals(model, processor, ds, rollouts: list[dict], kinds=PERTURBATION
             prompts = [prepare_multimodal_messages(row["prompt"], images=imgs) for row, imgs in zip(rows, images)]
             completions = [r["ids"] or [pad] for r in chunk]
 
-            def layout(ps):
+            def layout(ps, completions=completions):
                 prompt_ids, fields = encode_prompts(processor, ps)
                 return policy_batch(prompt_ids, completions, pad_token_id=pad, multimodal=fields, device=model.device)
 

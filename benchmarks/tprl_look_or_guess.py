@@ -71,7 +71,7 @@ def warmup(a: argparse.Namespace, log, epochs: int | None = None, check: bool = 
     folder is keyed by the recipe and the environment), its weights' hash, and with ``check`` its warm-up check on
     200 validation prompts x 4 samples. Returns ``{"model_dir", "info", "check"}``."""
     from benchmarks.look_or_guess_task import Settings, held_out_rows, shared_warmup, warmup_check, warmup_dir
-    from fixtures.synthetic.look_or_guess import LOOK_OR_GUESS_LONG, LONG_MAX_COMPLETION_LENGTH
+    from fixtures.synthetic.look_or_guess import LONG_MAX_COMPLETION_LENGTH, LOOK_OR_GUESS_LONG
 
     recipe = _recipe(a, epochs)
     record, env_key = _environment()
@@ -231,7 +231,7 @@ def cmd_dev(a: argparse.Namespace) -> int:
     log(f"D5: {len(all_jobs)} baseline run(s) to run on {a.workers} worker(s)")
     finished = _run(all_jobs, a.workers) if all_jobs else {}
     rates = {}
-    for rate, (sr, jobs, done) in by_rate.items():
+    for rate, (_, jobs, done) in by_rate.items():
         runs = list(done.values()) + [finished[j["label"]] for j in jobs if j["label"] in finished]
         rates[rate] = {"runs": [_dev_run(r) for r in sorted(runs, key=lambda r: r["seed"])]}
         finals = [r["final"]["conflict"] for r in runs if r.get("final")]
@@ -394,8 +394,7 @@ def cmd_repro(a: argparse.Namespace) -> int:
         rows[name] = json.loads(out.read_text())
     for path in a.compare or []:
         rows[f"elsewhere: {path}"] = json.loads(Path(path).read_text())
-    print("
-| job | float path | torch CPU capability | warm-up sha256 | trained sha256 | logged steps sha256 |")
+    print("\n| job | float path | torch CPU capability | warm-up sha256 | trained sha256 | logged steps sha256 |")
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
         e = r["environment"]
@@ -403,8 +402,7 @@ def cmd_repro(a: argparse.Namespace) -> int:
               f"`{r['trained_sha256'][:16]}` | `{r['steps_sha256'][:16]}` |")
     pinned = [r for n, r in rows.items() if r["environment"]["float_path"] == PINNED]
     same = len({(r["warmup_sha256"], r["trained_sha256"], r["steps_sha256"]) for r in pinned}) == 1
-    print(f"
-pinned jobs bit-identical: {same} ({len(pinned)} jobs)")
+    print(f"\npinned jobs bit-identical: {same} ({len(pinned)} jobs)")
     return 0 if same else 1
 
 

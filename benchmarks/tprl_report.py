@@ -281,7 +281,7 @@ def report(runs: list[dict], results: Path, *, workers: int = 2, sims: int = 200
          + ", ".join(f"{x} {n}" for x, n in counts.items()) + f"), seeds {', '.join(map(str, seeds)) or '—'}"
          + (f"; {minutes:.1f} min from the first start to the last end on {workers} workers" if minutes else "")
          + (f"; missing: {', '.join(missing)}" if missing else "; nothing was cut from the plan") + ".",
-         f"Warm-up weights sha256 (first 16 hex digits): " + ", ".join(f"`{k}` ({n} runs)" for k, n in shas.items())
+         "Warm-up weights sha256 (first 16 hex digits): " + ", ".join(f"`{k}` ({n} runs)" for k, n in shas.items())
          + f". Environment: {describe_environment([r.get('environment') or {} for r in runs])}.",
          f"Settings: {s['steps']} steps x {s['prompts_per_step']} prompts x {s['num_generations']} rollouts, pool of "
          f"{s['n_pool']} rows at conflict rate {s['pool_conflict_rate']:g}, learning rate {s['learning_rate']:g}, "
