@@ -32,6 +32,12 @@ the development split only (validation rows; never the test split) and developme
 - D3 the attention segment of T_att: on the same rollouts, the within-prompt AUROC of the mean a_t per segment of
   :data:`SEGMENT_CANDIDATES`, the same rule (tie: the listed order, the library's default ``late`` first); the best
   is taken even below 0.5, and the record says so.
+- D0 learning rate (added before its runs, after the timing pilot's A run at the replication's 3e-4 left 40% of
+  its chains in neither style after 20 steps, against the warm-up's 9%: the chains three times longer than the
+  replication's drift out of both styles, and the style read from the text is the experiment's truth):
+  :func:`pick_learning_rate`, the largest of :data:`LR_CANDIDATES` whose A run of :data:`PILOT_STEPS` steps (seed 900,
+  rate 0.2) ends with a neither-style share on the development split at most :data:`NEITHER_DRIFT` above the
+  warm-up's; none: the smallest.
 - D4 steps: a timing pilot (A and T, :data:`PILOT_STEPS` steps, seed 900, evaluated once) measures the training
   seconds per step of A and T and the seconds per evaluation, as CPU seconds of the run's own process (one
   thread: a run's cost on a core of its own; amended before the pilot ran, when the machine's load average from
@@ -70,6 +76,10 @@ RATE_CANDIDATES = (0.025, 0.05, 0.1, 0.2)
 """D5's conflict rates of the GRPO pool (first committed as 0.1, 0.2, 0.3; lowered before any D5 run finished: see
 rule D5)."""
 RATE_BAND = (0.40, 0.75)
+LR_CANDIDATES = (3e-4, 1e-4, 3e-5)
+"""D0's learning rates, the replication's first."""
+NEITHER_DRIFT = 0.10
+"""D0: the most the neither-style share may rise over the warm-up's in the 20-step pilot (the hacking line's size)."""
 BUDGET_HOURS = 4.5
 ARM_NAMES = ("A", "T", "T_att", "P", "M")
 TIE = 0.005
@@ -287,6 +297,33 @@ def pick_rate(final_conflict: dict[float, float], band: tuple[float, float] = RA
     rate = min(sorted(final_conflict), key=lambda r: max(lo - final_conflict[r], final_conflict[r] - hi))
     return rate, (f"none of the rates ends in [{lo:.2f}, {hi:.2f}]: {rate:g} is nearest "
                   f"({final_conflict[rate]:.3f})")
+
+
+def pick_learning_rate(neither: dict[float, float], warmup_neither: float,
+                       order: tuple[float, ...] = LR_CANDIDATES) -> tuple[float, str]:
+    """D0: the first rate of ``order`` (largest first) whose pilot's neither-style share is at most
+    ``warmup_neither + NEITHER_DRIFT``; none: the last. ``neither``: rate -> the share (rates not tried are absent).
+
+    >>> pick_learning_rate({3e-4: 0.40, 1e-4: 0.15}, 0.09)
+    (0.0001, 'neither-style share 0.150 after the pilot, at most 0.090 + 0.10 (3e-4: 0.400)')
+    >>> pick_learning_rate({3e-4: 0.40, 1e-4: 0.30, 3e-5: 0.25}, 0.09)[0]
+    3e-05
+    """
+    limit = warmup_neither + NEITHER_DRIFT
+    tried = [r for r in order if r in neither]
+    for rate in tried:
+        if neither[rate] <= limit + 1e-12:
+            others = ", ".join(f"{_lr(r)}: {neither[r]:.3f}" for r in tried if r != rate)
+            return rate, (f"neither-style share {neither[rate]:.3f} after the pilot, at most {warmup_neither:.3f} + "
+                          f"{NEITHER_DRIFT:.2f}" + (f" ({others})" if others else ""))
+    return order[-1], (f"no rate kept the neither-style share within {warmup_neither:.3f} + {NEITHER_DRIFT:.2f} ("
+                       + ", ".join(f"{_lr(r)}: {neither[r]:.3f}" for r in tried) + "): the smallest")
+
+
+def _lr(rate: float) -> str:
+    """``3e-4`` for 0.0003."""
+    mantissa, exponent = f"{rate:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
 
 
 def settings_dict(s: TprlSettings) -> dict[str, Any]:

@@ -7,7 +7,8 @@ reward sometimes tells looking from guessing? Four commands, each pinning the fl
     .venv/bin/python -m benchmarks.tprl_look_or_guess dev --work_dir DIR
         # the development-split choices (rules D1-D5 of benchmarks/tprl_design.py): record and summary
     .venv/bin/python -m benchmarks.tprl_look_or_guess experiment --work_dir DIR --warmup_sha256 HASH \\
-        --steps N --pool_conflict_rate R --perturbation KIND --attention_segment SEG --seeds 200 ... 215
+        --steps N --pool_conflict_rate R --learning_rate LR --perturbation KIND --attention_segment SEG \\
+        --seeds 200 ... 215
         # every (arm, seed) run of the plan, resumable: one JSON record per run in DIR/runs
     .venv/bin/python -m benchmarks.tprl_look_or_guess report --work_dir DIR
         # the results from the records, written below the plan's closing line in benchmarks/RESULTS.md
@@ -152,9 +153,11 @@ def cmd_dev(a: argparse.Namespace) -> int:
     from benchmarks.look_or_guess_runs import code_label, code_version, write_json
     from benchmarks.tprl_design import (
         DEV_SEEDS,
+        LR_CANDIDATES,
         PILOT_STEPS,
         RATE_CANDIDATES,
         TprlSettings,
+        pick_learning_rate,
         pick_rate,
         projected_hours,
         settings_dict,
@@ -205,10 +208,29 @@ def cmd_dev(a: argparse.Namespace) -> int:
     record["signals"] = signals
     s.perturbation, s.attention_segment = signals["perturbation"], signals["segment"]
 
+    # D0: the learning rate, the largest whose A pilot keeps the chains in the two styles (one run at a time).
+    warm_neither = w["check"]["sampled"]["all"]["other_rate"]
+    tried = {}
+    for lr in LR_CANDIDATES:
+        pl = TprlSettings(**{**dataclasses.asdict(s), "steps": PILOT_STEPS, "eval_mid": False, "learning_rate": lr})
+        jobs, done = _jobs(a, pl, [("A", DEV_SEEDS[0])], model_dir=model_dir, recipe=recipe, warmup_sha=warmup_sha,
+                           work=dev_dir / f"pilot-lr{lr:g}", code=code, log=log)
+        done |= _run(jobs, 1)
+        rec = next(iter(done.values()))
+        tried[lr] = {"final": rec["final"], "look_rate": [x.get("rewards/long_look_rate/mean") for x in rec["steps"]],
+                     "examples": rec["eval"]["examples"]}
+        log(f"D0: lr {lr:g}: neither {rec['final']['neither']:.3f}, conflict {rec['final']['conflict']:.3f}")
+        if pick_learning_rate({lr: rec["final"]["neither"]}, warm_neither)[0] == lr:
+            break
+    s.learning_rate, why_lr = pick_learning_rate({lr: v["final"]["neither"] for lr, v in tried.items()}, warm_neither)
+    record["learning_rate"] = {"chosen": s.learning_rate, "why": why_lr, "warmup_neither": warm_neither,
+                               "tried": {f"{lr:g}": v for lr, v in tried.items()}}
+    log(f"D0: learning rate {s.learning_rate:g} ({why_lr})")
+
     # D4: the timing pilot (A and T, PILOT_STEPS steps, seed 900, one evaluation at the end of A), then the steps.
     pilot = TprlSettings(**{**dataclasses.asdict(s), "steps": PILOT_STEPS, "eval_mid": False})
     jobs, done = _jobs(a, pilot, [("A", DEV_SEEDS[0]), ("T", DEV_SEEDS[0])], model_dir=model_dir, recipe=recipe,
-                       warmup_sha=warmup_sha, work=dev_dir / "pilot", code=code, log=log)
+                       warmup_sha=warmup_sha, work=dev_dir / f"pilot-lr{s.learning_rate:g}", code=code, log=log)
     for j in jobs:
         j["evaluate_end"] = j["arm"] == "A"
     done |= _run(jobs, 1)  # one at a time: the pilot measures a run's own time, not two runs sharing the CPU
@@ -289,8 +311,8 @@ def cmd_experiment(a: argparse.Namespace) -> int:
     from benchmarks.look_or_guess_runs import code_label, code_version
     from benchmarks.tprl_design import ARM_NAMES, TprlSettings
 
-    missing = [f"--{n}" for n in ("steps", "pool_conflict_rate", "perturbation", "attention_segment", "seeds")
-               if getattr(a, n) in (None, [])]
+    missing = [f"--{n}" for n in ("steps", "pool_conflict_rate", "learning_rate", "perturbation", "attention_segment",
+                                  "seeds") if getattr(a, n) in (None, [])]
     if missing or (a.warmup_sha256 is None and not a.allow_other_warmup):
         raise SystemExit(f"experiment: give {', '.join(missing + ([] if a.warmup_sha256 else ['--warmup_sha256']))} "
                          "(the plan's values: nothing is left to a default)")
@@ -303,8 +325,8 @@ def cmd_experiment(a: argparse.Namespace) -> int:
             "will say so; the plan's runs belong to a clean commit")
     w = warmup(a, log, check=False)
     sha = check_weights(w["info"]["weights_sha256"], a.warmup_sha256, allow_other=a.allow_other_warmup)
-    s = TprlSettings(steps=a.steps, pool_conflict_rate=a.pool_conflict_rate, perturbation=a.perturbation,
-                     attention_segment=a.attention_segment, eval_split="test")
+    s = TprlSettings(steps=a.steps, pool_conflict_rate=a.pool_conflict_rate, learning_rate=a.learning_rate,
+                     perturbation=a.perturbation, attention_segment=a.attention_segment, eval_split="test")
     pairs = [(arm, seed) for seed in a.seeds for arm in a.arms]
     jobs, done = _jobs(a, s, pairs, model_dir=w["model_dir"], recipe=_recipe(a), warmup_sha=sha,
                        work=Path(a.work_dir), code=code, log=log, reuse_other_code=a.reuse_other_code)
@@ -432,6 +454,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--allow_other_warmup", action="store_true", help="train from a warm-up with another hash")
     e.add_argument("--steps", type=int)
     e.add_argument("--pool_conflict_rate", type=float)
+    e.add_argument("--learning_rate", type=float)
     e.add_argument("--perturbation", help="TPRL's perturbation (T and P)")
     e.add_argument("--attention_segment", help="the attention signal's layer segment (T_att)")
     e.add_argument("--seeds", type=int, nargs="+")

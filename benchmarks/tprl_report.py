@@ -127,6 +127,17 @@ def dev_summary(record: dict) -> str:
                      + " | ".join(_f(cell["a"][g], 4) for g in segs) + " |")
     el = t["positions"].get("elsewhere_entropy", {})
     L += ["", "Mean entropy at every other position: " + ", ".join(f"{k} {_f(v)}" for k, v in el.items()) + "."]
+    lr = record["learning_rate"]
+    L += ["", "## D0 learning rate", "",
+          f"A at each rate for 20 steps (seed {record['dev_seeds'][0]}, rate 0.2), evaluated on the development split; "
+          f"the warm-up's neither-style share there: {lr['warmup_neither']:.3f}.", "",
+          "| learning rate | neither-style share | conflict accuracy | look rate | most frequent neither text |",
+          "|---:|---:|---:|---:|---|"]
+    for rate, v in lr["tried"].items():
+        ex = (v.get("examples") or {}).get("other") or [["—", 0]]
+        L.append(f"| {rate} | {_f(v['final']['neither'])} | {_f(v['final']['conflict'])} | {_f(v['final']['look'])} | "
+                 f"`{ex[0][0]!r}` ({ex[0][1]}) |")
+    L += ["", f"**Chosen: {lr['chosen']:g}** ({lr['why']})."]
     p = record["pilot"]
     L += ["", "## D4 steps (time budget)", "",
           f"Timing pilot ({p['settings']['steps']} steps, seed {record['dev_seeds'][0]}, one run at a time), CPU seconds "
@@ -155,7 +166,8 @@ def dev_summary(record: dict) -> str:
         L.append(f"| {rate} | mean | — / {_f(v['mean_conflict'])} | | | | | | |")
     L += ["", f"**Chosen rate: {record['rate']['chosen']:g}** ({record['rate']['why']}).", "",
           "Plan settings: " + ", ".join(f"{k}={record['settings'][k]}" for k in (
-              "steps", "pool_conflict_rate", "n_pool", "perturbation", "attention_segment", "mid_step")) + "."]
+              "steps", "pool_conflict_rate", "n_pool", "learning_rate", "perturbation", "attention_segment",
+              "mid_step")) + "."]
     return "\n".join(L) + "\n"
 
 
@@ -268,11 +280,12 @@ def report(runs: list[dict], results: Path, *, workers: int = 2, sims: int = 200
     code = code_labels(runs)
     shas = Counter(r.get("warmup_sha256", "unknown")[:16] for r in runs)
     minutes = ((max(r["ended_at"] for r in runs) - min(r["started_at"] for r in runs)) / 60 if runs else None)
-    same = plan is not None and all(code.startswith(plan) for code in [code]) and "dirty" not in code
+    same = plan is not None and "," not in code and code.startswith(plan) and "dirty" not in code
     L = ["", "### Results", "",
          "Reproduce: `python -m benchmarks.tprl_look_or_guess experiment --work_dir DIR --warmup_sha256 "
          f"{next(iter(shas), 'HASH')} --steps {s['steps']} --pool_conflict_rate {s['pool_conflict_rate']:g} "
-         f"--perturbation {s['perturbation']} --attention_segment {s['attention_segment']} --seeds "
+         f"--learning_rate {s['learning_rate']:g} --perturbation {s['perturbation']} --attention_segment "
+         f"{s['attention_segment']} --seeds "
          f"{' '.join(map(str, seeds))}` (resumable), then `python -m benchmarks.tprl_look_or_guess report --work_dir "
          "DIR` rewrites these results (never the plan).", "",
          f"Runs: code `{code}`; the plan commit `{plan or 'unknown'}`"
@@ -293,7 +306,7 @@ def report(runs: list[dict], results: Path, *, workers: int = 2, sims: int = 200
          f"epsilon {s['epsilon']:g} / {s['epsilon_high']:g}, beta {s['beta']:g}, scale_rewards `{s['scale_rewards']}`, "
          f"{s['num_iterations']} iteration, mask_truncated_completions {s['mask_truncated_completions']}."]
     walls = {x: [r["wall_seconds"] for r in runs if r["arm"] == x] for x in ARMS}
-    L.append("Wall time per run (mean, min): " + ", ".join(
+    L.append("Wall time per run (mean over seeds): " + ", ".join(
         f"{x} {statistics.fmean(v) / 60:.1f} min" for x, v in walls.items() if v) + ".")
     L += ["", "Per arm (held-out test split at the last step; mean ± sd over seeds):", "",
           "| arm | runs | conflict accuracy | conflict accuracy at the midpoint | non-conflict accuracy | clean format "
