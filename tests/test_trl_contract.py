@@ -377,3 +377,22 @@ def test_what_the_weight_loading_overrides_rely_on():
     assert {"missing_keys", "unexpected_keys", "mismatched_keys", "conversion_errors"} <= {
         f.name for f in dataclasses.fields(LoadStateDictInfo)}
     assert "self.all_tied_weights_keys = self.get_expanded_tied_weights_keys(" in flat(PreTrainedModel.post_init)
+
+
+def test_what_save_on_sigterm_relies_on():
+    """trl_mdi.preemption.PreemptionCallback: (1) a callback's on_step_end runs, after every optimizer step, before
+    transformers decides to save, and ``control.should_save`` set there saves that step's checkpoint through
+    _save_checkpoint (the override that marks it whole), then on_save runs; (2) ``should_training_stop`` then ends
+    the loop; (3) the callback handler hands on_train_begin the model (the tests' parameter digest reads it)."""
+    from transformers import Trainer
+    from transformers.trainer_callback import CallbackHandler
+
+    flat = lambda fn: " ".join(inspect.getsource(fn).split())  # noqa: E731 (whitespace-insensitive source)
+    epoch = flat(Trainer._run_epoch)
+    assert epoch.index("self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)") < \
+        epoch.index("self._maybe_log_save_evaluate(") < epoch.index(
+            "if self.control.should_epoch_stop or self.control.should_training_stop: break")
+    save = flat(Trainer._maybe_log_save_evaluate)
+    assert ("if self.control.should_save: self._save_checkpoint(model, trial) self.control = "
+            "self.callback_handler.on_save(self.args, self.state, self.control)") in save
+    assert "model=self.model" in flat(CallbackHandler.call_event)

@@ -114,6 +114,18 @@ class MDIGRPOConfig(GRPOConfig):
             `blur` and noise keep or mimic a colour). When TPRL's perturbation signal
             uses the same kind (`perception_perturbation`), one forward serves both.
 
+        > Faults (resume, preemption)
+
+        allow_partial_resume (`bool`, *optional*, defaults to `False`):
+            Resume from a checkpoint that lacks only `trainer_state.json`, `optimizer.pt` or `scheduler.pt` (that
+            state restarts fresh, with a warning); otherwise such a checkpoint is refused before the weights load.
+        save_on_sigterm (`bool`, *optional*, defaults to `False`):
+            On SIGTERM, the processes agree at the end of the step in progress to save a whole checkpoint together,
+            then stop (exit status 143, `trl_mdi.preemption.Preempted`). The scheduler must wait at least one step
+            and one save between SIGTERM and SIGKILL (SLURM: `--signal=TERM@<seconds>`; `accelerate launch` with
+            several processes: `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, 30 s by default). Off: SIGTERM stops the run at
+            once, the logs' last lines saying so.
+
         > Online group filtering (online_filtering / filter_key / filter_low / filter_high)
 
         online_filtering (`bool`, *optional*, defaults to `False`):
@@ -254,6 +266,13 @@ class MDIGRPOConfig(GRPOConfig):
         metadata={"help": "Resume from a checkpoint that lacks trainer_state.json, optimizer.pt or scheduler.pt (each "
                   "then restarts fresh, with a warning). Off: such a checkpoint is refused before the weights load, "
                   "naming what is missing. Weights and cut files are never accepted."},
+    )
+    save_on_sigterm: bool = field(
+        default=False,
+        metadata={"help": "On SIGTERM (SLURM's --signal or time limit, a Kubernetes eviction), finish the optimizer "
+                  "step in progress, save a whole checkpoint on every process, then stop (exit status 143); the time "
+                  "limit must leave room for one step and one save (docs/training.md, Preemption). Off: SIGTERM "
+                  "stops the run at once, with the logs' Run stopped line and no checkpoint."},
     )
     online_filtering: bool = field(
         default=False, metadata={"help": "Drop groups whose mean filter_key reward is outside [filter_low, filter_high]."}

@@ -30,8 +30,11 @@ interception):
     weight sync.
 11. **Nothing lost under faults**: one run per ``output_dir`` (``trl_mdi.run_lock``, taken before the weights load);
     checkpoints whole or refused (``trl_mdi.checkpoints``: a failed save removes its folder and names the cause, a
-    resume checks the checkpoint first and ``true`` picks the newest whole one); a resumed run continues its own
-    Markdown logs, and a crash writes its last line there (``train``).
+    resume checks the checkpoint first and ``true`` picks the newest whole one); a resume restores every saved
+    tensor, converted as ``from_pretrained`` converts it, or refuses (``_load_from_checkpoint``,
+    ``_load_best_model``: transformers' own load skips the conversion); a resumed run continues its own Markdown
+    logs, and a crash or SIGTERM writes its last line there (``train``; with ``save_on_sigterm`` the processes agree
+    to save a whole checkpoint first, ``trl_mdi.preemption``).
 
 TRL offers no channel between its stages (its old-log-prob forward, ``_calculate_rewards``, the advantages), so the
 trainer holds exactly two per-batch records, each set and cleared in ``try/finally``: ``_record`` while a generation
@@ -95,6 +98,7 @@ from .diagnostics import (
 from .diagnostics.completions_table import CompletionColumns, TableBatch, table_columns, table_prompts
 from .diagnostics.writers import marked_completion
 from .filtering import apply_group_filter, group_filter_keep
+from .preemption import Preempted, PreemptionCallback, any_process, preempted_message, watch_sigterm
 from .rewards import RewardTally, ThinkFormatReward, outcome_metrics, zero_spread_fraction
 from .rewards.inputs import dataset_columns
 from .run_lock import lock_output_dir
@@ -388,20 +392,59 @@ class MDIGRPOTrainer(GRPOTrainer):
         """``Trainer.train``, after checking the checkpoint (``trl_mdi.checkpoints.resolve_resume``: refused, before
         it loads, if it lacks what resuming needs; ``True`` / ``"true"``: the newest whole one) and pointing the live
         logs at the ones it recorded; an exception inside training writes "Run stopped" and why as the logs' last
-        lines, then propagates."""
+        lines, then propagates. SIGTERM (``trl_mdi.preemption``) raises :class:`~trl_mdi.preemption.Preempted` at
+        once, or with ``save_on_sigterm`` after the step in progress and a whole checkpoint saved by every
+        process."""
         checkpoint, notes = checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir,
                                                        allow_partial=self.args.allow_partial_resume)
         for note in notes:
             logger.warning(note)
         if checkpoint is not None and self.live_logs is not None:
             self.live_logs.continue_logs(checkpoints.recorded_logs(checkpoint))
-        try:
-            return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
-        except BaseException as e:
-            if self.live_logs is not None:
-                self.live_logs.stopped(self.state.global_step, e)
-                self.live_logs.close()
-            raise
+        with watch_sigterm(self.args.save_on_sigterm, lambda: self.state.global_step) as sigterm:
+            stop = None
+            if sigterm.installed and self.args.save_on_sigterm:
+                stop = PreemptionCallback(sigterm, lambda flag: any_process(flag, self._gather_cpu if
+                                                                            self.accelerator.num_processes > 1 else None),
+                                          self._warn_main, on_stop=self._stopped_on_sigterm)
+                self.add_callback(stop)
+            try:
+                out = super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+            except BaseException as e:
+                if self.live_logs is not None:
+                    self.live_logs.stopped(self.state.global_step, e)
+                    self.live_logs.close()
+                raise
+            finally:
+                if stop is not None:
+                    self.remove_callback(stop)
+        if stop is not None and stop.stopping is not None:
+            # End the run as SIGTERM would have (status 143), never as if training had finished (a script would go on
+            # to its final save_model / push_to_hub). No exit recorded: the Trainer skipped the save (save_strategy
+            # "best" saves only a new best).
+            exit_ = stop.exit or Preempted(f"SIGTERM during step {sigterm.step}: stopped at step {stop.stopping} without "
+                                           "a checkpoint (save_strategy 'best' saved none); resume from the last one")
+            if stop.exit is None:
+                self._warn_main(str(exit_))
+            self.accelerator.end_training()  # trackers finished, the process group destroyed
+            if self.run_lock is not None:
+                self.run_lock.release()
+            raise exit_
+        return out
+
+    def _stopped_on_sigterm(self, step: int, signal_step: int | None) -> Preempted:
+        """save_on_sigterm, once checkpoint-``step`` is saved on every process: the logs' last lines and the console
+        say so; the exception ``train`` raises once the Trainer has finished."""
+        folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        stop = Preempted(preempted_message(signal_step, step, folder), checkpoint=folder)
+        if self.live_logs is not None:
+            self.live_logs.stopped(step, stop)
+        self._warn_main(str(stop))
+        return stop
+
+    def _warn_main(self, message: str) -> None:
+        if self.accelerator.is_main_process:
+            logger.warning(message)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # transformers reloads a checkpoint's whole-model weights with load_state_dict(strict=False) and no key

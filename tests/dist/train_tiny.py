@@ -6,6 +6,7 @@ parameters training started from (after a resume's checkpoint loaded), and (rank
 """
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -75,6 +76,10 @@ def main():
     resume = overrides.pop("resume_from_checkpoint", None)
     slow = overrides.pop("slow_reward_seconds", 0.0)
     no_vision_pass = overrides.pop("no_vision_pass", False)
+    pid_dir = overrides.pop("pid_dir", None)
+    if pid_dir:  # lets a test signal one rank's process
+        Path(pid_dir).mkdir(parents=True, exist_ok=True)
+        (Path(pid_dir) / f"rank{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
     if limit_rows:
         ds = ds.select(range(limit_rows))
     text_only_rows = set(overrides.pop("text_only_rows", ()))
