@@ -279,6 +279,28 @@ def test_default_stack_is_4_1_1(model_dir, grpo_train_dataset, tmp_path):
     assert trainer.reward_weights.tolist() == [4.0, 1.0, 1.0]
 
 
+def test_the_plan_is_made_once_per_trainer_and_reads_the_model_config_once(model_dir, grpo_train_dataset, tmp_path):
+    """Issue 43: one call of the plan function and one read of the model config by trl_mdi per trainer built from a
+    path (the processor loaded as TRL would); a trainer handed a plan follows it and decides nothing again."""
+    from fixtures.testing import CallCounter
+    from trl_mdi.run_plan import plan_run
+
+    with CallCounter(plan_run) as counted:
+        trainer = MDIGRPOTrainer(str(model_dir), args=make_args(tmp_path / "a"), train_dataset=grpo_train_dataset)
+    assert counted.calls == 1 and len(counted.config_reads) == 1, (counted.calls, counted.config_reads)
+    # Every line decided before the weights loaded, none revised by the loaded model.
+    assert trainer.run_plan.complete and trainer.run_plan.attn_implementation == "sdpa"
+    plan = trainer.run_plan
+    with CallCounter(plan_run) as counted:
+        again = MDIGRPOTrainer(str(model_dir), args=make_args(tmp_path / "b"), train_dataset=grpo_train_dataset,
+                               processing_class=trainer.processing_class, run_plan=plan)
+    assert (counted.calls, counted.config_reads) == (0, [])
+    assert again.run_plan is plan and again.reward_func_names == list(plan.reward_names)
+    with pytest.raises(ValueError, match="run_plan: a plan already decided the rewards"):
+        MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=make_args(tmp_path / "c"),
+                       train_dataset=grpo_train_dataset, processing_class=trainer.processing_class, run_plan=plan)
+
+
 def test_world_size_that_accelerate_missed_is_a_clear_error(model_dir, grpo_train_dataset, tmp_path, monkeypatch):
     # What a 2-process CPU launch without ddp_backend="gloo" looks like from inside one process.
     args = make_args(tmp_path, use_cpu=False)  # the GPU-style launch: accelerate then finds no backend

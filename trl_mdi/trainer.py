@@ -53,7 +53,6 @@ from typing import Any
 
 import torch
 from accelerate.utils import DistributedType, gather_object
-from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
@@ -63,15 +62,8 @@ from . import checkpoints
 from . import signals as S
 from .answer_tokens import answer_tokens
 from .attention import ModalityAttention, probe_attention, trailing_completion_layout
-from .attention.model_facts import (
-    check_zero3_loading,
-    load_model_config,
-    processor_for_trl,
-    typed_system_problem,
-    unwrap_model,
-)
+from .attention.model_facts import load_model_config, processor_for_trl, typed_system_problem, unwrap_model
 from .attention.model_parts import choice_logits, hidden_states_at
-from .attention.probe import probe_support
 from .batch import (
     check_counterfactual_encodes,
     encode_prompts,
@@ -106,12 +98,10 @@ from .run_plan import (
     effective_config,
     load_processing_class,
     plan_run,
-    trl_runs_policy_forward,
 )
 from .tprl import apply_tprl, fit_width, perturbation_signal, signal_rank_corr
 from .vision_pass import drop_empty_image_inputs, images_on_some_processes_only, vision_pass_for_run
 from .vllm_prompts import (
-    check_vllm_prompts,
     colocated_vlm,
     drop_stale_image_features,
     engine_prompt_ids,
@@ -283,13 +273,13 @@ class MDIGRPOTrainer(GRPOTrainer):
     }
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
-                 eval_dataset=None, **kwargs):
-        # Decide, then build TRL: the processor is loaded here as TRL would load it, so that the plan reads its chat
-        # template, and TRL gets the decided reward list and config.
-        defaults_chosen = isinstance(args, MDIGRPOConfig)  # only then may the default reward stack stand in
-        if args is None:
+                 eval_dataset=None, *, run_plan: RunPlan | None = None, **kwargs):
+        """``run_plan``: a plan already made by :func:`trl_mdi.run_plan.plan_run` for this model, processor, config
+        and data (the entry point's, which it printed): the trainer follows it instead of deciding again. The
+        rewards are then the plan's (``reward_funcs`` must be None) and ``processing_class`` the one it read."""
+        if args is None:  # as GRPOTrainer: its defaults, no rewards from the config
             name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
-            args = MDIGRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
+            args = GRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
         config = MDIGRPOConfig.from_grpo_config(args)
         # One run per output_dir, before any weight loads: the main process locks it for the trainer's lifetime (the
         # OS drops the lock if the process dies).
@@ -300,20 +290,23 @@ class MDIGRPOTrainer(GRPOTrainer):
         for split, ds in [("train_dataset", train_dataset), *evals]:
             if ds is not None:
                 check_choices(ds, split)  # too many choices, a label outside them...: the data's error, now
-        if kwargs.get("processing_class") is None:
-            # A model whose config cannot be read fails here with transformers' own error, as it would in plan_run.
-            load_model_config(model, config.model_init_kwargs, trust_remote_code=config.trust_remote_code)
-            kwargs["processing_class"] = load_processing_class(model, config)
+        if run_plan is not None:
+            if reward_funcs is not None or kwargs.get("processing_class") is None:
+                raise ValueError("run_plan: a plan already decided the rewards with one processor; pass that "
+                                 "processing_class and no reward_funcs (or no run_plan, and the trainer decides)")
+            plan = run_plan
+        else:
+            # Decide, then build TRL: the processor is loaded here as TRL would load it, so that the plan reads its
+            # chat template. A model whose config cannot be read fails here with transformers' own error.
+            model_config = load_model_config(model, config.model_init_kwargs, trust_remote_code=config.trust_remote_code)
+            if kwargs.get("processing_class") is None:
+                kwargs["processing_class"] = load_processing_class(model, config)
+            plan = plan_run(model, kwargs["processing_class"], reward_funcs, config,
+                            dataset_columns(train_dataset, eval_dataset), model_config=model_config)
         kwargs["processing_class"] = processor_for_trl(kwargs["processing_class"])  # Mistral 3: text as lists
-        plan = plan_run(model, reward_funcs, config, defaults_chosen=defaults_chosen,
-                        columns=dataset_columns(train_dataset, eval_dataset),
-                        environment_rewards=kwargs.get("environment_factory") is not None,
-                        processing_class=kwargs["processing_class"])
         config = effective_config(config, plan)
-        check_vllm_prompts(config, kwargs["processing_class"], plan.facts)  # before vLLM's engine starts
         if (problem := typed_system_problem(kwargs["processing_class"])) and _first_prompt_has_system(train_dataset):
             logger.warning(f"The training prompts have a system turn, but the processor's {problem}.")
-        check_zero3_loading(model, plan.facts.model_type, is_deepspeed_zero3_enabled())  # before TRL loads weights
         self._record: BatchRecord | None = None
         self._pending: PendingMeasurement | None = None
         self._nan_warned: set[str] = set()  # rewards already warned about returning NaN: once per reward and run
@@ -321,7 +314,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         # hold one generation batch of rows).
         self.completion_columns = CompletionColumns(config.generation_batch_size) if config.log_completions else None
         # The format check the rewards, the clean-format metric and the logs share (one definition everywhere).
-        self.answer_format = ThinkFormatReward(config.answer_pattern, think_prefilled=bool(plan.think_prefilled))
+        self.answer_format = ThinkFormatReward(config.answer_pattern, think_prefilled=plan.think_prefilled)
         # Built before the weights load: a log path that cannot be written fails before any model work.
         self.live_logs = (
             LiveDiagnostics(config, is_main_process=config.process_index == 0, reward_names=list(plan.reward_names),
@@ -345,12 +338,20 @@ class MDIGRPOTrainer(GRPOTrainer):
             logger.info(self.run_plan.describe())
 
     def _plan_with_loaded_model(self, plan: RunPlan) -> RunPlan:
-        """Phase 2 of the plan, and the only changes made after ``super().__init__``: they need what TRL has just
-        loaded. The model's attention implementation and whether the probe can measure it (a model with its own
-        softmax cannot be); the dummy vision pass and the empty-image guard installed on the loaded model; whether the
-        processor encodes the counterfactual image. Should the probe turn out unable to measure the model, the
-        default stack's mdi_balance leaves TRL's four parallel reward lists (tests/test_trl_contract.py pins them)
-        and attention-only settings are switched off in the trainer's copy of the config and the live logs."""
+        """The only changes made after ``super().__init__``: they need what TRL has just loaded. The plan is read
+        again off the loaded model (``RunPlan.with_model``): the lines that waited for the weights are decided, and a
+        model that turns out otherwise than its class built without weights (another attention implementation, an
+        attention the probe cannot measure) revises the plan with a warning rather than run on a wrong one. Should
+        the probe turn out unable to measure the model, the default stack's mdi_balance leaves TRL's four parallel
+        reward lists (tests/test_trl_contract.py pins them) and attention-only settings are switched off in the
+        trainer's copy of the config and the live logs. Then the hooks the plan asks for are installed: the guard
+        for empty image inputs, the dummy vision pass, vLLM's bias against image tokens."""
+        loaded = plan.with_model(self.model, self.processing_class)
+        if loaded == plan:
+            loaded = plan  # the plan as decided (and printed) before the weights loaded
+        elif plan.complete:
+            logger.warning("MDIGRPOTrainer: the loaded model differs from its class built without weights; the run "
+                           "follows the plan read off the loaded model:\n%s", loaded.describe())
         # Mixed data: a slice of text-only rows is a text-only forward (TRL hands it empty image tensors), and under
         # ZeRO-3 / DDP image-less processes run the vision tower on a dummy, times zero.
         if plan.facts.is_vlm:
@@ -360,14 +361,8 @@ class MDIGRPOTrainer(GRPOTrainer):
             # why); its engine's own copy of the kwargs, never the user's config.
             self.vllm_generation.generation_kwargs = suppress_image_tokens(self.vllm_generation.generation_kwargs,
                                                                            plan.facts.image_token_ids)
-        self.vision_pass = vision_pass_for_run(self.model, self.processing_class, self.accelerator.num_processes,
-                                               plan.facts.is_vlm, logger.info)
-        loaded = plan.with_model(
-            attn_implementation=unwrap_model(self.model).config.get_text_config()._attn_implementation,
-            trl_runs_policy_forward=trl_runs_policy_forward(self.args, self.num_iterations, self.use_vllm,
-                                                            self.vllm_importance_sampling_correction),
-            vision_pass=self.vision_pass is not None,
-            probe_unsupported=probe_support(self.model) if plan.attention_metrics else None)
+        self.vision_pass = (vision_pass_for_run(self.model, self.processing_class, self.accelerator.num_processes,
+                                                plan.facts.is_vlm, logger.info) if loaded.vision_pass else None)
         if loaded.counterfactual:
             check_counterfactual_encodes(self.processing_class, self.args.counterfactual_image,
                                          self.chat_template_kwargs, self.chat_template)

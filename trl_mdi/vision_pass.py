@@ -229,6 +229,21 @@ def zero_weighted_vision_pass(model: torch.nn.Module, dummy: dict[str, torch.Ten
         state.remove()
 
 
+def vision_pass_problem(model: torch.nn.Module, processing_class) -> str | None:
+    """Why this model cannot take the dummy vision pass (None: it can), read from its modules alone, so a model's
+    skeleton built without weights answers as the loaded model does: a vision backbone with ``get_image_features``
+    and a language model holding the token embedding to hook, and a processor that encodes a blank image."""
+    backbone = vision_backbone(model)
+    if backbone is None or _text_decoder(backbone) is None:
+        return (f"{type(unwrap_model(model)).__name__} has no get_image_features and language model with the token "
+                "embedding")
+    try:
+        dummy_vision_inputs(processing_class)
+    except Exception as e:  # any family-specific failure means "no dummy pass", never a failed construction
+        return f"its processor cannot encode a blank image ({type(e).__name__}: {e})"
+    return None
+
+
 def vision_pass_for_run(model, processing_class, num_processes: int, is_vlm: bool, log) -> VisionPass | None:
     """The dummy vision pass a multi-process VLM run installs (None with one process or a text-only model), or None
     with the reason logged when this model cannot take one (no ``get_image_features``, a processor that cannot

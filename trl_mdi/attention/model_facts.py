@@ -269,6 +269,56 @@ def load_model_config(model: Any, model_init_kwargs: dict | None = None, *, trus
     return unwrap_model(model).config
 
 
+def trl_model_class(config):
+    """The class ``GRPOTrainer`` loads a model id or path with (TRL 1.16's ``create_model_from_path``, pinned by
+    tests/test_trl_contract.py): the config's first architecture when transformers has it, else the auto class its
+    ``auto_map`` names (custom code: image-text-to-text first), else ``AutoModelForCausalLM``."""
+    import transformers
+
+    architectures = getattr(config, "architectures", None) or []
+    architecture = getattr(transformers, architectures[0], None) if architectures else None
+    if architecture is not None:
+        return architecture
+    auto_map = getattr(config, "auto_map", None) or {}
+    for candidate in (transformers.AutoModelForImageTextToText, transformers.AutoModelForCausalLM):
+        if candidate.__name__ in auto_map:
+            return candidate
+    return transformers.AutoModelForCausalLM
+
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def model_skeleton(model: Any, config, model_init_kwargs: dict | None = None, *,
+                   trust_remote_code: bool = False) -> torch.nn.Module:
+    """The model's modules without its weights, to read what only the modules tell (the attention implementation
+    transformers picks for the class, whether the probe can measure it, where a dummy vision pass would hook):
+    ``model`` itself when it is already loaded, else the class ``GRPOTrainer`` will load (``trl_model_class``)
+    built from ``config`` on the meta device, with the ``attn_implementation`` and ``dtype`` of
+    ``model_init_kwargs`` as TRL passes them (dtype float32 unless given). Nothing is allocated and no weight is
+    read. Raises whatever the class's construction raises (a custom class that cannot be built without weights)."""
+    if not isinstance(model, str):
+        return model
+    import copy
+
+    kwargs = dict(model_init_kwargs or {})
+    dtype = kwargs.get("dtype", "float32")
+    build = {"dtype": _DTYPES.get(dtype, dtype)} if isinstance(dtype, torch.dtype) or dtype in _DTYPES else {}
+    if kwargs.get("attn_implementation") is not None:
+        build["attn_implementation"] = kwargs["attn_implementation"]
+    cls = trl_model_class(config)
+    config = copy.deepcopy(config)  # the build writes the resolved implementation into the config it is given
+    with torch.device("meta"):
+        if hasattr(cls, "_from_config"):  # a transformers class
+            return cls._from_config(config, **build)
+        return cls.from_config(config, trust_remote_code=kwargs.get("trust_remote_code", trust_remote_code), **build)
+
+
+def attention_implementation(model: torch.nn.Module) -> str | None:
+    """The attention implementation of a model's text decoder (its config's ``_attn_implementation``)."""
+    return getattr(text_config_of(unwrap_model(model).config), "_attn_implementation", None)
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers PreTrainedModel inside DDP / DeepSpeed engines and PEFT wrappers."""
     seen = set()

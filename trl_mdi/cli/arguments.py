@@ -1,5 +1,5 @@
 """The entry point's arguments: TrlParser over ScriptArguments, MDIGRPOConfig, ModelConfig and DataArguments, with
-the recommended / CPU defaults installed as parser defaults and the provenance of every value (``ParsedRun``)."""
+the CPU defaults installed as parser defaults and the provenance of every value (``ParsedRun``)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..config import MDIGRPOConfig
+from ..config import MDIGRPOConfig, redeclared_grpo_fields
 from ..data import DataArguments
 
 SOURCE_CLI, SOURCE_YAML, SOURCE_OURS, SOURCE_LIBRARY = "cli", "yaml", "trl_mdi default", ""
-
-RECOMMENDED_DEFAULTS: dict[str, Any] = {
-    "loss_type": "dapo",  # TRL 1.16's default too; pinned so a TRL release cannot change it under us
-    "epsilon_high": 0.28,  # DAPO clip-higher
-    "mask_truncated_completions": True,  # a cut-off completion has no answer: keep it out of the loss
-}
-"""GRPO settings recommended by the product brief, installed as parser defaults (a flag or YAML key wins)."""
 
 CPU_DEFAULTS: dict[str, Any] = {"bf16": False}
 """Parser defaults on a machine without CUDA / XPU / MPS."""
@@ -119,8 +112,10 @@ def _cpu_only() -> bool:
 
 
 def script_defaults() -> dict[str, Any]:
-    """The defaults this script installs on top of the dataclasses' (they only apply to flags the user left unset)."""
-    defaults = dict(RECOMMENDED_DEFAULTS)
+    """The defaults this script installs on top of the dataclasses' (they only apply to flags the user left unset):
+    only the machine's (a CPU run's). The recommended GRPO settings are MDIGRPOConfig's own defaults, so Python and
+    the command line get the same run."""
+    defaults: dict[str, Any] = {}
     if _cpu_only():
         defaults.update(CPU_DEFAULTS)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -204,7 +199,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ParsedRun:
     parser = build_parser()
     config_file, yaml_keys = _yaml_keys(argv)
     cli = _cli_dests(parser, argv)
-    ours = set(script_defaults())
+    # "trl_mdi default": what this script installs, and the GRPOConfig fields whose default MDIGRPOConfig sets.
+    ours = set(script_defaults()) | {f.name for f in redeclared_grpo_fields()}
 
     def one_line_error(message: str):  # argparse would print the whole usage, then exit
         raise UsageError(argparse_message(message, config_file, yaml_keys - cli))

@@ -196,16 +196,18 @@ def effective_rewards(training_args) -> tuple[list[str], list[float] | None]:
     return default_reward_stack(training_args.reward_funcs, training_args.reward_weights)
 
 
-def plan_entry_point(run: ParsedRun, data: TrainingData):
-    """Phase 1 of the trainer's run plan (``trl_mdi.run_plan.plan_run``, the function the trainer calls), before any
-    weight loads: so ``--dry_run`` prints what the run will do, and a bad segment spec or a reward whose inputs the
-    data lacks stops here."""
+def plan_entry_point(run: ParsedRun, data: TrainingData, processor, model_config):
+    """The trainer's run plan (``trl_mdi.run_plan.plan_run``, the function the trainer would call), made here once
+    with the inputs the trainer gets (the model by path, the processor, the config's rewards, the data's columns)
+    and the model config already read by ``check_vlm``, before any weight loads: ``--dry_run`` prints the plan the
+    run follows (the trainer is handed this plan), and a bad segment spec or a reward whose inputs the data lacks
+    stops here."""
     from ..run_plan import plan_run
 
     t = run.training
     splits = {data.train_split: data.train.column_names, **({"eval": data.eval.column_names} if data.eval else {})}
     try:
-        return plan_run(run.model.model_name_or_path, None, t, defaults_chosen=True, columns=splits)
+        return plan_run(run.model.model_name_or_path, processor, None, t, splits, model_config=model_config)
     except DatasetError as e:
         raise DatasetError(f"{e} For math data with 'solution' use --reward_funcs accuracy think_format mdi_balance "
                            "--reward_weights 4 1 1.") from None

@@ -2,17 +2,20 @@
 
 What it adds to a bare ``TrlParser`` + ``MDIGRPOTrainer`` script, and why:
 
-1. **Defaults, never overrides.** Recommended settings (``RECOMMENDED_DEFAULTS``: DAPO loss, epsilon_high 0.28,
-   mask_truncated_completions) and, on a machine without an accelerator, ``bf16=False`` plus, when launched with
+1. **Defaults, never overrides.** On a machine without an accelerator, ``bf16=False`` plus, when launched with
    several processes, ``ddp_backend="gloo"`` (and ``use_cpu=True`` without DeepSpeed): without them the processes
    of a CPU run do not see each other. They are installed as parser defaults, so a flag or the ``--config`` YAML
-   file changes them like any other default.
+   file changes them like any other default. The recommended GRPO settings (DAPO loss, epsilon_high 0.28,
+   mask_truncated_completions, the 4:1:1 reward stack) are ``MDIGRPOConfig``'s own defaults: Python users get them
+   too.
 2. **Provenance.** The effective configuration is printed at start (main process only), each value marked with
    where it came from: the command line, the YAML file, a trl_mdi default, or the library default.
-3. **Fail before loading weights.** The model config must describe a vision-language model, the data must have an
+3. **One plan, decided before loading weights** (``trl_mdi.run_plan.plan_run``), printed, and handed to the
+   trainer, which follows it: ``--dry_run`` prints the plan the run follows.
+4. **Fail before loading weights.** The model config must describe a vision-language model, the data must have an
    image and a prompt column and the labels the rewards read, ``--use_vllm`` must be runnable here (vLLM installed,
    a ``--vllm_mode`` the machine can run), and unknown flags are errors (TrlParser's own behaviour, kept). Input problems exit with status 2 and one message, no traceback.
-4. **The model is passed by path**, so ``model_init_kwargs`` (dtype, attn_implementation) and DeepSpeed ZeRO-3's
+5. **The model is passed by path**, so ``model_init_kwargs`` (dtype, attn_implementation) and DeepSpeed ZeRO-3's
    sharded initialisation apply at load time; the processor is loaded here so its pixel budget can be set from the
    command line (``--min_pixels`` / ``--max_pixels``; TRL 1.16 has no max_prompt_length).
 """
@@ -109,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with t.main_process_first(desc="dataset preparation"):
             data = load_training_data(run.data, need_eval=t.eval_strategy != "no" or s.eval_only, seed=t.seed, log=log)
         t.model_init_kwargs = model_init_kwargs(m, t)
-        plan = plan_entry_point(run, data)
+        plan = plan_entry_point(run, data, processor, model_config)
     except (UsageError, DatasetError, CheckpointError) as e:
         return _fail(str(e))
     if is_main:
@@ -136,10 +139,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             processing_class=processor,
             peft_config=get_peft_config(m),
             quantization_config=get_quantization_config(m),
+            run_plan=plan,  # decided once, above: the trainer follows the plan the dry run prints
         )
     except RunLockedError as e:  # taken before any weight loads
         return _fail(str(e))
-    log(trainer.run_plan.describe())  # phase 2 too: where the probe measures, the forwards the run adds, and why
+    if trainer.run_plan is not plan:  # lines that waited for the weights, now decided (or a revision, warned about)
+        log(trainer.run_plan.describe())
     if s.eval_only:
         return _evaluate_only(trainer, t, start, log)
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
