@@ -83,7 +83,7 @@ from benchmarks.stats import paired_seed_difference  # noqa: E402
 from fixtures.synthetic import write_synthetic_aokvqa  # noqa: E402
 from fixtures.tiny import save_tiny_vlm  # noqa: E402
 from trl_mdi.aokvqa import prepare_aokvqa  # noqa: E402
-from trl_mdi.config import MDIGRPOConfig  # noqa: E402
+from trl_mdi.config import MDIGRPOConfig, redeclared_grpo_fields  # noqa: E402
 from trl_mdi.data import to_conversational  # noqa: E402
 from trl_mdi.rewards import mc_idx_reward, mdi_balance_reward, think_format_reward  # noqa: E402
 from trl_mdi.trainer import MDIGRPOTrainer  # noqa: E402
@@ -92,6 +92,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Trainer overhead: MDIGRPOTrainer vs GRPOTrainer"
 VLLM_SECTION = "## Trainer overhead under vLLM: MDIGRPOTrainer vs GRPOTrainer"
 MODEL = dict(num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=4, intermediate_size=768)
+# GRPOConfig's values of the fields whose default MDIGRPOConfig sets (epsilon_high, mask_truncated_completions, ...):
+# every arm, stock and ours, runs the same GRPO, as they did before MDIGRPOConfig carried its own defaults (issue 43).
+STOCK_GRPO = {f.name: GRPOConfig.__dataclass_fields__[f.name].default for f in redeclared_grpo_fields()}
 
 
 class StepTimer(TrainerCallback):
@@ -145,6 +148,7 @@ def run(variant: str, model_dir: Path, dataset, work: Path, steps: int, completi
         output_dir=str(work / variant), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=8,
         num_generations=4, max_completion_length=completion_length, max_steps=steps, logging_steps=1, save_strategy="no", seed=0,
         learning_rate=1e-5, disable_tqdm=True, gradient_checkpointing=False, log_completions=log_completions,
+        **STOCK_GRPO,
     )
     rewards = [mc_idx_reward, think_format_reward]
     if variant == "stock":
@@ -416,7 +420,7 @@ def run_vllm(variant: str, model_dir: Path, dataset, work: Path, seed: int, warm
         output_dir=str(work / variant), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=8,
         num_generations=4, max_completion_length=completion_length, max_steps=warmup + steps + 1, logging_steps=1,
         save_strategy="no", seed=seed, learning_rate=1e-5, disable_tqdm=True, gradient_checkpointing=False,
-        generation_kwargs={"logit_bias": {image_token_id: -100.0}}, **vllm_cpu.VLLM_CPU_ARGS,
+        generation_kwargs={"logit_bias": {image_token_id: -100.0}}, **vllm_cpu.VLLM_CPU_ARGS, **STOCK_GRPO,
     )
     # Imported here: it imports vLLM, which only --vllm runs have (set up by then: vllm_cpu.set_env at the top).
     from fixtures.vllm_baseline import PromptFixedGRPOTrainer

@@ -1,5 +1,6 @@
 """MDIGRPOTrainer on tiny offline VLMs, single process on CPU."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -32,11 +33,13 @@ class RecordingReward:
 
 
 def make_args(tmp_path, **overrides):
+    # mask_truncated_completions off (MDIGRPOConfig's default is on): a random tiny model never stops within 8 tokens,
+    # so every completion would leave the loss and nothing would train.
     kw = dict(
         output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4,
         num_generations=4, max_completion_length=8, max_steps=2, logging_steps=1, save_strategy="no", seed=0,
         learning_rate=1e-3, disable_tqdm=True, rollout_log_path=str(tmp_path / "logs" / "rollouts.md"),
-        attention_diag_log_path=str(tmp_path / "logs" / "attention.md"),
+        attention_diag_log_path=str(tmp_path / "logs" / "attention.md"), mask_truncated_completions=False,
     )
     kw.update(overrides)
     return MDIGRPOConfig(**kw)
@@ -299,6 +302,35 @@ def test_the_plan_is_made_once_per_trainer_and_reads_the_model_config_once(model
     with pytest.raises(ValueError, match="run_plan: a plan already decided the rewards"):
         MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=make_args(tmp_path / "c"),
                        train_dataset=grpo_train_dataset, processing_class=trainer.processing_class, run_plan=plan)
+
+
+def test_a_class_that_cannot_be_built_without_weights_leaves_its_lines_to_the_loaded_model(
+        model_dir, grpo_train_dataset, tmp_path, monkeypatch):
+    """The lines read off the model's modules say that they wait for the weights when its class cannot be built
+    without them; the trainer then reads them off the loaded model, as the class would have told."""
+    import trl_mdi.run_plan as run_plan
+
+    def unbuildable(*args, **kwargs):
+        raise RuntimeError("this class loads its weights in __init__")
+
+    monkeypatch.setattr(run_plan, "model_skeleton", unbuildable)
+    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=make_args(tmp_path),
+                             train_dataset=grpo_train_dataset)
+    assert trainer.run_plan.complete and trainer.run_plan.placement == "training_forward"
+    assert trainer.run_plan.attn_implementation == "sdpa" and trainer.run_plan.vision_pass is False
+    from transformers import AutoProcessor
+
+    early = run_plan.plan_run(str(model_dir), AutoProcessor.from_pretrained(model_dir), [spread_reward],
+                              make_args(tmp_path), {})
+    assert not early.complete and early.placement is None
+    waiting = ("decided once the weights load (RuntimeError building the model's class without weights: this class "
+               "loads its weights in __init__)")
+    lines = {line.split("  ")[1].strip(): line for line in early.describe().splitlines()[1:]}
+    assert all(lines[k].endswith(waiting) for k in ("attention implementation", "probe placement", "dummy vision pass"))
+    monkeypatch.undo()
+    assert dataclasses.replace(trainer.run_plan, reward_funcs=()) == dataclasses.replace(
+        run_plan.plan_run(str(model_dir), trainer.processing_class, [spread_reward], make_args(tmp_path), {}),
+        reward_funcs=())
 
 
 def test_world_size_that_accelerate_missed_is_a_clear_error(model_dir, grpo_train_dataset, tmp_path, monkeypatch):

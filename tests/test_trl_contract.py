@@ -217,6 +217,53 @@ def test_trl_loads_the_processor_as_the_trainer_does_before_it():
     assert 'model_revision = model_init_kwargs.get("revision")' in src
 
 
+def test_what_the_run_plan_reads_before_trl_is_built():
+    """trl_mdi.run_plan decides before GRPOTrainer.__init__ runs (issue 43): (1) whether TRL runs its old-log-prob
+    forward, from the config values TRL copies onto itself (``trl_runs_policy_forward``); (2) what only the model's
+    modules tell, from the class TRL's ``create_model_from_path`` loads (``model_facts.trl_model_class``) built with
+    the ``attn_implementation`` and ``dtype`` TRL passes it (``model_skeleton``)."""
+    from trl.trainer import grpo_trainer
+
+    init = inspect.getsource(GRPOTrainer.__init__)
+    for line in ("self.num_iterations = args.num_iterations", "self.use_vllm = args.use_vllm",
+                 "self.vllm_importance_sampling_correction = args.vllm_importance_sampling_correction",
+                 "model = create_model_from_path(model, **model_init_kwargs)"):
+        assert line in init, line
+    loader = inspect.getsource(grpo_trainer.create_model_from_path)
+    for part in ('dtype = kwargs.get("dtype", "float32")',
+                 "architecture = getattr(transformers, config.architectures[0], None)",
+                 "for candidate in (AutoModelForImageTextToText, AutoModelForCausalLM):",
+                 "if candidate.__name__ in auto_map:", "architecture = AutoModelForCausalLM",
+                 "model = architecture.from_pretrained(model_id, **kwargs)"):
+        assert part in loader, part
+
+
+@pytest.mark.parametrize("attn_implementation", [None, "eager"])
+def test_the_model_class_built_without_weights_reads_as_the_loaded_model(tiny_vlm_dir, attn_implementation):
+    """On every tiny family (and its attention implementation forced to eager): what the plan reads off the class built
+    on the meta device (``model_skeleton``) is what the model TRL loads tells: the attention implementation, whether
+    the probe can measure it, whether the dummy vision pass can hook it."""
+    from transformers import AutoConfig, AutoProcessor
+    from trl.trainer.utils import create_model_from_path
+
+    from fixtures.tiny import TINY_ARCHS
+    from trl_mdi.attention.model_facts import attention_implementation, model_skeleton
+    from trl_mdi.attention.probe import probe_support
+    from trl_mdi.vision_pass import vision_pass_problem
+
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    for arch in TINY_ARCHS:
+        path = str(tiny_vlm_dir(arch))
+        processor = AutoProcessor.from_pretrained(path)
+        skeleton = model_skeleton(path, AutoConfig.from_pretrained(path), kwargs)
+        assert next(skeleton.parameters()).device.type == "meta", arch
+        loaded = create_model_from_path(path, **kwargs)
+        assert type(skeleton) is type(loaded), arch
+        read = lambda m: (attention_implementation(m), probe_support(m), vision_pass_problem(m, processor))  # noqa: E731
+        assert read(skeleton) == read(loaded), arch
+        assert attention_implementation(loaded) == (attn_implementation or "sdpa"), arch
+
+
 def test_the_processor_loaded_first_is_the_one_trl_would_load(tiny_vlm_dir, tmp_path):
     from transformers import AutoProcessor
 
