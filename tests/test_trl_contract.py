@@ -251,6 +251,9 @@ def test_the_model_class_built_without_weights_reads_as_the_loaded_model(tiny_vl
     from trl_mdi.attention.probe import probe_support
     from trl_mdi.vision_pass import vision_pass_problem
 
+    def read(model, processor):
+        return attention_implementation(model), probe_support(model), vision_pass_problem(model, processor)
+
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     for arch in TINY_ARCHS:
         path = str(tiny_vlm_dir(arch))
@@ -259,8 +262,7 @@ def test_the_model_class_built_without_weights_reads_as_the_loaded_model(tiny_vl
         assert next(skeleton.parameters()).device.type == "meta", arch
         loaded = create_model_from_path(path, **kwargs)
         assert type(skeleton) is type(loaded), arch
-        read = lambda m: (attention_implementation(m), probe_support(m), vision_pass_problem(m, processor))  # noqa: E731
-        assert read(skeleton) == read(loaded), arch
+        assert read(skeleton, processor) == read(loaded, processor), arch
         assert attention_implementation(loaded) == (attn_implementation or "sdpa"), arch
 
 
