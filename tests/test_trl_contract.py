@@ -266,6 +266,28 @@ def test_the_model_class_built_without_weights_reads_as_the_loaded_model(tiny_vl
         assert attention_implementation(loaded) == (attn_implementation or "sdpa"), arch
 
 
+def test_the_model_class_is_built_without_weights_under_zero3_too(tiny_vlm_dir):
+    """Under a ZeRO-3 config transformers builds a model inside deepspeed.zero.Init (its parameters partitioned
+    across the processes: a collective). The skeleton must stay whole and on meta, built as inside an active
+    zero.Init (transformers' ``set_zero3_state``), whose flag ``_from_config`` reads."""
+    from transformers import AutoConfig, PreTrainedModel
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+
+    from trl_mdi.attention.model_facts import model_skeleton
+
+    assert "and not _is_ds_init_called" in inspect.getsource(PreTrainedModel._from_config)
+    path = str(tiny_vlm_dir("qwen2_5_vl"))
+    zero3 = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    try:
+        assert is_deepspeed_zero3_enabled()
+        skeleton = model_skeleton(path, AutoConfig.from_pretrained(path))
+    finally:
+        del zero3
+    assert not is_deepspeed_zero3_enabled()
+    assert {p.device.type for p in skeleton.parameters()} == {"meta"}
+    assert not any(hasattr(p, "ds_id") for p in skeleton.parameters())  # never partitioned
+
+
 def test_the_processor_loaded_first_is_the_one_trl_would_load(tiny_vlm_dir, tmp_path):
     from transformers import AutoProcessor
 

@@ -306,9 +306,13 @@ def model_skeleton(model: Any, config, model_init_kwargs: dict | None = None, *,
     build = {"dtype": _DTYPES.get(dtype, dtype)} if isinstance(dtype, torch.dtype) or dtype in _DTYPES else {}
     if kwargs.get("attn_implementation") is not None:
         build["attn_implementation"] = kwargs["attn_implementation"]
+    from transformers.modeling_utils import set_zero3_state
+
     cls = trl_model_class(config)
     config = copy.deepcopy(config)  # the build writes the resolved implementation into the config it is given
-    with torch.device("meta"):
+    # set_zero3_state: under a DeepSpeed ZeRO-3 config transformers would build inside deepspeed.zero.Init (partitioned
+    # across the processes, a collective); built as if inside one already, the skeleton stays whole, on meta.
+    with torch.device("meta"), set_zero3_state():
         if hasattr(cls, "_from_config"):  # a transformers class
             return cls._from_config(config, **build)
         return cls.from_config(config, trust_remote_code=kwargs.get("trust_remote_code", trust_remote_code), **build)
