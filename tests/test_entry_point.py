@@ -139,6 +139,20 @@ def test_recommended_and_cpu_defaults(base_args, monkeypatch):
     assert script_defaults()["ddp_backend"] == "gloo" and "use_cpu" not in script_defaults()  # ZeRO-3
 
 
+def test_python_and_the_entry_point_get_the_same_defaults(base_args, tmp_path):
+    """Issue 43: the recommended GRPO settings and the reward stack are MDIGRPOConfig's own defaults, so a Python user
+    and a command-line user who give the same values get the same run."""
+    from trl_mdi import MDIGRPOConfig
+
+    cli = parse_args([str(a) for a in base_args]).training
+    python = MDIGRPOConfig(output_dir=str(tmp_path / "python"))
+    for name in ("loss_type", "epsilon_high", "mask_truncated_completions", "reward_funcs", "reward_weights",
+                 "beta", "epsilon", "num_generations", "scale_rewards", "compute_attention_metrics"):
+        assert getattr(cli, name) == getattr(python, name), name
+    assert (python.loss_type, python.epsilon_high, python.mask_truncated_completions) == ("dapo", 0.28, True)
+    assert python.reward_funcs == ["mc_idx", "think_format", "mdi_balance"]
+
+
 def test_dry_run_prints_the_effective_configuration(capsys, base_args):
     code, out, _ = run_main(capsys, *base_args, "--dry_run", "--epsilon_high", "0.3", "--max_pixels", 12544)
     assert code == 0
