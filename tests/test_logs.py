@@ -325,7 +325,8 @@ def test_task_columns_come_from_the_rows_not_from_multiple_choice(tmp_path):
     assert "**Parsed answer:** B · **Gold answer:** B (blue) · **Format:** ✅ asked" in mc_text
     header = cells(free_text.split("### Other rollouts (1)\n\n", 1)[1].split("\n", 1)[0])
     assert header[-2:] == ["gold", "completion"] and "parsed" not in header and "format" not in header
-    assert "**Gold answer:** \\frac{1}{3}" in free_text and "Parsed answer" not in free_text
+    # the backslash escaped for Markdown (issue 42): it renders as \frac{1}{3}
+    assert "**Gold answer:** \\\\frac{1}{3}" in free_text and "Parsed answer" not in free_text
     assert "**Format:**" not in free_text and "clean format" not in free_text
     assert "| accuracy | 0.5 |" in free_text  # right / wrong still comes from the accuracy reward
 

@@ -32,6 +32,13 @@ def test_overridden_method_signatures():
         assert name in logp, name
 
 
+def test_model_card_names_we_escape():
+    """MDIGRPOTrainer.create_model_card escapes the names TRL puts into the model card's Markdown: TRL's signature,
+    and the one name GRPOTrainer passes at every checkpoint (the output folder's)."""
+    assert _params(GRPOTrainer.create_model_card) == ["self", "model_name", "dataset_name", "tags"]
+    assert "self.create_model_card(model_name=model_name)" in inspect.getsource(GRPOTrainer._save_checkpoint)
+
+
 def test_generate_returns_its_8_tuple_and_encodes_prompts_once():
     src = inspect.getsource(GRPOTrainer._generate)
     assert "return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images" in src

@@ -88,6 +88,7 @@ from .diagnostics import (
     BatchLog,
     ConsoleSummaryCallback,
     LiveDiagnostics,
+    escape_inline,
     image_evidence,
     perception_strips,
     write_batch,
@@ -602,6 +603,13 @@ class MDIGRPOTrainer(GRPOTrainer):
             super().log(logs, start_time)
         finally:
             self._logs["prompt"] = rows
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None):
+        # TRL fills its card's Markdown template with these names as they are (the heading, a link's text): the output
+        # folder's name and the dataset's go in as text (trl_mdi.diagnostics.markdown), never as markup.
+        return super().create_model_card(model_name=None if model_name is None else escape_inline(model_name),
+                                         dataset_name=None if dataset_name is None else escape_inline(dataset_name),
+                                         tags=tags)
 
     # ------------------------------------------------------------------------------------ one generation batch
     def _rides_here(self, model) -> ProbePlacement | None:

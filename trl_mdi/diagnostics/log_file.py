@@ -49,7 +49,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .markdown import escape_inline, iter_lines_outside_fences, md_table, unclosed_fence
+from .markdown import code_span, escape_inline, iter_lines_outside_fences, md_table, unclosed_fence
 
 FORMAT_VERSION = 1
 _HEADER_RE = re.compile(r"^<!-- trl_mdi:header kind=(\w+) version=(\d+) -->$")
@@ -174,7 +174,7 @@ class StepLogFile:
                 wanted = self.path
                 self.path = fresh_log_path(wanted)
                 if self.path != wanted:
-                    note = (f"`{escape_inline(wanted.name)}` already held another run's log (kept as it is); "
+                    note = (f"{code_span(wanted.name)} already held another run's log (kept as it is); "
                             "this run writes here.")
                     warnings.warn(f"trl_mdi: {wanted} already holds another run's log (kept as it is); this run's "
                                   f"log is {self.path}", UserWarning, stacklevel=2)
@@ -230,7 +230,7 @@ class StepLogFile:
             "",
             f"- **Run:** {escape_inline(self.run_name)}",
             f"- **Started:** {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
-            f"- **File:** `{escape_inline(self.path.name)}` (append-only; one block per step; `tail -f` friendly)",
+            f"- **File:** {code_span(self.path.name)} (append-only; one block per step; `tail -f` friendly)",
         ]
         if note:
             lines.append(f"- **Note:** {note}")
