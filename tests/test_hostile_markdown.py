@@ -27,7 +27,7 @@ HOSTILE = [
     '<img src=x onerror="alert(1)"> <a href="https://evil.example">click</a>',
     "![x](https://host.example/t.png) and ![y][ref]\n\n[ref]: https://host.example/u.png",
     "[x](javascript:alert(1)) [y](<javascript:alert(2)>) <https://auto.example> <a@b.example>",
-    "https://bare.example/p?q=1 www.bare.example mail me: someone@host.example",
+    "https://bare.example/p?q=1 www.bare.example //relative.example/x mail me: someone@host.example",
     "` lone backtick, ``two``, ```` four ````, ending `",
     "</details><details open><summary>pwned</summary>",
     "```\n## Step 99\n```\n~~~\nstill text\n~~~\n<!-- trl_mdi:end step=1 {} -->",

@@ -8,7 +8,7 @@ holds. Every such piece goes through one of three doors:
   longer than any backtick run inside, so nothing in the text can close it, open HTML or make a heading;
 * ``escape_inline(text)`` for single cells and inline values: HTML-escaped (``<``, ``>``, ``&``), Markdown-escaped (a
   backslash before each character that could start an element: code span, emphasis, strikethrough, link, image,
-  table cell), the three things a GFM or linkify renderer links by itself broken up (``scheme://``, ``www.``, an
+  table cell), what a GFM or linkify renderer links by itself broken up (``//`` as in ``scheme://``, ``www.``, an
   ``@``), newlines as ``<br>``: the value stays on one line, inside its table row, as plain text;
 * ``code_span(text)`` for an inline value shown as code outside a table (a token, a file name): a backtick run longer
   than any inside.
@@ -38,9 +38,10 @@ _BACKTICK_RUN = re.compile(r"`+")
 _MD_SPECIAL = re.compile(r"[\\`*\[\]~|]")
 # "_" opens or closes emphasis only at a word's edge (CommonMark's flanking rules): inside a word it stays as it is.
 _EDGE_UNDERSCORE = re.compile(r"(?<![^\W_])_|_(?![^\W_])")
-# What renderers link without any markup (GFM's autolink extension, markdown-it's linkify): "scheme://", "www." at a
-# word start, an e-mail's "@". An escape splits the text there, so neither sees a link.
-_AUTOLINK = re.compile(r"://|(?<![^\W_])(www)\.|@", re.IGNORECASE)
+# What renderers link without any markup (GFM's autolink extension, markdown-it's linkify): "scheme://" and a bare
+# "//host" (linkify's protocol-relative links), "www." at a word start, an e-mail's "@". An escape splits the text
+# there, so neither sees a link.
+_AUTOLINK = re.compile(r"//|(?<![^\W_])(www)\.|@", re.IGNORECASE)
 _FENCE_OPEN = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
 
 
@@ -86,7 +87,7 @@ def escape_inline(text: Any) -> str:
     """One-line, table-safe plain text: no element, image or link can come out of it but the ``<br>`` of its newlines.
 
     ``<``, ``>``, ``&`` HTML-escaped; a backslash before every backslash, backtick, ``*``, ``[``, ``]``, ``~`` and
-    ``|`` and before a ``_`` at a word's edge; ``://`` written ``:\\/\\/``, a word-initial ``www.`` as ``www\\.``
+    ``|`` and before a ``_`` at a word's edge; ``//`` written ``\\/\\/``, a word-initial ``www.`` as ``www\\.``
     and ``@`` as ``\\@`` (so no renderer links them by itself); tabs as spaces, newlines as ``<br>``.
 
     >>> escape_inline("a|b <i>\\nc")
@@ -97,7 +98,7 @@ def escape_inline(text: Any) -> str:
     text = html.escape(clean(text), quote=False)
     text = _MD_SPECIAL.sub(lambda m: "\\" + m.group(0), text)
     text = _EDGE_UNDERSCORE.sub(r"\\_", text)
-    text = _AUTOLINK.sub(lambda m: ":\\/\\/" if m.group(0) == "://" else "\\@" if m.group(0) == "@"
+    text = _AUTOLINK.sub(lambda m: "\\/\\/" if m.group(0) == "//" else "\\@" if m.group(0) == "@"
                          else m.group(1) + "\\.", text)
     return text.replace("\t", " ").replace("\n", "<br>")
 
