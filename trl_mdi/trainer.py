@@ -83,7 +83,14 @@ from .batch import (
 from .config import MDIGRPOConfig
 from .counterfactual import NO_IMAGE, counterfactual_prompts
 from .data.columns import check_choices
-from .data.images import check_images_per_row, decode_row_images, lazy_images, report_bad_images, row_images
+from .data.images import (
+    ProcessorImageCheck,
+    check_images_per_row,
+    decode_row_images,
+    lazy_images,
+    report_bad_images,
+    row_images,
+)
 from .diagnostics import (
     BatchLog,
     ConsoleSummaryCallback,
@@ -628,7 +635,8 @@ class MDIGRPOTrainer(GRPOTrainer):
         """Before TRL generates: decode the images (a bad one is reported, never fatal by default), pick the rows the
         attention maps want, start the clock."""
         record.step = self.state.global_step + 1  # the optimizer step this batch feeds
-        errors = decode_row_images(inputs)
+        # An image the processor refuses (its size or shape) is a bad image too, caught here rather than inside TRL.
+        errors = decode_row_images(inputs, check=ProcessorImageCheck(self.processing_class))
         report_bad_images(inputs, errors, self.args.on_bad_image, gather_object)
         check_images_per_row(inputs, self.run_plan.facts, gather_object)
         zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3

@@ -26,7 +26,8 @@ Design choices, and why:
    validation error (empty result, too large a subset) leaves the previous outputs untouched and never a
    half-written parquet under a final name.
 4. Images that are already RGB keep their original bytes (no JPEG re-compression); other modes are
-   converted (RGBA / LA / palette-with-transparency composited on white) and re-encoded, as JPEG
+   converted (RGBA / LA / palette-with-transparency composited on white, 16-bit and other high-depth
+   modes scaled to 8 bits: ``trl_mdi.data.pixels``) and re-encoded, as JPEG
    (quality 95) when the source was JPEG and lossless PNG otherwise.
 5. Duplicate question ids inside a split keep their first row; the rest are skipped and counted, which also
    makes a directory holding two copies of the same split harmless.

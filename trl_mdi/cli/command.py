@@ -28,6 +28,7 @@ from typing import Any
 
 from ..checkpoints import CheckpointError, resolve_resume
 from ..data import DatasetError, load_training_data
+from ..data.images import ProcessorImageCheck
 from .arguments import UsageError, parse_args
 from .checks import (
     answer_format_warning,
@@ -107,7 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_image_token(model_config, processor)
         # The main process prepares (and caches) the data first; the others then read the cache.
         with t.main_process_first(desc="dataset preparation"):
-            data = load_training_data(run.data, need_eval=t.eval_strategy != "no" or s.eval_only, seed=t.seed, log=log)
+            data = load_training_data(run.data, need_eval=t.eval_strategy != "no" or s.eval_only, seed=t.seed, log=log,
+                                      image_check=ProcessorImageCheck(processor), on_bad_image=t.on_bad_image)
         t.model_init_kwargs = model_init_kwargs(m, t)
         plan = plan_entry_point(run, data)
     except (UsageError, DatasetError, CheckpointError) as e:

@@ -18,7 +18,7 @@ from ..attention import ModalityAttention, measure_modality_attention
 from ..attention.model_facts import model_facts
 from ..batch import completion_mask_until_eos, encode_prompts, eos_token_ids, pad_rows, policy_batch
 from ..data import DatasetError
-from ..data.images import decode_row_images, row_images
+from ..data.images import ProcessorImageCheck, decode_row_images, row_images
 
 
 @dataclasses.dataclass
@@ -107,9 +107,10 @@ def measure_rows(model, processor, dataset, *, batch_size: int = 8, max_new_toke
     start = time.perf_counter()
     parts, kept, texts, skipped = [], [], [], {}
     n = dataset.num_rows
+    check = ProcessorImageCheck(processor)
     for lo in tqdm(range(0, n, batch_size), desc=desc, unit="batch", disable=not progress):
         rows = [dataset[i] for i in range(lo, min(lo + batch_size, n))]
-        errors = decode_row_images(rows)
+        errors = decode_row_images(rows, check=check)  # unreadable, or refused by the processor
         skipped.update({lo + i: e for i, e in errors.items()})
         keep = [i for i in range(len(rows)) if i not in errors]
         if not keep:

@@ -346,7 +346,7 @@ def measure_reliance(model, processor, dataset, kinds: Sequence[str] = ("black",
     """
     from tqdm.auto import tqdm
 
-    from ..data.images import decode_row_images, row_images
+    from ..data.images import ProcessorImageCheck, decode_row_images, row_images
 
     kinds = list(kinds)
     tok = getattr(processor, "tokenizer", processor)
@@ -357,9 +357,10 @@ def measure_reliance(model, processor, dataset, kinds: Sequence[str] = ("black",
     n = len(dataset)
     prompts_out, rollouts_out, skipped = [], [], {}
     data_labels = False
+    check = ProcessorImageCheck(processor)
     for lo in tqdm(range(0, n, batch_size), desc=desc, unit="batch", disable=not progress):
         rows = [dict(dataset[i]) for i in range(lo, min(lo + batch_size, n))]
-        errors = decode_row_images(rows)
+        errors = decode_row_images(rows, check=check)  # unreadable, or refused by the processor
         skipped.update({lo + i: e for i, e in errors.items()})
         keep = [i for i in range(len(rows)) if i not in errors]
         if not keep:
