@@ -532,6 +532,40 @@ def output_dir_problem(path) -> str | None:
     return None
 
 
+_MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_config.json")
+
+
+def output_dir_model_problem(output_dir, model) -> str | None:
+    """Why the run's saves into ``output_dir`` would destroy a model (None: they would not), checked before anything
+    loads. ``model``: the path or Hub id the run loads, or a loaded model (its config's ``_name_or_path``).
+
+    The final ``save_model`` writes ``config.json`` and the weights into ``output_dir`` itself, so ``output_dir`` may
+    not be the model's folder or lie inside it, nor hold a model no trainer saved there (weights or a config without
+    the ``training_args.bin`` a trainer's save writes beside them: a downloaded or hand-made model). A trainer's
+    earlier output there is the run's own to replace, as in transformers.
+    """
+    if output_dir is None:
+        return None
+    out = os.path.realpath(os.path.expanduser(str(output_dir)))
+    source = model if isinstance(model, (str, os.PathLike)) else getattr(getattr(model, "config", None),
+                                                                         "_name_or_path", None)
+    if source and os.path.isdir(os.path.expanduser(str(source))):
+        folder = os.path.realpath(os.path.expanduser(str(source)))
+        if out == folder or out.startswith(folder.rstrip(os.sep) + os.sep):
+            where = "is the model's own folder" if out == folder else f"lies inside the model's folder {folder!r}"
+            return (f"output_dir {str(output_dir)!r} {where}: the run's saves would overwrite or mix with the model it "
+                    "trains from (model.safetensors, config.json). Valid example: --output_dir runs/grpo (a folder "
+                    "outside the model's)")
+    if os.path.isdir(out) and not os.path.exists(os.path.join(out, "training_args.bin")):
+        found = [f for f in _MODEL_FILES if os.path.isfile(os.path.join(out, f))]
+        if found:
+            return (f"output_dir {str(output_dir)!r} holds a model no training run saved there ({', '.join(found)}, "
+                    "and no training_args.bin): the run's final save would overwrite it. Valid example: --output_dir "
+                    "runs/grpo (an empty or new folder); move that model elsewhere to train from it")
+    return None
+
+
 def check_field_values(args) -> None:
     """Check the types and ranges of the numeric fields (``FIELD_RULES``), ``reward_weights`` and ``output_dir``,
     converting the values in place (a YAML int for a float field, a numeric string); ValueError otherwise, one line

@@ -80,7 +80,7 @@ from .batch import (
     rng_untouched,
     tile_counts,
 )
-from .config import MDIGRPOConfig
+from .config import MDIGRPOConfig, output_dir_model_problem
 from .counterfactual import NO_IMAGE, counterfactual_prompts
 from .data.columns import check_choices
 from .data.images import (
@@ -301,6 +301,9 @@ class MDIGRPOTrainer(GRPOTrainer):
         config = MDIGRPOConfig.from_grpo_config(args)
         # One run per output_dir, before any weight loads: the main process locks it for the trainer's lifetime (the
         # OS drops the lock if the process dies).
+        problem = output_dir_model_problem(config.output_dir, model)  # the model folder is not ours to overwrite
+        if problem:
+            raise ValueError(problem)
         self.run_lock = lock_output_dir(config.output_dir) if config.process_index == 0 else None
         if self.run_lock is not None:
             weakref.finalize(self, self.run_lock.release)

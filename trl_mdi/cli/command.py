@@ -29,10 +29,13 @@ from typing import Any
 from ..checkpoints import CheckpointError, resolve_resume
 from ..data import DatasetError, load_training_data
 from ..data.images import ProcessorImageCheck
+from ..data.lengths import check_prompt_lengths
 from .arguments import UsageError, parse_args
 from .checks import (
     answer_format_warning,
     check_image_token,
+    check_log_paths,
+    check_output_dir,
     check_peft,
     check_vllm,
     check_vlm,
@@ -95,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = print if is_main else (lambda *a, **k: None)
     try:
         check_vllm(t)  # --use_vllm with no vLLM, or a mode this machine cannot run: before anything loads
+        check_output_dir(t.output_dir, m.model_name_or_path)  # never the model's own folder
+        check_log_paths(t)
         # A checkpoint that lacks what resuming needs is refused before anything loads (the trainer's train() checks
         # again, for library use; "true" becomes the newest whole checkpoint).
         resume_from_checkpoint, _ = resolve_resume(t.resume_from_checkpoint, t.output_dir,
@@ -107,9 +112,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    max_pixels=s.max_pixels)
         check_image_token(model_config, processor)
         # The main process prepares (and caches) the data first; the others then read the cache.
+        image_check = ProcessorImageCheck(processor)  # what the processor refuses, and each image's tokens
         with t.main_process_first(desc="dataset preparation"):
             data = load_training_data(run.data, need_eval=t.eval_strategy != "no" or s.eval_only, seed=t.seed, log=log,
-                                      image_check=ProcessorImageCheck(processor), on_bad_image=t.on_bad_image)
+                                      image_check=image_check, on_bad_image=t.on_bad_image)
+        check_prompt_lengths({data.train_split: data.train, "eval": data.eval}, processor, model_config,
+                             t.max_completion_length, image_check, data.image_column)
         t.model_init_kwargs = model_init_kwargs(m, t)
         plan = plan_entry_point(run, data)
     except (UsageError, DatasetError, CheckpointError) as e:
