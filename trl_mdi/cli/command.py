@@ -11,7 +11,10 @@ What it adds to a bare ``TrlParser`` + ``MDIGRPOTrainer`` script, and why:
    where it came from: the command line, the YAML file, a trl_mdi default, or the library default.
 3. **Fail before loading weights.** The model config must describe a vision-language model, the data must have an
    image and a prompt column and the labels the rewards read, ``--use_vllm`` must be runnable here (vLLM installed,
-   a ``--vllm_mode`` the machine can run), and unknown flags are errors (TrlParser's own behaviour, kept). Input problems exit with status 2 and one message, no traceback.
+   a ``--vllm_mode`` the machine can run), and unknown flags are errors (TrlParser's own behaviour, kept). So are an
+   ``--output_dir`` whose saves would overwrite a model, a log path that is a directory, a model without processor
+   files, images the processor refuses (dropped and counted, or an error with ``on_bad_image: error``) and prompts
+   too long for the model's positions. Input problems exit with status 2 and one message, no traceback.
 4. **The model is passed by path**, so ``model_init_kwargs`` (dtype, attn_implementation) and DeepSpeed ZeRO-3's
    sharded initialisation apply at load time; the processor is loaded here so its pixel budget can be set from the
    command line (``--min_pixels`` / ``--max_pixels``; TRL 1.16 has no max_prompt_length).
