@@ -42,14 +42,15 @@ def image_sizes(ds, image_column: str) -> list[list[tuple[int, int]]]:
     elif isinstance(feature, List) and isinstance(feature.feature, Image):
         ds = ds.cast_column(image_column, List(Image(decode=False)))
     out = []
-    for cell in ds.select_columns([image_column])[image_column]:
-        cells = cell if isinstance(cell, list) else [] if cell is None else [cell]
-        sizes = []
-        for c in cells:
-            source = io.BytesIO(c["bytes"]) if c.get("bytes") else c.get("path")
-            with PILImage.open(source) as img:
-                sizes.append(img.size)
-        out.append(sizes)
+    for batch in ds.select_columns([image_column]).iter(batch_size=256):  # a batch of image bytes in memory at a time
+        for cell in batch[image_column]:
+            cells = cell if isinstance(cell, list) else [] if cell is None else [cell]
+            sizes = []
+            for c in cells:
+                source = io.BytesIO(c["bytes"]) if c.get("bytes") else c.get("path")
+                with PILImage.open(source) as img:
+                    sizes.append(img.size)
+            out.append(sizes)
     return out
 
 
