@@ -208,7 +208,7 @@ def test_the_default_stack_stands_in_only_where_its_defaults_were_chosen(tiny_vl
     path = str(tiny_vlm_dir("qwen2_5_vl"))
     config = mdi_args(tmp_path)
     chosen = plan_run(path, None, config, defaults_chosen=True, columns={})
-    assert chosen.reward_names == ("mc_idx_reward", "think_format_reward", "mdi_balance_reward")
+    assert chosen.reward_names == ("mc_idx", "think_format", "mdi_balance")
     assert chosen.reward_weights == (4.0, 1.0, 1.0) and chosen.rewards_from == "the default stack"
     assert "[the default stack]" in chosen.describe()
     assert plan_run(path, [], config, defaults_chosen=True, columns={}).reward_names == chosen.reward_names

@@ -156,7 +156,7 @@ def test_dry_run_prints_the_effective_configuration(capsys, base_args):
     run.training.model_init_kwargs = model_init_kwargs(run.model, run.training)
     plan = plan_run(run.model.model_name_or_path, None, run.training, defaults_chosen=True, columns={})
     assert plan.describe() in out
-    assert "mc_idx_reward x4, think_format_reward x1, mdi_balance_reward x1 [the default stack]" in out
+    assert "mc_idx x4, think_format x1, mdi_balance x1 [the default stack]" in out
 
 
 def test_model_init_kwargs_from_model_flags(base_args):
@@ -477,8 +477,8 @@ def test_two_process_zero3_run(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path):
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
     steps = [h for h in state["log_history"] if "loss" in h]
     assert len(steps) == 2
-    for key in ("attention/mdi", "attention/mdi_late", "attention/image_mass", "rewards/mc_idx_reward/mean",
-                "rewards/think_format_reward/mean", "rewards/mdi_balance_reward/mean"):
+    for key in ("attention/mdi", "attention/mdi_late", "attention/image_mass", "rewards/mc_idx/mean",
+                "rewards/think_format/mean", "rewards/mdi_balance/mean"):
         assert key in steps[-1], key
     assert (logs / "rollouts.md").stat().st_size > 0 and (logs / "attention.md").stat().st_size > 0
     assert f"Markdown log:            {logs / 'rollouts.md'}" in proc.stdout  # the closing summary finds them

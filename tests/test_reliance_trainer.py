@@ -340,7 +340,7 @@ def test_the_plan_says_which_forwards_run_and_why(model_dir, grpo_train_dataset,
                              args=make_args(tmp_path, enable_perception_filtering=True, perception_perturbation="black"),
                              train_dataset=grpo_train_dataset)
     plan = trainer.run_plan.describe()
-    assert "reward answer_visual_gain_reward reads answer_visual_gain" in plan
+    assert "reward answer_visual_gain reads answer_visual_gain" in plan
     assert "counterfactual image (reliance signals and the perturbation perception signal" in plan
     assert "perturbed images" not in plan  # one forward serves both
 

@@ -60,8 +60,8 @@ def test_two_processes(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path, config, over
         assert abs(total) < 1e-5, [r["group_scores"][step] for r in records]
     logs = records[0]["logs"]
     assert len(logs) == 2
-    for key in ("attention/mdi", "attention/mdi_early", "attention/mdi_late", "rewards/mdi_balance_reward/mean",
-                "rewards/mdi_group_reward/zero_spread_frac", "tprl/perception_token_fraction",
+    for key in ("attention/mdi", "attention/mdi_early", "attention/mdi_late", "rewards/mdi_balance/mean",
+                "rewards/mdi_group/zero_spread_frac", "tprl/perception_token_fraction",
                 "tprl/entropy_token_fraction", "tprl/scaling_factor_mean", "tprl/sensitivity_score_mean"):
         assert key in logs[0], key
     # TAS multipliers are normalised over the gathered batch: their mean over it is 1.

@@ -122,8 +122,8 @@ class MDIGRPOConfig(GRPOConfig):
             loss mask, and the DAPO normaliser counts only the kept groups' tokens, as if the dropped groups had
             not been sampled. The batch shape stays the same (every process keeps its rows, ZeRO-3 stays in step).
         filter_key (`str`, *optional*, defaults to `"mc_idx"`):
-            The reward whose group mean is tested: a reward name (`mc_idx` or `mc_idx_reward`) or `reward` for the
-            weighted total.
+            The reward whose group mean is tested: a reward's name (`mc_idx`, as in `rewards/mc_idx/mean`) or
+            `reward` for the weighted total.
         filter_low (`float`, *optional*, defaults to `0.01`), filter_high (`float`, *optional*, defaults to `0.99`):
             Groups with a mean inside this closed range are kept.
 

@@ -26,7 +26,7 @@ class EvalResult:
     accuracy: float
     format_rate: float  # fraction of completions the lenient think format accepts (any text after </think>)
     answered_rate: float  # fraction with a parseable, unhedged letter
-    clean_rate: float  # fraction in the asked format (think_format_reward's rule), ended at end of sequence
+    clean_rate: float  # fraction in the asked format (think_format's rule), ended at end of sequence
     letters: dict[str, int]  # parsed letter -> count ("" = none)
     completions: list[str]
     seconds: float = 0.0
@@ -61,7 +61,7 @@ def score_completions(completions: Sequence[Any], labels: Sequence[int], num_cho
     (0.333, 0.333, 0.333, {'A': 1, 'C': 1, '': 1})
     """
     from .answer_format import clean_format
-    from .rewards import parse_mc_answer, think_format_lenient_reward
+    from .rewards import parse_mc_answer, think_format_lenient
 
     if len(completions) != len(labels):
         raise ValueError(f"{len(completions)} completions but {len(labels)} labels")
@@ -74,7 +74,7 @@ def score_completions(completions: Sequence[Any], labels: Sequence[int], num_cho
     texts = [completion_text(c) for c in completions]
     parsed = [parse_mc_answer(t, n)[0] for t, n in zip(texts, counts)]
     correct = sum(p is not None and p == LETTERS[int(y)] for p, y in zip(parsed, labels))
-    fmt = think_format_lenient_reward(texts)
+    fmt = think_format_lenient(texts)
     ended = [True] * len(texts) if ended is None else list(ended)
     clean = sum(bool(e) and clean_format(t, choices=[None] * n) for t, e, n in zip(texts, ended, counts))
     return EvalResult(

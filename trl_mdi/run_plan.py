@@ -139,8 +139,8 @@ class RunPlan:
         logger.warning("MDIGRPOTrainer: %s: attention metrics are off; the trainer behaves as GRPOTrainer", reason)
         names, weights = list(self.reward_names), self.reward_weights
         funcs = list(self.reward_funcs)
-        if self.rewards_from == "the default stack" and "mdi_balance_reward" in names:
-            i = names.index("mdi_balance_reward")
+        if self.rewards_from == "the default stack" and "mdi_balance" in names:
+            i = names.index("mdi_balance")
             del names[i], funcs[i]
             weights = tuple(w for j, w in enumerate(weights) if j != i) if weights is not None else None
         # The one attention reader that can be left is the default stack's mdi_balance (a reward the user named that

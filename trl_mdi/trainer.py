@@ -100,7 +100,13 @@ from .diagnostics import (
     perception_strips,
     write_batch,
 )
-from .diagnostics.completions_table import CompletionColumns, TableBatch, table_columns, table_prompts
+from .diagnostics.completions_table import (
+    CompletionColumns,
+    TableBatch,
+    column_names,
+    table_columns,
+    table_prompts,
+)
 from .diagnostics.writers import marked_completion
 from .filtering import apply_group_filter, group_filter_keep
 from .rewards import RewardTally, ThinkFormatReward, outcome_metrics, zero_spread_fraction
@@ -633,8 +639,9 @@ class MDIGRPOTrainer(GRPOTrainer):
         # join its "extra" columns here, under TRL's rows (tests/test_trl_contract.py pins _logs and log()).
         rows = self._logs["prompt"]
         if self.completion_columns is not None:
-            for name, values in self.completion_columns.columns(len(rows)).items():
-                self._logs["extra"][name] = deque(values, maxlen=rows.maxlen)
+            columns = self.completion_columns.columns(len(rows))
+            for name, shown in column_names(columns, self.reward_func_names).items():
+                self._logs["extra"][shown] = deque(columns[name], maxlen=rows.maxlen)
         prompts = (table_prompts(rows, text="wandb" in (self.args.report_to or []))
                    if self.log_completions and self.accelerator.is_main_process else None)
         if prompts is None:

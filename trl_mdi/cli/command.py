@@ -64,7 +64,7 @@ def _fail(message: str) -> int:
 def eval_summary(metrics: dict[str, float]) -> dict[str, Any]:
     """The headline numbers of an evaluation: accuracy, mean reward, mean MDI and balance per segment."""
     pick = {k.removeprefix("eval_"): v for k, v in metrics.items()}
-    summary = {"accuracy": pick.get("rewards/mc_idx_reward/mean", pick.get("rewards/accuracy_reward/mean")),
+    summary = {"accuracy": pick.get("rewards/mc_idx/mean", pick.get("rewards/accuracy/mean")),
                "reward": pick.get("reward")}
     summary.update({k: v for k, v in pick.items() if k.startswith(("attention/mdi", "attention/aei"))})
     summary.update({k: v for k, v in pick.items() if k.startswith("rewards/") and k.endswith("/mean")})
