@@ -15,7 +15,7 @@ from fixtures.testing import eager_masses, grpo_batch, shape_image
 from fixtures.tiny import TINY_ARCHS
 from trl_mdi import signals as S
 from trl_mdi.attention import image_token_ids, measure_modality_attention
-from trl_mdi.attention.model_facts import model_facts
+from trl_mdi.attention.model_facts import ZERO3_TRAINING_PROBLEMS, model_facts
 
 
 def rows_of(res, segments="thirds"):
@@ -192,7 +192,7 @@ def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3",
-                                  "llava", "glm4v", "qwen3_vl_moe", "mistral3"])
+                                  "llava", "glm4v", "qwen3_vl_moe", "mistral3", "lfm2_vl"])
 def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     """The attention maps of a two-image row (images of different sizes): the probe's per-image-token masses equal
     eager attention weights token by token, and the per-image split the maps use (each image's token grid) cuts
@@ -265,7 +265,8 @@ def test_families_without_a_plain_token_grid_get_no_map(tiny_vlm_dir, arch):
 
 
 @pytest.mark.parametrize("arch, markers", [("glm4v", ("<|begin_of_image|>", "<|end_of_image|>")),
-                                           ("mistral3", ("[IMG_BREAK]", "[IMG_END]"))])
+                                           ("mistral3", ("[IMG_BREAK]", "[IMG_END]")),
+                                           ("lfm2_vl", ("<|image_start|>", "<|image_end|>"))])
 def test_tokens_around_and_inside_an_image_run_are_text_keys(tiny_vlm_dir, arch, markers):
     """GLM-4.1V's begin / end-of-image tokens around its M-RoPE run and Pixtral's row-break / end tokens inside the run
     are facts of the model (``ModelFacts.image_marker_ids``), never image keys: the image group is exactly the
@@ -307,6 +308,34 @@ def test_a_family_transformers_cannot_load_under_zero3_is_refused_by_path_with_t
     with pytest.raises(ValueError, match=r"\(qwen3_vl_moe\) cannot be loaded under DeepSpeed ZeRO-3 .* pass the model "
                                          r"object"):
         MDIGRPOTrainer(path, reward_funcs=[lambda **k: []], args=args, train_dataset=zen_image_dataset(2))
+
+
+@pytest.mark.parametrize("arch", sorted(ZERO3_TRAINING_PROBLEMS))
+def test_a_family_that_cannot_train_under_zero3_is_refused_with_the_fix(tiny_vlm_dir, tmp_path, monkeypatch, arch):
+    """LFM2-VL under DeepSpeed ZeRO-3: its projector runs once per image tile, so processes with different numbers of
+    tiles gather its weights a different number of times and the collectives stop matching (the every-family launch
+    saw gloo's "Received data size doesn't match expected size" with an image on one process and the dummy pass on
+    the other, and trained with four images on each). Refused at construction, by path and as an object, before TRL
+    builds anything; without ZeRO-3 the same trainer builds."""
+    from unittest import mock
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    from fixtures.testing import zen_image_dataset
+    from trl_mdi import MDIGRPOTrainer
+    from trl_mdi import trainer as trainer_module
+
+    path = str(tiny_vlm_dir(arch))
+    args = GRPOConfig(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2, num_generations=2)
+    monkeypatch.setattr(trainer_module, "is_deepspeed_zero3_enabled", lambda: True)
+    for model in (path, AutoModelForImageTextToText.from_pretrained(path)):
+        with mock.patch.object(GRPOTrainer, "__init__", side_effect=AssertionError("TRL was built")):
+            with pytest.raises(ValueError, match=rf"'{arch}' cannot train under DeepSpeed ZeRO-3: .*once per image "
+                                                 r"tile.* Fix: train it with ZeRO-2"):
+                MDIGRPOTrainer(model, reward_funcs=[lambda **k: []], args=args, train_dataset=zen_image_dataset(2))
+    monkeypatch.setattr(trainer_module, "is_deepspeed_zero3_enabled", lambda: False)
+    MDIGRPOTrainer(path, reward_funcs=[lambda **k: [0.0] * len(k["prompts"])], args=args,
+                   train_dataset=zen_image_dataset(2))
 
 
 def test_llava_maps_only_square_images(tiny_vlm_dir):

@@ -38,6 +38,9 @@ EXPECTED |= {
     # Two rows of two [IMG] tokens: [IMG] [IMG] [IMG_BREAK] [IMG] [IMG] [IMG_END].
     "mistral3": ("Mistral3ForConditionalGeneration", "PixtralProcessor", "[IMG]", 4),
 }
+EXPECTED |= {  # issue 45: the families users train first
+    "lfm2_vl": ("Lfm2VlForConditionalGeneration", "Lfm2VlProcessor", "<image>", 4),  # 2 x 2, in <|image_start|> ... <|image_end|>
+}
 # Tokens the processor counts per image besides the placeholder (InternVL: <img> and </img>; Mistral 3: its row
 # markers).
 EXTRA_COUNTED = {"internvl": 2, "mistral3": 2}  # Mistral 3: [IMG_BREAK] and [IMG_END]
@@ -60,6 +63,9 @@ TEMPLATE_MARKS |= {
     "glm4v": ("[gMASK]<sop><|user|>\n<|begin_of_image|><|image|><|end_of_image|>", "<|assistant|>\n"),
     "qwen3_vl_moe": ("<|vision_start|><|image_pad|><|vision_end|>", "<|im_end|>\n<|im_start|>assistant\n"),
     "mistral3": ("[/SYSTEM_PROMPT][INST][IMG]", "[/INST]"),
+}
+TEMPLATE_MARKS |= {
+    "lfm2_vl": ("<|startoftext|><|im_start|>user\n<image>What", "<|im_end|>\n<|im_start|>assistant\n"),
 }
 QUESTION = "What colour is the circle?"
 
@@ -288,6 +294,27 @@ def test_gemma4_layer_types_and_sliding_window(tiny_vlm_dir):
         assert torch.isfinite(model(**inputs).logits).all()
 
 
+def test_lfm2_vl_conv_layers_and_tiles(tiny_vlm_dir):
+    """LFM2-VL's decoder mixes gated short convolutions (no attention weights) with full attention; an image far over
+    its token budget is tiled as the real processor tiles it (a marker per tile, a thumbnail), and gets no map."""
+    from trl_mdi.diagnostics.maps import image_token_grids
+
+    model, processor = _load(tiny_vlm_dir("lfm2_vl"))
+    assert model.config.text_config.layer_types == ["conv", "full_attention"] * 2
+    assert [layer.is_attention_layer for layer in model.model.language_model.layers] == [False, True, False, True]
+    text = processor.apply_chat_template(_messages(False), add_generation_prompt=True)
+    inputs = processor(text=[text], images=[[_image(256)]], return_tensors="pt")
+    tokens = processor.tokenizer.convert_ids_to_tokens(inputs["input_ids"][0].tolist())
+    assert [t for t in tokens if t.startswith("<|img_")] == [
+        "<|img_row_1_col_1|>", "<|img_row_1_col_2|>", "<|img_row_2_col_1|>", "<|img_row_2_col_2|>", "<|img_thumbnail|>"]
+    assert tokens.count("<image>") == 5 * 4 and inputs["pixel_values"].shape[0] == 5  # 2 x 2 tiles + the thumbnail
+    with torch.no_grad():
+        assert torch.isfinite(model(**inputs).logits).all()
+    # One view within the budget: a row-major grid (spatial_shapes / 2); a tiled image: no map.
+    assert image_token_grids(processor, [_image(56), Image.new("RGB", (112, 56))]) == [(2, 2), (1, 2)]
+    assert image_token_grids(processor, [_image(56), _image(256)]) is None
+
+
 @pytest.mark.parametrize(
     ("arch", "softmax_layers"), [("qwen3_5_moe", [1, 3]), ("gemma4", [0, 1, 2, 3]), ("qwen3_5", [1, 3])]
 )
@@ -328,7 +355,7 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
 @pytest.mark.parametrize(
     ("arch", "overrides", "message"),
     [
-        ("qwen2_5_vl", {"full_attention_interval": 2}, "to qwen3_5, gemma3, qwen3_5_moe and gemma4 only"),
+        ("qwen2_5_vl", {"full_attention_interval": 2}, "to qwen3_5, gemma3, qwen3_5_moe, gemma4 and lfm2_vl only"),
         ("qwen3_5", {"sliding_window": 8}, "sliding_window applies to gemma3 and gemma4 only"),
         ("qwen3_5", {"full_attention_interval": 0}, "positive integer"),
         ("gemma3", {"sliding_window": -1}, "positive integer"),
@@ -349,6 +376,8 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
         ("mistral3", {"min_pixels": 1024}, "set image_size instead"),
         ("glm4v", {"image_size": 32}, "set min_pixels/max_pixels instead"),
         ("qwen3_vl_moe", {"num_experts_per_tok": 5}, "exceeds num_experts 4"),
+        ("lfm2_vl", {"image_size": 32}, "set image_patch_size instead"),
+        ("lfm2_vl", {"sliding_window": 8}, "sliding_window applies to gemma3 and gemma4 only"),
     ],
 )
 def test_invalid_family_requests_raise_value_error(arch, overrides, message):

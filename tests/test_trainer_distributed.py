@@ -181,8 +181,11 @@ def test_every_family_under_zero3_in_one_launch(tiny_vlm_dir, tmp_path):
     every step an image prompt on rank 0 and a text-only one on rank 1: the dummy vision pass works on every family
     under ZeRO-3 (a family it failed on would hang here and hit the timeout)."""
     from fixtures.tiny import TINY_ARCHS
+    from trl_mdi.attention.model_facts import ZERO3_TRAINING_PROBLEMS
 
-    dirs = [str(tiny_vlm_dir(arch)) for arch in TINY_ARCHS]
+    # The families that cannot train under ZeRO-3 are refused at construction instead (tests/test_families.py).
+    archs = [arch for arch in TINY_ARCHS if arch not in ZERO3_TRAINING_PROBLEMS]
+    dirs = [str(tiny_vlm_dir(arch)) for arch in archs]
     out = tmp_path / "families.jsonl"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "accelerate_configs" / "cpu_zero3.yaml"), str(ROOT / "tests" / "dist" / "train_families.py"),
@@ -190,7 +193,7 @@ def test_every_family_under_zero3_in_one_launch(tiny_vlm_dir, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ})
     assert proc.returncode == 0, proc.stderr[-5000:]
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    for arch, path in zip(TINY_ARCHS, dirs):
+    for arch, path in zip(archs, dirs):
         ranks = sorted((r for r in records if r["model"] == path), key=lambda r: r["rank"])
         assert [r["rank"] for r in ranks] == [0, 1], arch
         for r in ranks:

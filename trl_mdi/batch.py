@@ -165,15 +165,28 @@ def policy_batch(prompt_ids: Sequence[Sequence[int]] | torch.Tensor, completion_
 
 
 def tile_counts(processing_class, images: list[list] | None, multimodal: dict[str, Any]) -> list[int] | None:
-    """Tiles per row where the processor's ``pixel_values`` hold tiles rather than images (InternVL: up to
-    ``max_patches`` tiles and a thumbnail per image), counted as TRL 1.16's ``_generate_and_score_completions``
-    counts them for its log-prob forward (``num_tiles``): the image processor run again with
-    ``crop_to_patches=True``. Without them TRL's chunked forward slices the tiles as if they were images. None for
-    every other layout (LFM2-VL's ``spatial_shapes`` tiles TRL counts another way; no tiny family has them)."""
+    """Tiles per row where the processor's ``pixel_values`` hold tiles rather than images, counted as TRL 1.16's
+    ``_generate_and_score_completions`` counts them for its log-prob forward (``num_tiles``); without them TRL's
+    chunked forward slices the tiles as if they were images (LFM2-VL: TRL's forward stops on the missing count).
+
+    - LFM2-VL (``spatial_shapes`` among the fields): each image is one view, or ``rows x cols`` tiles plus a thumbnail
+      (when the image processor's ``use_thumbnail`` is on), from the image processor's ``return_row_col_info``.
+    - InternVL (4-D ``pixel_values`` with more entries than images): up to ``max_patches`` tiles and a thumbnail per
+      image, the image processor run again with ``crop_to_patches=True``.
+
+    None for every other layout (one ``pixel_values`` entry per image or per row)."""
     pixels = multimodal.get("pixel_values")
     num_images = [len(i) if i else 0 for i in images or []]
-    if (not any(num_images) or not torch.is_tensor(pixels) or pixels.ndim != 4 or pixels.shape[0] == sum(num_images)
-            or "spatial_shapes" in multimodal):
+    if not any(num_images) or not torch.is_tensor(pixels):
+        return None
+    if "spatial_shapes" in multimodal:
+        image_processor = processing_class.image_processor
+        info = image_processor(images=images, return_tensors="pt", return_row_col_info=True)
+        tiles = torch.as_tensor(info["image_rows"]) * torch.as_tensor(info["image_cols"])
+        if image_processor.use_thumbnail:
+            tiles = tiles + (tiles > 1).to(tiles.dtype)
+        return [int(group.sum()) for group in torch.split(tiles, num_images)]
+    if pixels.ndim != 4 or pixels.shape[0] == sum(num_images):
         return None
     patches = processing_class.image_processor(images=images, crop_to_patches=True, return_tensors="pt")["num_patches"]
     return [int(group.sum()) for group in torch.split(torch.as_tensor(patches), num_images)]

@@ -65,6 +65,7 @@ from .answer_tokens import answer_tokens
 from .attention import ModalityAttention, probe_attention, trailing_completion_layout
 from .attention.model_facts import (
     check_zero3_loading,
+    check_zero3_training,
     load_model_config,
     processor_for_trl,
     typed_system_problem,
@@ -314,6 +315,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         if (problem := typed_system_problem(kwargs["processing_class"])) and _first_prompt_has_system(train_dataset):
             logger.warning(f"The training prompts have a system turn, but the processor's {problem}.")
         check_zero3_loading(model, plan.facts.model_type, is_deepspeed_zero3_enabled())  # before TRL loads weights
+        check_zero3_training(plan.facts.model_type, is_deepspeed_zero3_enabled())
         self._record: BatchRecord | None = None
         self._pending: PendingMeasurement | None = None
         self._nan_warned: set[str] = set()  # rewards already warned about returning NaN: once per reward and run

@@ -106,6 +106,10 @@ placeholders, ``IMAGE_TOKEN_ATTRIBUTES``); a marker's embedding is a learned tex
 image, so mass on it says nothing about how much the model reads the picture. ``ModelFacts.image_marker_ids`` lists
 them so that logs and tests can name them; they are never added to ``image_token_ids``."""
 
+IMAGE_MARKER_TOKEN_ATTRIBUTES = ("image_start_token", "image_end_token", "image_thumbnail_token")
+"""Processor attributes naming such markers as token strings, looked up in its tokenizer: LFM2-VL's ``<|image_start|>``
+/ ``<|image_end|>`` around each image and ``<|img_thumbnail|>`` before a tiled image's thumbnail. Text keys, as above."""
+
 _VISION_WORDS = frozenset({"vision", "visual", "vit", "img", "image"})
 
 
@@ -174,14 +178,18 @@ def find_image_token_ids(config, processor=None) -> tuple[tuple[int, ...], str |
 
 def _marker_ids(config, processor, image_ids) -> tuple[int, ...]:
     """The ids ``IMAGE_MARKER_ATTRIBUTES`` name on the config, then on the processor (Pixtral keeps its markers
-    there), leaving out any that is an image placeholder."""
+    there), then the tokens ``IMAGE_MARKER_TOKEN_ATTRIBUTES`` name on the processor (LFM2-VL), leaving out any that is
+    an image placeholder."""
+    values = [getattr(source, name, None) for source in (config, processor) if source is not None
+              for name in IMAGE_MARKER_ATTRIBUTES]
+    tokenizer = getattr(processor, "tokenizer", None)
+    vocab = tokenizer.get_vocab() if tokenizer is not None and hasattr(tokenizer, "get_vocab") else {}
+    values += [vocab.get(getattr(processor, name, None)) for name in IMAGE_MARKER_TOKEN_ATTRIBUTES]
     ids = []
-    for source in (config, processor):
-        for name in IMAGE_MARKER_ATTRIBUTES:
-            value = getattr(source, name, None) if source is not None else None
-            if (isinstance(value, int) and not isinstance(value, bool) and value >= 0 and value not in ids
-                    and value not in image_ids):
-                ids.append(value)
+    for value in values:
+        if (isinstance(value, int) and not isinstance(value, bool) and value >= 0 and value not in ids
+                and value not in image_ids):
+            ids.append(value)
     return tuple(ids)
 
 
@@ -369,3 +377,31 @@ def check_zero3_loading(model: Any, model_type: str, zero3: bool) -> None:
         f"{model!r} ({model_type}) cannot be loaded under DeepSpeed ZeRO-3 by id or path: {problem}. Fix: load it "
         f"before building the GRPOConfig (model = AutoModelForImageTextToText.from_pretrained({model!r}), outside "
         "ZeRO-3's loading path) and pass the model object; ZeRO-3 shards it when training starts.")
+
+
+ZERO3_TRAINING_PROBLEMS = {
+    "lfm2_vl": (
+        "its get_image_features runs the multimodal projector once per image tile, and DeepSpeed ZeRO-3 gathers the "
+        "projector's sharded weights at every call, so two processes whose micro-batches hold different numbers of "
+        "tiles (a process without images runs one dummy tile) issue different numbers of collectives and the run "
+        "stops (gloo: \"Received data size doesn't match expected size\"; NCCL: a hang). TRL's own GRPOTrainer is "
+        "affected alike; only batches with the same number of tiles on every process get through"),
+}
+"""Families that cannot train under DeepSpeed ZeRO-3 at all (however the model is given), and why."""
+
+
+def check_zero3_training(model_type: str, zero3: bool) -> None:
+    """ValueError at construction when DeepSpeed ZeRO-3 is on (``zero3``) and the family is in
+    ``ZERO3_TRAINING_PROBLEMS``: the message names the family, the reason and the fix (ZeRO-2 or DDP, which shard no
+    weight and so gather nothing per call).
+
+    >>> check_zero3_training("lfm2_vl", zero3=False)
+    >>> check_zero3_training("qwen2_5_vl", zero3=True)
+    """
+    problem = ZERO3_TRAINING_PROBLEMS.get(model_type)
+    if problem is None or not zero3:
+        return
+    raise ValueError(
+        f"{model_type!r} cannot train under DeepSpeed ZeRO-3: {problem}. Fix: train it with ZeRO-2 "
+        "(accelerate_configs/deepspeed_zero2.yaml) or DDP (accelerate_configs/multi_gpu.yaml), which keep every weight "
+        "whole on each process.")
