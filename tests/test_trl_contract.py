@@ -103,6 +103,19 @@ def test_rewards_are_read_from_self_reward_funcs_and_none_becomes_nan_there():
     assert "output_reward_func = [reward if reward is not None else torch.nan for reward in output_reward_func]" in src
 
 
+def test_trl_extends_token_type_ids_with_zeros_and_passes_the_processors_labels_on():
+    """What the trainer's PaliGemma fixes answer (``_tokenize_prompts`` and ``_get_per_token_logps_and_entropies``):
+    TRL 1.16 extends the prompt's token_type_ids with zeros over the completion (PaliGemma's bidirectional prefix
+    type; the trainer sets them to 1), keeps every processor output but the ids and mask as a forward keyword (its
+    labels among them; the trainer drops them) and tokenizes a batch's prompts in one unpadded call."""
+    gen = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert "[token_type_ids, token_type_ids.new_zeros(completion_ids.shape)], dim=1" in gen
+    assert 'forward_kwargs = {k: v for k, v in prompt_inputs.items() if k not in ["input_ids", "attention_mask"]}' in gen
+    tokenize = inspect.getsource(GRPOTrainer._tokenize_prompts)
+    assert 'multimodal_fields = {k: v for k, v in tokenized.items() if k not in ("input_ids", "attention_mask")}' in tokenize
+    assert "conversation=prompts," in tokenize
+
+
 def test_tool_mask_only_enters_the_loss_mask():
     """TPRL's token masks are multiplied into TRL's tool_mask: it must reach the loss mask and nothing else."""
     src = inspect.getsource(GRPOTrainer._compute_loss)

@@ -28,6 +28,27 @@ ONE_IMAGE_PER_ROW = {
 }
 
 
+# Families whose processor cannot encode a prompt without an image, and why: {model_type: reason}.
+IMAGE_IN_EVERY_PROMPT = {
+    "paligemma": "PaliGemmaProcessor refuses a batch without images (\"`images` are expected\") and, in a batch with "
+    "images, writes <bos> into a text-only prompt at its 7th character (it inserts <bos> after the last <image> of "
+    "each prompt and finds none there)",
+}
+
+# Families whose processor cannot encode several unpadded prompts of different lengths in one call, as TRL 1.16's
+# _tokenize_prompts calls it, and why: {model_type: reason}. The trainer encodes their prompts one at a time.
+UNPADDED_BATCH_PROBLEMS = {
+    "paligemma": "PaliGemmaProcessor builds its labels with np.array(input_ids), which fails on unpadded prompts of "
+    "different lengths (\"inhomogeneous shape\")",
+}
+
+# The token_type_ids value of generated tokens, for families where TRL 1.16's default (it extends the prompt's
+# token_type_ids with zeros over the completion) is wrong: {model_type: value}. PaliGemma reads 0 as its
+# bidirectional prefix and 1 as the causal suffix, and generation gives each new token 1; with TRL's zeros the
+# log-prob forward would let every completion token attend to the ones after it.
+COMPLETION_TOKEN_TYPE = {"paligemma": 1}
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """The parts of a model's config that attention measurement depends on."""
@@ -46,6 +67,9 @@ class ModelFacts:
     # <|vision_end|>, Gemma's begin / end of image. They count as text keys (``IMAGE_MARKER_ATTRIBUTES`` says why).
     image_marker_ids: tuple[int, ...] = ()
     one_image_per_row: str | None = None  # why a prompt may hold at most one image (ONE_IMAGE_PER_ROW), else None
+    image_in_every_prompt: str | None = None  # why every prompt needs an image (IMAGE_IN_EVERY_PROMPT), else None
+    completion_token_type: int = 0  # token_type_ids of generated tokens (COMPLETION_TOKEN_TYPE)
+    unpadded_batch_problem: str | None = None  # why prompts are encoded one at a time (UNPADDED_BATCH_PROBLEMS)
 
     @property
     def is_vlm(self) -> bool:
@@ -60,11 +84,16 @@ class ModelFacts:
     def images_per_row_problem(self, counts: list[int]) -> str | None:
         """None when every prompt's image count (``counts``) is one this family takes under TRL, else the error."""
         over = [i for i, n in enumerate(counts) if n > 1]
-        if not self.one_image_per_row or not over:
-            return None
-        return (f"{self.model_type!r} prompts with several images cannot be trained under TRL 1.16 ({len(over)} "
-                f"row(s) here, e.g. row {over[0]} with {counts[over[0]]} images): {self.one_image_per_row}. Give "
-                "each prompt at most one image (e.g. paste the images side by side into one).")
+        if self.one_image_per_row and over:
+            return (f"{self.model_type!r} prompts with several images cannot be trained under TRL 1.16 ({len(over)} "
+                    f"row(s) here, e.g. row {over[0]} with {counts[over[0]]} images): {self.one_image_per_row}. Give "
+                    "each prompt at most one image (e.g. paste the images side by side into one).")
+        bare = [i for i, n in enumerate(counts) if n == 0]
+        if self.image_in_every_prompt and bare:
+            return (f"{self.model_type!r} cannot take a prompt without an image ({len(bare)} row(s) here, e.g. row "
+                    f"{bare[0]}): {self.image_in_every_prompt}. Give every prompt an image, or drop the text-only "
+                    "rows.")
+        return None
 
     @property
     def unmeasured_layers(self) -> tuple[int, ...]:
@@ -232,6 +261,9 @@ def model_facts(config, processor=None) -> ModelFacts:
         image_token_problem=problem,
         image_marker_ids=_marker_ids(config, processor, ids) if part is not None else (),
         one_image_per_row=ONE_IMAGE_PER_ROW.get(str(getattr(config, "model_type", ""))),
+        image_in_every_prompt=IMAGE_IN_EVERY_PROMPT.get(str(getattr(config, "model_type", ""))),
+        completion_token_type=COMPLETION_TOKEN_TYPE.get(str(getattr(config, "model_type", "")), 0),
+        unpadded_batch_problem=UNPADDED_BATCH_PROBLEMS.get(str(getattr(config, "model_type", ""))),
     )
 
 

@@ -7,7 +7,8 @@ its token grid. The grid is known for these layouts (:func:`image_token_grids`):
 - Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5: ``image_grid_thw = (1, gh, gw)`` per image, merged ``merge_size`` x
   ``merge_size`` into a ``(gh / merge, gw / merge)`` grid (:func:`token_grid_hw`): any size and aspect ratio.
 - Gemma 3 without pan-and-scan: every image is resized to one square and pooled to ``image_seq_length`` tokens, a
-  ``sqrt(n) x sqrt(n)`` grid (the projector average-pools the vision tower's row-major patch grid).
+  ``sqrt(n) x sqrt(n)`` grid (the projector average-pools the vision tower's row-major patch grid). PaliGemma alike,
+  every SigLIP patch one token.
 - LLaVA 1.5 (``LlavaProcessor``): a centre-cropped square, ``crop / patch`` tokens a side (the projector maps the
   CLIP patch grid token by token); square images only, since the crop hides the rest of any other.
 - Mistral 3 (``PixtralProcessor``): each image is resized to multiples of ``patch_size * spatial_merge_size`` pixels
@@ -258,6 +259,11 @@ def render_image_maps(images: Sequence[Image.Image], masses_per_image: Sequence[
 # ---------------------------------------------------------------------------------------------------
 # What a map is drawn from
 # ---------------------------------------------------------------------------------------------------
+# Processors that resize every image to one square and write ``image_seq_length`` tokens, a row-major grid: Gemma 3
+# (pooled patches; without pan-and-scan) and PaliGemma (every SigLIP patch a token).
+_SQUARE_GRID_PROCESSORS = ("Gemma3Processor", "PaliGemmaProcessor")
+
+
 def image_token_grids(processing_class, images: list) -> list[tuple[int, int]] | None:
     """The token grid (h, w) of each of a row's images, in order; None when the family's layout is not a single
     row-major grid per image (see the module docstring)."""
@@ -271,8 +277,8 @@ def image_token_grids(processing_class, images: list) -> list[tuple[int, int]] |
         sizes = image_processor(images=images, patch_size=side, return_tensors="pt")["image_sizes"]
         return [(int(h) // side, int(w) // side) for h, w in sizes]
     n = getattr(processing_class, "image_seq_length", None)
-    if type(processing_class).__name__ == "Gemma3Processor" and n and not getattr(image_processor, "do_pan_and_scan",
-                                                                                      False):
+    if (type(processing_class).__name__ in _SQUARE_GRID_PROCESSORS and n
+            and not getattr(image_processor, "do_pan_and_scan", False)):
         side = math.isqrt(int(n))
         if side * side == n:
             return [(side, side)] * len(images)
