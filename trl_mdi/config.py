@@ -114,7 +114,7 @@ class MDIGRPOConfig(GRPOConfig):
             `blur` and noise keep or mimic a colour). When TPRL's perturbation signal
             uses the same kind (`perception_perturbation`), one forward serves both.
 
-        > Online group filtering (TPRL brief's online_filtering / filter_key / filter_low / filter_high)
+        > Online group filtering (online_filtering / filter_key / filter_low / filter_high)
 
         online_filtering (`bool`, *optional*, defaults to `False`):
             Drop from the update every group whose mean of `filter_key` lies outside `[filter_low, filter_high]`
