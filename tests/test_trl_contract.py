@@ -110,6 +110,19 @@ def test_rewards_are_read_from_self_reward_funcs_and_none_becomes_nan_there():
     assert "output_reward_func = [reward if reward is not None else torch.nan for reward in output_reward_func]" in src
 
 
+def test_trl_extends_token_type_ids_with_zeros_and_passes_the_processors_labels_on():
+    """What the trainer's PaliGemma fixes answer (``_tokenize_prompts`` and ``_get_per_token_logps_and_entropies``):
+    TRL 1.16 extends the prompt's token_type_ids with zeros over the completion (PaliGemma's bidirectional prefix
+    type; the trainer sets them to 1), keeps every processor output but the ids and mask as a forward keyword (its
+    labels among them; the trainer drops them) and tokenizes a batch's prompts in one unpadded call."""
+    gen = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert "[token_type_ids, token_type_ids.new_zeros(completion_ids.shape)], dim=1" in gen
+    assert 'forward_kwargs = {k: v for k, v in prompt_inputs.items() if k not in ["input_ids", "attention_mask"]}' in gen
+    tokenize = inspect.getsource(GRPOTrainer._tokenize_prompts)
+    assert 'multimodal_fields = {k: v for k, v in tokenized.items() if k not in ("input_ids", "attention_mask")}' in tokenize
+    assert "conversation=prompts," in tokenize
+
+
 def test_tool_mask_only_enters_the_loss_mask():
     """TPRL's token masks are multiplied into TRL's tool_mask: it must reach the loss mask and nothing else."""
     src = inspect.getsource(GRPOTrainer._compute_loss)
@@ -128,12 +141,19 @@ def test_tool_mask_only_enters_the_loss_mask():
     assert "num_items_in_batch = self.accelerator.gather(loss_mask.sum()).sum()" in gen
 
 
-# InternVL: tile-indexed pixel_values, whose per-row tile counts TRL recomputes (num_tiles).
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3", "idefics3", "internvl"])
-def test_forward_inputs_match_what_trl_passes(tiny_vlm_dir, grpo_train_dataset, tmp_path, monkeypatch, arch):
+# InternVL and LFM2-VL: tile-indexed pixel_values, whose per-row tile counts TRL recomputes (num_tiles); LFM2-VL tiles
+# an image only when it is far over its token budget (256 pixels a side here, 2 x 2 tiles and a thumbnail).
+@pytest.mark.parametrize("arch, side", [("qwen2_5_vl", None), ("gemma3", None), ("idefics3", None), ("internvl", None),
+                                        ("lfm2_vl", None), ("lfm2_vl", 256)])
+def test_forward_inputs_match_what_trl_passes(tiny_vlm_dir, grpo_train_dataset, tmp_path, monkeypatch, arch, side):
     """With num_iterations=2 TRL runs its own old-log-prob forward: the trainer's batch builder must lay out exactly
     its inputs, both from TRL's own prompt encoding (``_tokenize_prompts``, the usual path) and from the prompts
     encoded again (the path of a ``rollout_func``, which bypasses TRL's encoding)."""
+    if side is not None:  # the same prompts with larger images
+        from fixtures.testing import shape_image
+
+        grpo_train_dataset = grpo_train_dataset.select(range(8)).map(
+            lambda row, i: {"image": shape_image(side, i)}, with_indices=True)
     args = MDIGRPOConfig(
         output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4,
         num_generations=4, max_completion_length=6, max_steps=1, num_iterations=2, save_strategy="no",

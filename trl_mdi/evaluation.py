@@ -110,15 +110,17 @@ def evaluate_accuracy(model, processor, ds, *, batch_size: int = 50, max_new_tok
     model.eval()
     tok = getattr(processor, "tokenizer", processor)
     eos = eos_token_ids(model, tok)
+    facts = model_facts(model.config)
     texts: list[str] = []
     ended: list[bool] = []
     mdi: dict[str, list[float]] = {}
     try:
         for lo in range(0, len(ds), batch_size):
             batch = ds[lo : lo + batch_size]
-            prompt_ids, fields = encode_prompts(processor, batch["prompt"], [[img] for img in batch["image"]])
+            prompt_ids, fields = encode_prompts(processor, batch["prompt"], [[img] for img in batch["image"]],
+                                                facts=facts)
             prompt = policy_batch(prompt_ids, [[] for _ in prompt_ids], pad_token_id=tok.pad_token_id,
-                                  multimodal=fields, device=model.device)
+                                  multimodal=fields, device=model.device, facts=facts)
             out = model.generate(**prompt.model_inputs(), max_new_tokens=max_new_tokens, do_sample=False,
                                  suppress_tokens=list(model_facts(model.config).image_token_ids),
                                  pad_token_id=tok.pad_token_id, eos_token_id=eos, temperature=None, top_p=None,
@@ -131,7 +133,7 @@ def evaluate_accuracy(model, processor, ds, *, batch_size: int = 50, max_new_tok
                 # trainer measures rollouts; text = every prompt token that is no image token.
                 answer = policy_batch(prompt.input_ids, new, prompt_mask=prompt.attention_mask,
                                       completion_mask=completion_mask_until_eos(new, eos), multimodal=fields,
-                                      pad_token_id=tok.pad_token_id, device=model.device)
+                                      pad_token_id=tok.pad_token_id, device=model.device, facts=facts)
                 result = measure_modality_attention(model, **answer.probe_inputs())
                 for name, m in result.segment_metrics(segments).items():
                     mdi.setdefault(name, []).extend(m["mdi"].tolist())

@@ -65,6 +65,7 @@ from .answer_tokens import answer_tokens
 from .attention import ModalityAttention, probe_attention, trailing_completion_layout
 from .attention.model_facts import (
     check_zero3_loading,
+    check_zero3_training,
     load_model_config,
     processor_for_trl,
     typed_system_problem,
@@ -74,7 +75,9 @@ from .attention.model_parts import choice_logits, hidden_states_at
 from .attention.probe import probe_support
 from .batch import (
     check_counterfactual_encodes,
+    completion_token_types,
     encode_prompts,
+    merge_prompt_encodings,
     pad_rows,
     policy_batch,
     rng_untouched,
@@ -331,6 +334,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         if (problem := typed_system_problem(kwargs["processing_class"])) and _first_prompt_has_system(train_dataset):
             logger.warning(f"The training prompts have a system turn, but the processor's {problem}.")
         check_zero3_loading(model, plan.facts.model_type, is_deepspeed_zero3_enabled())  # before TRL loads weights
+        check_zero3_training(plan.facts.model_type, is_deepspeed_zero3_enabled())
         self._record: BatchRecord | None = None
         self._pending: PendingMeasurement | None = None
         self._nan_warned: set[str] = set()  # rewards already warned about returning NaN: once per reward and run
@@ -504,7 +508,14 @@ class MDIGRPOTrainer(GRPOTrainer):
                 self._record = None
 
     def _tokenize_prompts(self, prompts):
-        out = super()._tokenize_prompts(prompts)
+        if self.run_plan.facts.unpadded_batch_problem and len(prompts) > 1:
+            # PaliGemma's processor cannot encode TRL's unpadded batch (ModelFacts.unpadded_batch_problem): one prompt
+            # at a time, merged as TRL merges its per-prompt encodings.
+            out = merge_prompt_encodings([super(MDIGRPOTrainer, self)._tokenize_prompts([p]) for p in prompts])
+        else:
+            out = super()._tokenize_prompts(prompts)
+        # A processor's labels (PaliGemma's) are no model input of TRL's: generation would get them as a per-token field.
+        out = (out[0], out[1], {k: v for k, v in out[2].items() if k != "labels"})
         record = self._record
         if record is not None and record.encoded is None:
             record.encoded = PromptEncoding(ids=out[0], multimodal=out[2])
@@ -532,6 +543,11 @@ class MDIGRPOTrainer(GRPOTrainer):
         return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        # TRL 1.16 extends token_type_ids with zeros over the completion; PaliGemma reads 0 as its bidirectional prefix,
+        # so the completion's types are set to what generation gave them (``ModelFacts.completion_token_type``).
+        kwargs["token_type_ids"] = completion_token_types(kwargs.get("token_type_ids"), logits_to_keep,
+                                                          self.run_plan.facts.completion_token_type)
+        kwargs.pop("labels", None)  # PaliGemma's processor returns labels, which TRL passes on and its forward refuses
         # The probe rides on the TRL forward the plan puts it in (``_rides_here``); any other call is TRL's forward
         # unchanged.
         rides = self._rides_here(model)
@@ -801,11 +817,12 @@ class MDIGRPOTrainer(GRPOTrainer):
         the prompts hold no image (the counterfactual without the image)."""
         prompt_ids, fields = (encoded.ids, encoded.multimodal) if encoded is not None else encode_prompts(
             self.processing_class, prompts, chat_template_kwargs=self.chat_template_kwargs,
-            chat_template=self.chat_template)
+            chat_template=self.chat_template, facts=self.run_plan.facts)
         images = [row_images(x) for x in inputs] if with_images else []
         batch = policy_batch(prompt_ids, completion_ids_list, pad_token_id=self._tokenizer.pad_token_id,
                              multimodal=fields, num_images=[len(i) for i in images] if any(images) else None,
-                             pad_to_multiple_of=self.pad_to_multiple_of, device=self.accelerator.device)
+                             pad_to_multiple_of=self.pad_to_multiple_of, device=self.accelerator.device,
+                             facts=self.run_plan.facts)
         return dataclasses.replace(batch, num_tiles=tile_counts(self.processing_class, images, batch.multimodal))
 
     @contextlib.contextmanager

@@ -183,10 +183,11 @@ def report_bad_images(inputs: list[dict], errors: dict[int, str], policy: str, g
 
 
 def check_images_per_row(inputs: list[dict], facts, gather_object: Callable) -> None:
-    """Stop every process at once, with the reason, when a prompt holds more images than the family takes under TRL
-    (``ModelFacts.images_per_row_problem``), before TRL hands the batch to the model, which would fail with a bare
-    shape error. ``facts`` is the same on every process, so all of them gather or none does."""
-    if not getattr(facts, "one_image_per_row", None):
+    """Stop every process at once, with the reason, when a prompt holds more images than the family takes under TRL,
+    or none where the family needs one (``ModelFacts.images_per_row_problem``), before TRL hands the batch to the
+    model, which would fail with a bare shape error or a garbled prompt. ``facts`` is the same on every process, so
+    all of them gather or none does."""
+    if not (getattr(facts, "one_image_per_row", None) or getattr(facts, "image_in_every_prompt", None)):
         return
     problem = facts.images_per_row_problem([len(row_images(x)) for x in inputs])
     problems = [p for p in gather_object([problem]) if p]

@@ -73,8 +73,11 @@ def measure_batch(model, processor, rows: list[dict], *, max_new_tokens: int, qu
     tok = getattr(processor, "tokenizer", processor)
     eos = eos_token_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-    prompt_ids, fields = encode_prompts(processor, [r["prompt"] for r in rows], [row_images(r) for r in rows])
-    prompt = policy_batch(prompt_ids, [[] for _ in rows], pad_token_id=pad, multimodal=fields, device=model.device)
+    facts = model_facts(model.config)
+    prompt_ids, fields = encode_prompts(processor, [r["prompt"] for r in rows], [row_images(r) for r in rows],
+                                        facts=facts)
+    prompt = policy_batch(prompt_ids, [[] for _ in rows], pad_token_id=pad, multimodal=fields, device=model.device,
+                          facts=facts)
     if query_phase == "prompt":  # the prompt's queries never see a completion (causal): none is generated
         batch = prompt
     else:
@@ -83,12 +86,12 @@ def measure_batch(model, processor, rows: list[dict], *, max_new_tokens: int, qu
             completion, c_mask = pad_rows(completion, pad, "right")
         else:
             out = model.generate(**prompt.model_inputs(), max_new_tokens=max_new_tokens, do_sample=False,
-                                 suppress_tokens=list(model_facts(model.config).image_token_ids), pad_token_id=pad,
+                                 suppress_tokens=list(facts.image_token_ids), pad_token_id=pad,
                                  eos_token_id=eos, temperature=None, top_p=None, top_k=None)
             completion = out[:, prompt.input_ids.shape[1]:]
             c_mask = completion_mask_until_eos(completion, eos)
         batch = policy_batch(prompt.input_ids, completion, prompt_mask=prompt.attention_mask, completion_mask=c_mask,
-                             pad_token_id=pad, multimodal=fields, device=model.device)
+                             pad_token_id=pad, multimodal=fields, device=model.device, facts=facts)
     result = measure_modality_attention(model, **batch.probe_inputs(), query_phase=query_phase)
     texts = [""] * len(rows)
     if batch.logits_to_keep:
