@@ -143,7 +143,7 @@ def test_segment_ranges_are_checked_against_the_model(tiny_vlm_dir, grpo_train_d
                        train_dataset=grpo_train_dataset)
     from trl_mdi.cli.command import main
 
-    # The dry run prints the trainer's own run plan (phase 1), so it stops on the same error.
+    # The dry run makes the trainer's own run plan, so it stops on the same error.
     code = main([str(a) for a in ("--model_name_or_path", model, "--dataset_path", prepared_aokvqa_dir,
                                       "--output_dir", tmp_path / "o", "--attention_layer_segments", "early:0-99",
                                       "--dry_run")])
@@ -220,14 +220,14 @@ def test_the_default_stack_stands_in_where_the_config_names_it(tiny_vlm_dir, tmp
     config = mdi_args(tmp_path)
     assert config.reward_funcs == ["mc_idx", "think_format", "mdi_balance"] and config.reward_weights is None
     chosen = plan_run(path, processor, None, config, {})
-    assert chosen.reward_names == ("mc_idx_reward", "think_format_reward", "mdi_balance_reward")
+    assert chosen.reward_names == ("mc_idx", "think_format", "mdi_balance")
     assert chosen.reward_weights == (4.0, 1.0, 1.0) and chosen.rewards_from is RewardsFrom.DEFAULT_STACK
     assert "[the default stack]" in chosen.describe()
     assert plan_run(path, processor, [], config, {}).reward_names == chosen.reward_names
     mine = plan_run(path, processor, [spread_reward], config, {})
     assert mine.reward_names == ("spread_reward",) and mine.rewards_from is RewardsFrom.ARGUMENT
     named = plan_run(path, processor, None, mdi_args(tmp_path, reward_funcs=["mc_idx"]), {})
-    assert named.reward_names == ("mc_idx_reward",) and named.rewards_from is RewardsFrom.CONFIG
+    assert named.reward_names == ("mc_idx",) and named.rewards_from is RewardsFrom.CONFIG
     for args in (MDIGRPOConfig.from_grpo_config(GRPOConfig(**grpo_kwargs(tmp_path))), mdi_args(tmp_path, reward_funcs=None)):
         plan = plan_run(path, processor, None, args, {})
         assert plan.reward_funcs == () and plan.rewards_from is RewardsFrom.NONE

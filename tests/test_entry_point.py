@@ -164,11 +164,11 @@ def test_dry_run_prints_the_effective_configuration(capsys, base_args):
     assert "train (64 rows)" in out and "dry run" in out
     # The trainer's own run plan (trl_mdi.run_plan.plan_run), every line of it: decided without the weights.
     assert "MDIGRPOTrainer run plan:" in out
-    assert "mc_idx_reward x4, think_format_reward x1, mdi_balance_reward x1 [the default stack]" in out
+    assert "mc_idx x4, think_format x1, mdi_balance x1 [the default stack]" in out
     plan = dict(line.strip().split("  ", 1) for line in out.split("MDIGRPOTrainer run plan:\n", 1)[1].splitlines()
                 if line.startswith("  ") and "  " in line.strip())
     assert plan["attention implementation"].strip() == "sdpa"
-    assert plan["probe placement"].strip() == "extra_forward (reward mdi_balance_reward reads mdi_balance before the loss)"
+    assert plan["probe placement"].strip() == "extra_forward (reward mdi_balance reads mdi_balance before the loss)"
     assert plan["dummy vision pass"].strip() == "off (one process)" and "decided once" not in out
 
 
@@ -544,8 +544,8 @@ def test_two_process_zero3_run(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path):
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
     steps = [h for h in state["log_history"] if "loss" in h]
     assert len(steps) == 2
-    for key in ("attention/mdi", "attention/mdi_late", "attention/image_mass", "rewards/mc_idx_reward/mean",
-                "rewards/think_format_reward/mean", "rewards/mdi_balance_reward/mean"):
+    for key in ("attention/mdi", "attention/mdi_late", "attention/image_mass", "rewards/mc_idx/mean",
+                "rewards/think_format/mean", "rewards/mdi_balance/mean"):
         assert key in steps[-1], key
     assert (logs / "rollouts.md").stat().st_size > 0 and (logs / "attention.md").stat().st_size > 0
     assert f"Markdown log:            {logs / 'rollouts.md'}" in proc.stdout  # the closing summary finds them

@@ -93,11 +93,11 @@ def test_trains_logs_attention_and_hands_fields_to_rewards(model_dir, grpo_train
     logs = _metrics(trainer)
     for key in ("attention/mdi", "attention/mdi_early", "attention/mdi_middle", "attention/mdi_late",
                 "attention/aei_text", "attention/aei_image", "attention/image_mass", "attention/prompt_text_mass",
-                "attention/rows_without_image", "rewards/mdi_balance_reward/mean",
-                "rewards/mc_idx_reward/zero_spread_frac", "rewards/mdi_group_reward/zero_spread_frac"):
+                "attention/rows_without_image", "rewards/mdi_balance/mean",
+                "rewards/mc_idx/zero_spread_frac", "rewards/mdi_group/zero_spread_frac"):
         assert key in logs[0], key
     assert logs[0]["attention/rows_without_image"] == 0.0
-    # Every rollout got its fields; they agree with each other (balance is the brief's formula of mdi).
+    # Every rollout got its fields; they agree with each other (balance is clip(1 - |log mdi| / log R, 0, 1)).
     assert len(rec.calls) == 2 and rec.calls[0]["n"] == 4
     import math
 
@@ -108,8 +108,8 @@ def test_trains_logs_attention_and_hands_fields_to_rewards(model_dir, grpo_train
         # The group score is zero-mean within the (single, local) group.
         assert sum(call["group"]) == pytest.approx(0.0, abs=1e-5)
         assert all(v is not None for v in call["early"] + call["late"] + call["aei_text"])
-    # The brief's balance reward equals 2 * balance - 1 of what the recording reward saw.
-    assert logs[0]["rewards/mdi_balance_reward/mean"] == pytest.approx(
+    # The balance reward equals 2 * balance - 1 of what the recording reward saw.
+    assert logs[0]["rewards/mdi_balance/mean"] == pytest.approx(
         sum(2 * b - 1 for b in rec.calls[0]["balance"]) / 4, abs=1e-4
     )
 
@@ -182,7 +182,7 @@ def test_rows_without_image_get_none_and_are_counted(model_dir, grpo_train_datas
     trainer.train()
     seen = [m for call in rec.calls for m in call["mdi"]]
     assert None in seen and any(m is not None for m in seen)
-    # The brief's balance is None (not a made-up 1.0) where there is no image.
+    # The balance is None (not a made-up 1.0) where there is no image.
     for call in rec.calls:
         for m, b in zip(call["mdi"], call["balance"]):
             assert (m is None) == (b is None)
@@ -210,7 +210,7 @@ def test_scoring_path_needs_only_token_ids(model_dir, grpo_train_dataset, tmp_pa
                              rollout_func=rollout_func)
     trainer.train()
     logs = _metrics(trainer)
-    assert logs[0]["rewards/think_format_reward/mean"] == 1.0  # the external completion really was scored
+    assert logs[0]["rewards/think_format/mean"] == 1.0  # the external completion really was scored
     assert all(m is not None and m > 0 for m in rec.calls[0]["mdi"])
 
 
@@ -278,7 +278,7 @@ def test_trainer_input_errors(model_dir, grpo_train_dataset, tmp_path):
 
 def test_default_stack_is_4_1_1(model_dir, grpo_train_dataset, tmp_path):
     trainer = MDIGRPOTrainer(str(model_dir), args=make_args(tmp_path), train_dataset=grpo_train_dataset)
-    assert trainer.reward_func_names == ["mc_idx_reward", "think_format_reward", "mdi_balance_reward"]
+    assert trainer.reward_func_names == ["mc_idx", "think_format", "mdi_balance"]
     assert trainer.reward_weights.tolist() == [4.0, 1.0, 1.0]
 
 
@@ -392,7 +392,7 @@ def test_nan_and_none_rewards_counted_apart_and_nan_warned_once(model_dir, grpo_
     assert len(logs) == 2
     for step in logs:
         assert step["rewards/flaky_reward/nan_frac"] == 0.25 and step["rewards/flaky_reward/none_frac"] == 0.25
-        assert step["rewards/mc_idx_reward/nan_frac"] == 0.0 and "rewards/mc_idx_reward/none_frac" in step
+        assert step["rewards/mc_idx/nan_frac"] == 0.0 and "rewards/mc_idx/none_frac" in step
     warned = [r.getMessage() for r in caplog.records if "returned NaN" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith("reward flaky_reward returned NaN") and "1 of 4" in warned[0]
     assert trainer.reward_funcs[1] is flaky_reward  # the counting wrappers are gone after each batch

@@ -32,6 +32,13 @@ def test_overridden_method_signatures():
         assert name in logp, name
 
 
+def test_model_card_names_we_escape():
+    """MDIGRPOTrainer.create_model_card escapes the names TRL puts into the model card's Markdown: TRL's signature,
+    and the one name GRPOTrainer passes at every checkpoint (the output folder's)."""
+    assert _params(GRPOTrainer.create_model_card) == ["self", "model_name", "dataset_name", "tags"]
+    assert "self.create_model_card(model_name=model_name)" in inspect.getsource(GRPOTrainer._save_checkpoint)
+
+
 def test_generate_returns_its_8_tuple_and_encodes_prompts_once():
     src = inspect.getsource(GRPOTrainer._generate)
     assert "return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images" in src
@@ -103,6 +110,19 @@ def test_rewards_are_read_from_self_reward_funcs_and_none_becomes_nan_there():
     assert "output_reward_func = [reward if reward is not None else torch.nan for reward in output_reward_func]" in src
 
 
+def test_trl_extends_token_type_ids_with_zeros_and_passes_the_processors_labels_on():
+    """What the trainer's PaliGemma fixes answer (``_tokenize_prompts`` and ``_get_per_token_logps_and_entropies``):
+    TRL 1.16 extends the prompt's token_type_ids with zeros over the completion (PaliGemma's bidirectional prefix
+    type; the trainer sets them to 1), keeps every processor output but the ids and mask as a forward keyword (its
+    labels among them; the trainer drops them) and tokenizes a batch's prompts in one unpadded call."""
+    gen = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert "[token_type_ids, token_type_ids.new_zeros(completion_ids.shape)], dim=1" in gen
+    assert 'forward_kwargs = {k: v for k, v in prompt_inputs.items() if k not in ["input_ids", "attention_mask"]}' in gen
+    tokenize = inspect.getsource(GRPOTrainer._tokenize_prompts)
+    assert 'multimodal_fields = {k: v for k, v in tokenized.items() if k not in ("input_ids", "attention_mask")}' in tokenize
+    assert "conversation=prompts," in tokenize
+
+
 def test_tool_mask_only_enters_the_loss_mask():
     """TPRL's token masks are multiplied into TRL's tool_mask: it must reach the loss mask and nothing else."""
     src = inspect.getsource(GRPOTrainer._compute_loss)
@@ -121,12 +141,19 @@ def test_tool_mask_only_enters_the_loss_mask():
     assert "num_items_in_batch = self.accelerator.gather(loss_mask.sum()).sum()" in gen
 
 
-# InternVL: tile-indexed pixel_values, whose per-row tile counts TRL recomputes (num_tiles).
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3", "idefics3", "internvl"])
-def test_forward_inputs_match_what_trl_passes(tiny_vlm_dir, grpo_train_dataset, tmp_path, monkeypatch, arch):
+# InternVL and LFM2-VL: tile-indexed pixel_values, whose per-row tile counts TRL recomputes (num_tiles); LFM2-VL tiles
+# an image only when it is far over its token budget (256 pixels a side here, 2 x 2 tiles and a thumbnail).
+@pytest.mark.parametrize("arch, side", [("qwen2_5_vl", None), ("gemma3", None), ("idefics3", None), ("internvl", None),
+                                        ("lfm2_vl", None), ("lfm2_vl", 256)])
+def test_forward_inputs_match_what_trl_passes(tiny_vlm_dir, grpo_train_dataset, tmp_path, monkeypatch, arch, side):
     """With num_iterations=2 TRL runs its own old-log-prob forward: the trainer's batch builder must lay out exactly
     its inputs, both from TRL's own prompt encoding (``_tokenize_prompts``, the usual path) and from the prompts
     encoded again (the path of a ``rollout_func``, which bypasses TRL's encoding)."""
+    if side is not None:  # the same prompts with larger images
+        from fixtures.testing import shape_image
+
+        grpo_train_dataset = grpo_train_dataset.select(range(8)).map(
+            lambda row, i: {"image": shape_image(side, i)}, with_indices=True)
     args = MDIGRPOConfig(
         output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4,
         num_generations=4, max_completion_length=6, max_steps=1, num_iterations=2, save_strategy="no",
@@ -401,3 +428,50 @@ def test_completions_table_is_written_from_logs_at_log_time():
     assert "df_base.to_parquet(" in log and 'images_raw = self._logs["images"] or []' in log
     assert 'logging_backend.log({"completions": logging_backend.Table(dataframe=df)})' in log
     assert _params(GRPOTrainer.log) == ["self", "logs", "start_time"]
+
+
+def test_what_the_weight_loading_overrides_rely_on():
+    """Issue 42 (MDIGRPOTrainer._load_from_checkpoint / _load_best_model, trl_mdi.checkpoints.load_full_weights):
+    (1) transformers' Trainer loads a checkpoint's whole-model weights with ``load_state_dict(state_dict, False)``,
+    without the key conversion ``save_pretrained`` reverted (the fault the overrides replace; should transformers fix
+    it, this fails and the overrides can go); (2) train() calls _load_from_checkpoint(checkpoint) only outside
+    DeepSpeed and FSDP, before accelerate wraps the model, and DeepSpeed resumes from its own shards in
+    _inner_training_loop; _load_best_model loads DeepSpeed's shards itself; (3) save_pretrained writes the reverted
+    layout; (4) the loader the trainer calls is from_pretrained's own: convert_and_load_state_dict_in_model(model,
+    state_dict, load_config) with the model's conversion mapping, returning (loading info, offload index), the info
+    naming missing, unexpected and mismatched keys and conversion errors; tied weights listed in
+    ``all_tied_weights_keys``."""
+    import dataclasses
+
+    from transformers import PreTrainedModel, Trainer
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    flat = lambda fn: " ".join(inspect.getsource(fn).split())  # noqa: E731 (whitespace-insensitive source)
+    assert _params(Trainer._load_from_checkpoint) == ["self", "resume_from_checkpoint", "model"]
+    assert _params(Trainer._load_best_model) == ["self"]
+    for fn in (Trainer._load_from_checkpoint, Trainer._load_best_model):
+        assert flat(fn).count("load_result = model.load_state_dict(state_dict, False)") == 1, fn.__name__
+    assert "load_result = load_sharded_checkpoint(model, resume_from_checkpoint, strict=is_sagemaker_mp_enabled())" \
+        in flat(Trainer._load_from_checkpoint)
+    assert "elif _is_peft_model(model):" in flat(Trainer._load_from_checkpoint)
+    train = flat(Trainer.train)
+    assert ("if not is_sagemaker_mp_enabled() and not self.is_deepspeed_enabled and not self.is_fsdp_enabled: "
+            "self._load_from_checkpoint(resume_from_checkpoint)") in train
+    assert train.index("self._load_from_checkpoint(resume_from_checkpoint)") < train.index("inner_training_loop(")
+    assert ("if self.is_deepspeed_enabled: deepspeed_load_checkpoint( self.model_wrapped, resume_from_checkpoint, "
+            "load_module_strict=not _is_peft_model(self.model) )") in flat(Trainer._prepare_for_training)
+    assert ("if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None: "
+            "self._load_best_model()") in flat(Trainer._finalize_training)
+    assert "if self.is_deepspeed_enabled: deepspeed_load_checkpoint(" in flat(Trainer._load_best_model)
+    assert "state_dict = revert_weight_conversion(model_to_save, state_dict)" in flat(PreTrainedModel.save_pretrained)
+    assert _params(convert_and_load_state_dict_in_model)[:3] == ["model", "state_dict", "load_config"]
+    assert "return loading_info, disk_offload_index" in inspect.getsource(convert_and_load_state_dict_in_model)
+    assert "model._weight_conversions = model_specific_conversions" in flat(convert_and_load_state_dict_in_model)
+    assert _params(get_model_conversion_mapping)[0] == "model"
+    assert "weight_mapping" in {f.name for f in dataclasses.fields(LoadStateDictConfig)}
+    assert {"missing_keys", "unexpected_keys", "mismatched_keys", "conversion_errors"} <= {
+        f.name for f in dataclasses.fields(LoadStateDictInfo)}
+    assert "self.all_tied_weights_keys = self.get_expanded_tied_weights_keys(" in flat(PreTrainedModel.post_init)

@@ -120,7 +120,7 @@ class MDIGRPOConfig(GRPOConfig):
             `blur` and noise keep or mimic a colour). When TPRL's perturbation signal
             uses the same kind (`perception_perturbation`), one forward serves both.
 
-        > Online group filtering (TPRL brief's online_filtering / filter_key / filter_low / filter_high)
+        > Online group filtering (online_filtering / filter_key / filter_low / filter_high)
 
         online_filtering (`bool`, *optional*, defaults to `False`):
             Drop from the update every group whose mean of `filter_key` lies outside `[filter_low, filter_high]`
@@ -128,8 +128,8 @@ class MDIGRPOConfig(GRPOConfig):
             loss mask, and the DAPO normaliser counts only the kept groups' tokens, as if the dropped groups had
             not been sampled. The batch shape stays the same (every process keeps its rows, ZeRO-3 stays in step).
         filter_key (`str`, *optional*, defaults to `"mc_idx"`):
-            The reward whose group mean is tested: a reward name (`mc_idx` or `mc_idx_reward`) or `reward` for the
-            weighted total.
+            The reward whose group mean is tested: a reward's name (`mc_idx`, as in `rewards/mc_idx/mean`) or
+            `reward` for the weighted total.
         filter_low (`float`, *optional*, defaults to `0.01`), filter_high (`float`, *optional*, defaults to `0.99`):
             Groups with a mean inside this closed range are kept.
 
@@ -181,8 +181,9 @@ class MDIGRPOConfig(GRPOConfig):
             (`GRPOConfig`: `False`).
     """
 
-    # GRPO settings with trl_mdi's defaults (DAPO's recommendations). Redeclared fields keep GRPOConfig's place and
-    # help text; `Python: MDIGRPOConfig()` and the entry point get the same run.
+    # GRPO settings with trl_mdi's defaults: DAPO's token-level loss, clip-higher and overlong filtering (Yu et al.,
+    # "DAPO", arXiv 2503.14476). Redeclared fields keep GRPOConfig's place and help text; MDIGRPOConfig() in Python
+    # and the entry point get the same run.
     loss_type: str = field(
         default="dapo",
         metadata={"help": _grpo_help("loss_type", "Pinned by trl_mdi, so that a TRL release cannot change it.")},
@@ -581,6 +582,40 @@ def output_dir_problem(path) -> str | None:
         where = "it" if existing == path else f"its nearest existing parent {existing!r}"
         return (f"output_dir {path!r} is not writable ({where} is read-only for this user). Valid example: "
                 "--output_dir runs/grpo (a folder you can write)")
+    return None
+
+
+_MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_config.json")
+
+
+def output_dir_model_problem(output_dir, model) -> str | None:
+    """Why the run's saves into ``output_dir`` would destroy a model (None: they would not), checked before anything
+    loads. ``model``: the path or Hub id the run loads, or a loaded model (its config's ``_name_or_path``).
+
+    The final ``save_model`` writes ``config.json`` and the weights into ``output_dir`` itself, so ``output_dir`` may
+    not be the model's folder or lie inside it, nor hold a model no trainer saved there (weights or a config without
+    the ``training_args.bin`` a trainer's save writes beside them: a downloaded or hand-made model). A trainer's
+    earlier output there is the run's own to replace, as in transformers.
+    """
+    if output_dir is None:
+        return None
+    out = os.path.realpath(os.path.expanduser(str(output_dir)))
+    source = model if isinstance(model, (str, os.PathLike)) else getattr(getattr(model, "config", None),
+                                                                         "_name_or_path", None)
+    if source and os.path.isdir(os.path.expanduser(str(source))):
+        folder = os.path.realpath(os.path.expanduser(str(source)))
+        if out == folder or out.startswith(folder.rstrip(os.sep) + os.sep):
+            where = "is the model's own folder" if out == folder else f"lies inside the model's folder {folder!r}"
+            return (f"output_dir {str(output_dir)!r} {where}: the run's saves would overwrite or mix with the model it "
+                    "trains from (model.safetensors, config.json). Valid example: --output_dir runs/grpo (a folder "
+                    "outside the model's)")
+    if os.path.isdir(out) and not os.path.exists(os.path.join(out, "training_args.bin")):
+        found = [f for f in _MODEL_FILES if os.path.isfile(os.path.join(out, f))]
+        if found:
+            return (f"output_dir {str(output_dir)!r} holds a model no training run saved there ({', '.join(found)}, "
+                    "and no training_args.bin): the run's final save would overwrite it. Valid example: --output_dir "
+                    "runs/grpo (an empty or new folder); move that model elsewhere to train from it")
     return None
 
 

@@ -37,6 +37,7 @@ from .attention.model_facts import (
     ModelFacts,
     attention_implementation,
     check_zero3_loading,
+    check_zero3_training,
     image_token_problem,
     load_model_config,
     model_facts,
@@ -181,8 +182,8 @@ class RunPlan:
         logger.warning("MDIGRPOTrainer: %s: attention metrics are off; the trainer behaves as GRPOTrainer", reason)
         names, weights = list(self.reward_names), self.reward_weights
         funcs = list(self.reward_funcs)
-        if self.rewards_from is RewardsFrom.DEFAULT_STACK and "mdi_balance_reward" in names:
-            i = names.index("mdi_balance_reward")
+        if self.rewards_from is RewardsFrom.DEFAULT_STACK and "mdi_balance" in names:
+            i = names.index("mdi_balance")
             del names[i], funcs[i]
             weights = tuple(w for j, w in enumerate(weights) if j != i) if weights is not None else None
         # The one attention reader that can be left is the default stack's mdi_balance (a reward the user named that
@@ -280,6 +281,7 @@ def plan_run(model: Any, processing_class, reward_funcs: Any, args, columns: dic
         raise ValueError(problem)
     facts = model_facts(config, processing_class)
     check_zero3_loading(model, facts.model_type, is_deepspeed_zero3_enabled())
+    check_zero3_training(facts.model_type, is_deepspeed_zero3_enabled())
     check_vllm_prompts(args, processing_class, facts)  # before vLLM's engine starts
     prefilled = template_prefills_think(processing_class, args.chat_template_kwargs)
     if reward_funcs is not None and not isinstance(reward_funcs, (list, tuple)):

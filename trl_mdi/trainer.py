@@ -66,25 +66,41 @@ from .attention.model_facts import load_model_config, processor_for_trl, typed_s
 from .attention.model_parts import choice_logits, hidden_states_at
 from .batch import (
     check_counterfactual_encodes,
+    completion_token_types,
     encode_prompts,
+    merge_prompt_encodings,
     pad_rows,
     policy_batch,
     rng_untouched,
     tile_counts,
 )
-from .config import MDIGRPOConfig
+from .config import MDIGRPOConfig, output_dir_model_problem
 from .counterfactual import NO_IMAGE, counterfactual_prompts
 from .data.columns import check_choices
-from .data.images import check_images_per_row, decode_row_images, lazy_images, report_bad_images, row_images
+from .data.images import (
+    ProcessorImageCheck,
+    check_images_per_row,
+    decode_row_images,
+    lazy_images,
+    report_bad_images,
+    row_images,
+)
 from .diagnostics import (
     BatchLog,
     ConsoleSummaryCallback,
     LiveDiagnostics,
+    escape_inline,
     image_evidence,
     perception_strips,
     write_batch,
 )
-from .diagnostics.completions_table import CompletionColumns, TableBatch, table_columns, table_prompts
+from .diagnostics.completions_table import (
+    CompletionColumns,
+    TableBatch,
+    column_names,
+    table_columns,
+    table_prompts,
+)
 from .diagnostics.writers import marked_completion
 from .filtering import apply_group_filter, group_filter_keep
 from .rewards import RewardTally, ThinkFormatReward, outcome_metrics, zero_spread_fraction
@@ -283,6 +299,9 @@ class MDIGRPOTrainer(GRPOTrainer):
         config = MDIGRPOConfig.from_grpo_config(args)
         # One run per output_dir, before any weight loads: the main process locks it for the trainer's lifetime (the
         # OS drops the lock if the process dies).
+        problem = output_dir_model_problem(config.output_dir, model)  # the model folder is not ours to overwrite
+        if problem:
+            raise ValueError(problem)
         self.run_lock = lock_output_dir(config.output_dir) if config.process_index == 0 else None
         if self.run_lock is not None:
             weakref.finalize(self, self.run_lock.release)
@@ -398,6 +417,37 @@ class MDIGRPOTrainer(GRPOTrainer):
                 self.live_logs.close()
             raise
 
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # transformers reloads a checkpoint's whole-model weights with load_state_dict(strict=False) and no key
+        # conversion, but save_pretrained wrote them in the Hub layout: most tensors kept their old values behind a
+        # warning (Qwen2.5-VL 68 of 69, LLaVA 1.5 all). Loaded here as from_pretrained converts them, or refused
+        # (trl_mdi.checkpoints.load_full_weights); a LoRA adapter stays transformers' (PEFT's load), then checked.
+        target = model if model is not None else self.model
+        if self._loads_whole_weights(resume_from_checkpoint, target):
+            checkpoints.load_full_weights(unwrap_model(target), resume_from_checkpoint)
+            return
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if not self.is_fsdp_enabled:
+            checkpoints.check_adapter_loaded(target, resume_from_checkpoint)
+
+    def _load_best_model(self):
+        # load_best_model_at_end: transformers' load has the same fault as a resume's (_load_from_checkpoint above).
+        best = self.state.best_model_checkpoint
+        if self._loads_whole_weights(best, self.model):
+            logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
+            checkpoints.load_full_weights(unwrap_model(self.model), best)
+            return
+        super()._load_best_model()
+        if not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            checkpoints.check_adapter_loaded(self.model, best)
+
+    def _loads_whole_weights(self, folder: str, model) -> bool:
+        """Whether the trainer loads ``folder``'s weights itself: whole-model weights into a model held whole by this
+        process. DeepSpeed resumes from its own ``global_step*/`` shards, FSDP from its own files, PEFT loads its
+        adapter: those stay transformers'."""
+        return (not (self.is_deepspeed_enabled or self.is_fsdp_enabled) and not checkpoints.is_peft_model(model)
+                and checkpoints.holds_full_weights(folder))
+
     def _save_checkpoint(self, model, trial):
         # Whole or absent (trl_mdi.checkpoints): a stale marker goes first, the marker is written once every process
         # has saved, and a save that fails removes its folder and says why (tests/test_trl_contract.py pins the path).
@@ -451,7 +501,14 @@ class MDIGRPOTrainer(GRPOTrainer):
                 self._record = None
 
     def _tokenize_prompts(self, prompts):
-        out = super()._tokenize_prompts(prompts)
+        if self.run_plan.facts.unpadded_batch_problem and len(prompts) > 1:
+            # PaliGemma's processor cannot encode TRL's unpadded batch (ModelFacts.unpadded_batch_problem): one prompt
+            # at a time, merged as TRL merges its per-prompt encodings.
+            out = merge_prompt_encodings([super(MDIGRPOTrainer, self)._tokenize_prompts([p]) for p in prompts])
+        else:
+            out = super()._tokenize_prompts(prompts)
+        # A processor's labels (PaliGemma's) are no model input of TRL's: generation would get them as a per-token field.
+        out = (out[0], out[1], {k: v for k, v in out[2].items() if k != "labels"})
         record = self._record
         if record is not None and record.encoded is None:
             record.encoded = PromptEncoding(ids=out[0], multimodal=out[2])
@@ -479,6 +536,11 @@ class MDIGRPOTrainer(GRPOTrainer):
         return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        # TRL 1.16 extends token_type_ids with zeros over the completion; PaliGemma reads 0 as its bidirectional prefix,
+        # so the completion's types are set to what generation gave them (``ModelFacts.completion_token_type``).
+        kwargs["token_type_ids"] = completion_token_types(kwargs.get("token_type_ids"), logits_to_keep,
+                                                          self.run_plan.facts.completion_token_type)
+        kwargs.pop("labels", None)  # PaliGemma's processor returns labels, which TRL passes on and its forward refuses
         # The probe rides on the TRL forward the plan puts it in (``_rides_here``); any other call is TRL's forward
         # unchanged.
         rides = self._rides_here(model)
@@ -586,8 +648,9 @@ class MDIGRPOTrainer(GRPOTrainer):
         # join its "extra" columns here, under TRL's rows (tests/test_trl_contract.py pins _logs and log()).
         rows = self._logs["prompt"]
         if self.completion_columns is not None:
-            for name, values in self.completion_columns.columns(len(rows)).items():
-                self._logs["extra"][name] = deque(values, maxlen=rows.maxlen)
+            columns = self.completion_columns.columns(len(rows))
+            for name, shown in column_names(columns, self.reward_func_names).items():
+                self._logs["extra"][shown] = deque(columns[name], maxlen=rows.maxlen)
         prompts = (table_prompts(rows, text="wandb" in (self.args.report_to or []))
                    if self.log_completions and self.accelerator.is_main_process else None)
         if prompts is None:
@@ -597,6 +660,13 @@ class MDIGRPOTrainer(GRPOTrainer):
             super().log(logs, start_time)
         finally:
             self._logs["prompt"] = rows
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None):
+        # TRL fills its card's Markdown template with these names as they are (the heading, a link's text): the output
+        # folder's name and the dataset's go in as text (trl_mdi.diagnostics.markdown), never as markup.
+        return super().create_model_card(model_name=None if model_name is None else escape_inline(model_name),
+                                         dataset_name=None if dataset_name is None else escape_inline(dataset_name),
+                                         tags=tags)
 
     # ------------------------------------------------------------------------------------ one generation batch
     def _rides_here(self, model) -> ProbePlacement | None:
@@ -615,7 +685,8 @@ class MDIGRPOTrainer(GRPOTrainer):
         """Before TRL generates: decode the images (a bad one is reported, never fatal by default), pick the rows the
         attention maps want, start the clock."""
         record.step = self.state.global_step + 1  # the optimizer step this batch feeds
-        errors = decode_row_images(inputs)
+        # An image the processor refuses (its size or shape) is a bad image too, caught here rather than inside TRL.
+        errors = decode_row_images(inputs, check=ProcessorImageCheck(self.processing_class))
         report_bad_images(inputs, errors, self.args.on_bad_image, gather_object)
         check_images_per_row(inputs, self.run_plan.facts, gather_object)
         zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
@@ -739,11 +810,12 @@ class MDIGRPOTrainer(GRPOTrainer):
         the prompts hold no image (the counterfactual without the image)."""
         prompt_ids, fields = (encoded.ids, encoded.multimodal) if encoded is not None else encode_prompts(
             self.processing_class, prompts, chat_template_kwargs=self.chat_template_kwargs,
-            chat_template=self.chat_template)
+            chat_template=self.chat_template, facts=self.run_plan.facts)
         images = [row_images(x) for x in inputs] if with_images else []
         batch = policy_batch(prompt_ids, completion_ids_list, pad_token_id=self._tokenizer.pad_token_id,
                              multimodal=fields, num_images=[len(i) for i in images] if any(images) else None,
-                             pad_to_multiple_of=self.pad_to_multiple_of, device=self.accelerator.device)
+                             pad_to_multiple_of=self.pad_to_multiple_of, device=self.accelerator.device,
+                             facts=self.run_plan.facts)
         return dataclasses.replace(batch, num_tiles=tile_counts(self.processing_class, images, batch.multimodal))
 
     @contextlib.contextmanager

@@ -167,7 +167,50 @@ def _yaml_keys(argv: Sequence[str]) -> tuple[str | None, set[str]]:
         held = "nothing" if content is None else f"a {type(content).__name__}"
         raise ValueError(f"--config {path!r} is YAML but holds {held}, not a mapping of flag names to values "
                          "(e.g. 'learning_rate: 1.0e-6' on its own line).")
+    refuse_duplicate_keys(path)
     return path, set(content) - {"env"}
+
+
+def duplicate_yaml_keys(text: str) -> list[tuple[str, int, int]]:
+    """``(key, first line, repeated line)`` of every key a YAML mapping of ``text`` sets twice (YAML loaders keep the
+    last value silently), nested mappings included.
+
+    >>> duplicate_yaml_keys("max_steps: 3\\nlr: 1\\nmax_steps: 5\\n")
+    [('max_steps', 1, 3)]
+    """
+    import yaml
+
+    found: list[tuple[str, int, int]] = []
+
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            try:
+                key = loader.construct_object(key_node, deep=True)
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: YAML itself refuses it below
+                continue
+            if first != key_node.start_mark.line + 1:
+                found.append((str(key), first, key_node.start_mark.line + 1))
+        return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+    _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    return found
+
+
+def refuse_duplicate_keys(path: str) -> None:
+    """ValueError, one line, when the ``--config`` file sets a key twice: which value wins is a guess the user should
+    not have to make."""
+    with open(path, encoding="utf-8") as fh:
+        duplicates = duplicate_yaml_keys(fh.read())
+    if duplicates:
+        shown = "; ".join(f"{key!r} on lines {a} and {b}" for key, a, b in duplicates[:5])
+        raise ValueError(f"--config {path!r} sets a key twice ({shown}): YAML would silently keep the last value. "
+                         "Keep one line per key.")
 
 
 _KINDS = {"int": ("a whole number", "8"), "float": ("a number", "1e-06")}
