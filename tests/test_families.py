@@ -333,9 +333,9 @@ def test_a_family_transformers_cannot_load_under_zero3_is_refused_by_path_with_t
 
     from fixtures.testing import zen_image_dataset
     from trl_mdi import MDIGRPOTrainer
-    from trl_mdi import trainer as trainer_module
+    from trl_mdi import run_plan as run_plan_module  # the plan checks ZeRO-3 before any weight loads
 
-    monkeypatch.setattr(trainer_module, "is_deepspeed_zero3_enabled", lambda: True)
+    monkeypatch.setattr(run_plan_module, "is_deepspeed_zero3_enabled", lambda: True)
     path = str(tiny_vlm_dir("qwen3_vl_moe"))
     args = GRPOConfig(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2, num_generations=2)
     with pytest.raises(ValueError, match=r"\(qwen3_vl_moe\) cannot be loaded under DeepSpeed ZeRO-3 .* pass the model "
@@ -356,17 +356,17 @@ def test_a_family_that_cannot_train_under_zero3_is_refused_with_the_fix(tiny_vlm
 
     from fixtures.testing import zen_image_dataset
     from trl_mdi import MDIGRPOTrainer
-    from trl_mdi import trainer as trainer_module
+    from trl_mdi import run_plan as run_plan_module  # the plan checks ZeRO-3 before any weight loads
 
     path = str(tiny_vlm_dir(arch))
     args = GRPOConfig(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2, num_generations=2)
-    monkeypatch.setattr(trainer_module, "is_deepspeed_zero3_enabled", lambda: True)
+    monkeypatch.setattr(run_plan_module, "is_deepspeed_zero3_enabled", lambda: True)
     for model in (path, AutoModelForImageTextToText.from_pretrained(path)):
         with mock.patch.object(GRPOTrainer, "__init__", side_effect=AssertionError("TRL was built")):
             with pytest.raises(ValueError, match=rf"'{arch}' cannot train under DeepSpeed ZeRO-3: .*once per image "
                                                  r"tile.* Fix: train it with ZeRO-2"):
                 MDIGRPOTrainer(model, reward_funcs=[lambda **k: []], args=args, train_dataset=zen_image_dataset(2))
-    monkeypatch.setattr(trainer_module, "is_deepspeed_zero3_enabled", lambda: False)
+    monkeypatch.setattr(run_plan_module, "is_deepspeed_zero3_enabled", lambda: False)
     MDIGRPOTrainer(path, reward_funcs=[lambda **k: [0.0] * len(k["prompts"])], args=args,
                    train_dataset=zen_image_dataset(2))
 
