@@ -13,8 +13,9 @@ interception):
 4. **Reliance signals** (``trl_mdi.counterfactual``, docs/reliance.md): when asked, one more no-grad forward of the
    same rollouts with a counterfactual image gives ``visual_gain``, ``answer_visual_gain``, ``blind_agrees``:
    whether the answer would have been the same without the image; logged as ``reliance/*``, readable by rewards.
-5. **Rewards by name** (``trl_mdi.rewards``): registry names or import paths; the 4:1:1 stack when the user chose
-   this trainer's defaults; every reward's inputs checked at construction; each reward's None ("not applicable")
+5. **Rewards by name** (``trl_mdi.rewards``): registry names or import paths; without a ``reward_funcs`` argument,
+   the config's ``reward_funcs`` (``MDIGRPOConfig``'s default: the 4:1:1 stack; a plain ``GRPOConfig`` has none,
+   so GRPOTrainer decides); every reward's inputs checked at construction; each reward's None ("not applicable")
    and NaN (a failure) counted apart before TRL merges them (``rewards/<name>/none_frac``, ``nan_frac``; a NaN
    warned about once per reward).
 6. **TPRL** (``trl_mdi.tprl``): token masks into TRL's loss mask, trajectory multipliers into the advantages, from a
