@@ -21,6 +21,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl import GRPOTrainer
 
 from fixtures.tiny import TINY_ARCHS
+from trl_mdi.diagnostics.completions_table import column_names
 from trl_mdi.batch import policy_batch
 from trl_mdi.trainer import MDIGRPOTrainer
 
@@ -158,13 +159,15 @@ def check_completions_table(trainer, seen: list[dict], want: list[dict[str, list
     for step, (batch, expected, logged) in enumerate(zip(seen, want, logs), start=1):
         table = completions_table(trainer, step)
         assert len(table) == len(batch["completions"]) and (table["step"] == step).all()
-        missing = sorted(set(batch["signals"]) - set(table.columns))
+        # a signal named like one of the run's rewards is shown under its metric namespace (reliance/<name>)
+        shown = column_names(list(batch["signals"]), trainer.reward_func_names)
+        missing = sorted(shown[n] for n in batch["signals"] if shown[n] not in table.columns)
         assert not missing, f"step {step}: the completions table lacks {missing}; it has {list(table.columns)}"
         for name, values in batch["signals"].items():
-            np.testing.assert_allclose(table[name].to_numpy(), values.double().numpy(), rtol=0, atol=0,
+            np.testing.assert_allclose(table[shown[name]].to_numpy(), values.double().numpy(), rtol=0, atol=0,
                                        equal_nan=True, err_msg=name)
         for name, values in expected.items():
-            np.testing.assert_allclose(table[name].to_numpy(), values, rtol=0, atol=1e-5, err_msg=name)
+            np.testing.assert_allclose(table[shown[name]].to_numpy(), values, rtol=0, atol=1e-5, err_msg=name)
             if name != "blind_agrees":
                 assert logged[f"reliance/{name}/p50"] == pytest.approx(float(np.quantile(values, 0.5)), abs=1e-5)
         for cell, gain in zip(table["image_evidence"], expected.get("answer_visual_gain", [])):
