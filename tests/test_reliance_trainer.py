@@ -21,8 +21,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl import GRPOTrainer
 
 from fixtures.tiny import TINY_ARCHS
-from trl_mdi.diagnostics.completions_table import column_names
 from trl_mdi.batch import policy_batch
+from trl_mdi.diagnostics.completions_table import column_names
 from trl_mdi.trainer import MDIGRPOTrainer
 
 PREFIX = "<think>look</think>\nAnswer:"
