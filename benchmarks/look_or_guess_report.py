@@ -333,7 +333,7 @@ def trajectory_lines(groups: dict[str, list[dict]], names: list[str], variants: 
               "| variant | mc_idx | think_format | third reward |", "|---|---:|---:|---|"]
         for n in names:
             def zs(reward, rs=groups[n]):
-                return _mean(x.get(f"rewards/{reward}_reward/zero_spread_frac") for r in rs for x in r["steps"])
+                return _mean(x.get(f"rewards/{reward}/zero_spread_frac") for r in rs for x in r["steps"])
             third = variants[n].rewards[2] if len(variants[n].rewards) > 4 else None
             L.append(f"| {variants[n].label} | {_cell(zs('mc_idx'))} | {_cell(zs('think_format'))} | "
                      + (f"{third}: {_cell(zs(third))}" if third else "—") + " |")

@@ -60,8 +60,8 @@ def test_two_processes(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path, config, over
         assert abs(total) < 1e-5, [r["group_scores"][step] for r in records]
     logs = records[0]["logs"]
     assert len(logs) == 2
-    for key in ("attention/mdi", "attention/mdi_early", "attention/mdi_late", "rewards/mdi_balance_reward/mean",
-                "rewards/mdi_group_reward/zero_spread_frac", "tprl/perception_token_fraction",
+    for key in ("attention/mdi", "attention/mdi_early", "attention/mdi_late", "rewards/mdi_balance/mean",
+                "rewards/mdi_group/zero_spread_frac", "tprl/perception_token_fraction",
                 "tprl/entropy_token_fraction", "tprl/scaling_factor_mean", "tprl/sensitivity_score_mean"):
         assert key in logs[0], key
     # TAS multipliers are normalised over the gathered batch: their mean over it is 1.
@@ -198,10 +198,13 @@ def test_every_family_under_zero3_in_one_launch(tiny_vlm_dir, tmp_path):
     every step an image prompt on rank 0 and a text-only one on rank 1: the dummy vision pass works on every family
     under ZeRO-3 (a family it failed on would hang here and hit the timeout)."""
     from fixtures.tiny import TINY_ARCHS
+    from trl_mdi.attention.model_facts import IMAGE_IN_EVERY_PROMPT, ZERO3_TRAINING_PROBLEMS
 
-    dirs = [str(tiny_vlm_dir(arch)) for arch in TINY_ARCHS]
+    # The families that cannot train under ZeRO-3 are refused at construction instead (tests/test_families.py).
+    archs = [arch for arch in TINY_ARCHS if arch not in ZERO3_TRAINING_PROBLEMS]
+    dirs = [str(tiny_vlm_dir(arch)) for arch in archs]
     records = zero3_families("train_families.py", tmp_path / "families.jsonl", dirs)
-    for arch, path in zip(TINY_ARCHS, dirs):
+    for arch, path in zip(archs, dirs):
         ranks = sorted((r for r in records if r["model"] == path), key=lambda r: r["rank"])
         assert [r["rank"] for r in ranks] == [0, 1], arch
         for r in ranks:
@@ -210,7 +213,9 @@ def test_every_family_under_zero3_in_one_launch(tiny_vlm_dir, tmp_path):
             # No reward reads attention: measured inside the sharded training forward, no extra forward.
             assert r["placement"] == "training_forward", (arch, r["placement"])
         # Rank 1 never had an image: it ran the pass (its generation prefill, each training forward); rank 0 never.
-        assert ranks[0]["dummy_vision_passes"] == 0 and ranks[1]["dummy_vision_passes"] >= 4, (arch, ranks)
+        # PaliGemma takes no prompt without an image: images on both ranks, no pass.
+        rank1_passes = (lambda n: n == 0) if arch in IMAGE_IN_EVERY_PROMPT else (lambda n: n >= 4)
+        assert ranks[0]["dummy_vision_passes"] == 0 and rank1_passes(ranks[1]["dummy_vision_passes"]), (arch, ranks)
         logs = ranks[0]["logs"]
         assert len(logs) == 2 and all(0 < h["attention/mdi"] < float("inf") for h in logs), (arch, logs)
 

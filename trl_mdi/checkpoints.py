@@ -137,7 +137,7 @@ def resume_problems(folder: str | os.PathLike) -> list[Problem]:
         if not path.is_file():
             problems.append(Problem(rel, optional=rel in OPTIONAL))
         elif path.stat().st_size != size:
-            problems.append(Problem(rel, cut=f"{path.stat().st_size} bytes, saved as {size}"))
+            problems.append(Problem(rel, cut=f"{path.stat().st_size} bytes found, {size} saved"))
     deepspeed = (folder / "latest").is_file() or any(folder.glob("global_step*"))
     expected = [Problem(n, optional=True) for n in (TRAINER_STATE,) + (() if deepspeed else ("optimizer.pt",
                                                                                               "scheduler.pt"))
@@ -153,13 +153,22 @@ def resume_problems(folder: str | os.PathLike) -> list[Problem]:
 
 
 def describe(problems: list[Problem]) -> str:
-    """'lacks optimizer.pt, scheduler.pt and has optimizer.pt cut (...)' style text.
+    """'lacks optimizer.pt, scheduler.pt and has optimizer.pt cut (...)' style text. A file whose size differs from
+    the size its save recorded says both sizes, and is "cut short" only when it is shorter: a file that grew has
+    changed since the save.
 
     >>> describe([Problem("optimizer.pt", optional=True), Problem("model.safetensors", cut="10 bytes of 99")])
     'lacks optimizer.pt and has model.safetensors cut short (10 bytes of 99)'
+    >>> describe([Problem("scheduler.pt", cut="1065 bytes found, 1064 saved")])
+    'has scheduler.pt changed since the save (1065 bytes found, 1064 saved)'
     """
+    def damage(why: str) -> str:
+        sizes = re.fullmatch(r"(\d+) bytes found, (\d+) saved", why)
+        grew = sizes is not None and int(sizes.group(1)) > int(sizes.group(2))
+        return f"changed since the save ({why})" if grew else f"cut short ({why})"
+
     missing = [p.name for p in problems if p.cut is None]
-    cut = [f"{p.name} cut short ({p.cut})" for p in problems if p.cut is not None]
+    cut = [f"{p.name} {damage(p.cut)}" for p in problems if p.cut is not None]
     return " and ".join(([f"lacks {', '.join(missing)}"] if missing else []) + ([f"has {', '.join(cut)}"] if cut else []))
 
 

@@ -94,6 +94,9 @@ def main():
         num_generations=4, max_completion_length=6, max_steps=2, logging_steps=1, save_strategy="no", seed=0,
         learning_rate=1e-3, disable_tqdm=True, ddp_backend="gloo",
         rollout_log_path=out_dir + "/logs/rollouts.md", attention_diag_log_path=out_dir + "/logs/attention.md",
+        # Off (MDIGRPOConfig's default is on): a random tiny model never stops within 6 tokens, so every completion
+        # would leave the loss and nothing would train.
+        mask_truncated_completions=False,
     )
     kwargs.update(overrides)
     args = MDIGRPOConfig(**kwargs)

@@ -31,6 +31,41 @@ PROBE_ATTN_IMPLEMENTATION = "trl_mdi_probe"
 _ACTIVE: contextvars.ContextVar[_ProbeState | None] = contextvars.ContextVar("trl_mdi_probe", default=None)
 
 
+# Query rows per block when soft-capped scores are materialised (``attend``): memory O(block x keys) per head.
+SOFTCAP_QUERY_BLOCK = 256
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None,
+           softcap: float | None = None) -> torch.Tensor:
+    """``softmax(s) v`` with ``s = cap * tanh(q k^T * scale / cap)`` where ``mask`` (bool, True = attend) allows, else
+    ``-inf``: attention with the logit soft cap of Gemma 2 (PaliGemma 2) applied before the mask, as its eager kernel
+    does; ``s = q k^T * scale`` without a cap.
+
+    Without a cap this is SDPA (O(keys) memory per query); with one, the scores are materialised for
+    ``SOFTCAP_QUERY_BLOCK`` query rows at a time. ``q``: (B, H, Q, D), ``k``: (B, H, K, D), ``v``: (B, H, K, G),
+    ``mask``: broadcastable to (B, H, Q, K); ``scale`` None means ``D ** -0.5``. A query row that sees no key gives NaN.
+
+    >>> q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 2)
+    >>> mask = torch.ones(1, 1, 3, 5, dtype=torch.bool).tril(2)
+    >>> torch.allclose(attend(q, k, v, mask, 0.5), F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5))
+    True
+    >>> capped = torch.softmax((torch.tanh(q @ k.transpose(-1, -2) * 0.5 / 0.3) * 0.3).masked_fill(~mask, -torch.inf), -1)
+    >>> torch.allclose(attend(q, k, v, mask, 0.5, softcap=0.3), capped @ v, atol=1e-6)
+    True
+    """
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    blocks = []
+    for start in range(0, q.shape[2], SOFTCAP_QUERY_BLOCK):
+        rows = slice(start, start + SOFTCAP_QUERY_BLOCK)
+        scores = torch.tanh(torch.matmul(q[:, :, rows], k.transpose(-1, -2)) * (scale / softcap)) * softcap
+        block_mask = mask[:, :, rows] if mask.shape[2] > 1 else mask
+        weights = torch.softmax(scores.float().masked_fill(~block_mask, float("-inf")), dim=-1).to(q.dtype)
+        blocks.append(torch.matmul(weights, v))
+    return torch.cat(blocks, dim=2)
+
+
 # --------------------------------------------------------------------------------------------------
 # The attention function and its per-forward state
 # --------------------------------------------------------------------------------------------------
@@ -68,7 +103,8 @@ class _ProbeState:
         self._layer_counter = 0
 
     @torch.no_grad()
-    def record(self, module, query: torch.Tensor, key: torch.Tensor, attention_mask, scaling) -> None:
+    def record(self, module, query: torch.Tensor, key: torch.Tensor, attention_mask, scaling,
+               softcap: float | None = None) -> None:
         if not self.calls:
             raise RuntimeError("trl_mdi probe: attention ran before the model's forward pre-hook (unexpected call path)")
         layout, masses, maps = self.calls[-1]
@@ -108,7 +144,7 @@ class _ProbeState:
         head_dim = q.shape[-1]
         ncols = max(head_dim, g.shape[-1])
         v = F.pad(g, (0, ncols - g.shape[-1]))[:, None].expand(bsz, n_heads, -1, -1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)[..., : g.shape[-1]]
+        out = attend(q, k, v, mask, scaling, softcap)[..., : g.shape[-1]]
         raw = out.float().mean(dim=1)  # (B, q, G): mean over heads
         qmask = layout.query_mask[:, q0:q1].to(raw.device)
         per_query = raw.masked_fill(~qmask[..., None], 0.0)  # padded queries may be NaN (no visible key)
@@ -128,10 +164,10 @@ class _ProbeState:
             vi = torch.eye(int(is_img.sum()), dtype=q.dtype, device=q.device)
             v_row = torch.zeros(k.shape[2], vi.shape[0], dtype=q.dtype, device=q.device)
             v_row[is_img.to(q.device)] = vi
-            o = F.scaled_dot_product_attention(
+            o = attend(
                 q[local_row : local_row + 1], k[local_row : local_row + 1],
-                v_row[None, None].expand(1, n_heads, -1, -1), attn_mask=mask[local_row : local_row + 1] if mask.shape[0] > 1 else mask,
-                scale=scaling,
+                v_row[None, None].expand(1, n_heads, -1, -1), mask[local_row : local_row + 1] if mask.shape[0] > 1 else mask,
+                scaling, softcap,
             )[0].float().mean(dim=0)  # (q, n_image)
             qm = qmask[local_row]
             maps[local_row][layer] = (o[qm].sum(dim=0) / qm.sum().clamp(min=1)).cpu()
@@ -183,13 +219,15 @@ def _probe_attention_forward(module, query, key, value, attention_mask, dropout=
     eager function, see ``NATIVE_IMPLEMENTATIONS``), unchanged, plus, when a probe is active, the group masses."""
     state = _ACTIVE.get()
     kernel = sdpa_attention_forward
-    if _native(state) == "eager":
+    # A soft-capped layer (Gemma 2) has no SDPA kernel: its own eager function computes the output whatever the model
+    # was loaded with.
+    if _native(state) == "eager" or kwargs.get("softcap") is not None:
         # Every modeling file that dispatches through AttentionInterface holds its eager function under this name
         # (its default when the implementation is "eager"); a file without one keeps SDPA's output.
         kernel = getattr(sys.modules[type(module).__module__], "eager_attention_forward", sdpa_attention_forward)
     out = kernel(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if state is not None:
-        state.record(module, query, key, attention_mask, scaling)
+        state.record(module, query, key, attention_mask, scaling, kwargs.get("softcap"))
     return out
 
 
