@@ -386,6 +386,10 @@ def test_vllm_modes_this_machine_cannot_run(mode, installed, cuda, expected):
 
     problem = vllm_problem(True, mode, installed, cuda)
     assert (problem is None) if expected is None else (expected in problem and "\n" not in problem)
+    if mode == "server" and expected is not None:  # the refusal names the command that serves the model on a GPU
+        problem = vllm_problem(True, mode, installed, cuda, "Qwen/Qwen2.5-VL-3B-Instruct")
+        assert ("`CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen2.5-VL-3B-Instruct " in problem
+                and """--weight-transfer-config '{"backend": "nccl"}'`""" in problem)
     assert vllm_problem(False, mode, installed, cuda) is None
 
 

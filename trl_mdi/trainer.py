@@ -117,6 +117,7 @@ from .vllm_prompts import (
     engine_prompt_ids,
     suppress_image_tokens,
 )
+from .vllm_server import bound_requests, check_server_images, server_mode, server_url, wait_for_server
 
 logger = logging.get_logger(__name__)
 
@@ -311,6 +312,9 @@ class MDIGRPOTrainer(GRPOTrainer):
                         processing_class=kwargs["processing_class"])
         config = effective_config(config, plan)
         check_vllm_prompts(config, kwargs["processing_class"], plan.facts)  # before vLLM's engine starts
+        check_server_images(config, kwargs["processing_class"], plan.facts)
+        if server_mode(config) and config.process_index == 0:  # TRL's own wait can hang on a silent server
+            wait_for_server(server_url(config), config.vllm_server_timeout, model=plan.model_name)
         if (problem := typed_system_problem(kwargs["processing_class"])) and _first_prompt_has_system(train_dataset):
             logger.warning(f"The training prompts have a system turn, but the processor's {problem}.")
         check_zero3_loading(model, plan.facts.model_type, is_deepspeed_zero3_enabled())  # before TRL loads weights
@@ -350,6 +354,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         softmax cannot be); the dummy vision pass and the empty-image guard installed on the loaded model; whether the
         processor encodes the counterfactual image. Should the probe turn out unable to measure the model, the
         default stack's mdi_balance leaves TRL's four parallel reward lists (tests/test_trl_contract.py pins them)
+        (and, in vLLM server mode, every request of TRL's client gets a time limit: ``trl_mdi.vllm_server``)
         and attention-only settings are switched off in the trainer's copy of the config and the live logs."""
         # Mixed data: a slice of text-only rows is a text-only forward (TRL hands it empty image tensors), and under
         # ZeRO-3 / DDP image-less processes run the vision tower on a dummy, times zero.
@@ -360,6 +365,9 @@ class MDIGRPOTrainer(GRPOTrainer):
             # why); its engine's own copy of the kwargs, never the user's config.
             self.vllm_generation.generation_kwargs = suppress_image_tokens(self.vllm_generation.generation_kwargs,
                                                                            plan.facts.image_token_ids)
+        if server_mode(self.args) and self.accelerator.is_main_process:  # TRL's client is the main process's
+            bound_requests(self.vllm_generation.vllm_client.session, self.args.vllm_server_request_timeout,
+                           server_url(self.args))
         self.vision_pass = vision_pass_for_run(self.model, self.processing_class, self.accelerator.num_processes,
                                                plan.facts.is_vlm, logger.info)
         loaded = plan.with_model(

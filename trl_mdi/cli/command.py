@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     is_main = t.process_index == 0
     log = print if is_main else (lambda *a, **k: None)
     try:
-        check_vllm(t)  # --use_vllm with no vLLM, or a mode this machine cannot run: before anything loads
+        check_vllm(t, m.model_name_or_path)  # --use_vllm with no vLLM, or a mode this machine cannot run: before anything loads
         # A checkpoint that lacks what resuming needs is refused before anything loads (the trainer's train() checks
         # again, for library use; "true" becomes the newest whole checkpoint).
         resume_from_checkpoint, _ = resolve_resume(t.resume_from_checkpoint, t.output_dir,
