@@ -430,7 +430,7 @@ def test_describe_outputs_finds_logs_in_the_default_folder(tmp_path, monkeypatch
 # ------------------------------------------------------------------------------------------ accelerate configs
 
 GPU_CONFIGS = ["single_gpu.yaml", "multi_gpu.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml",
-               "multi_node_zero3.yaml"]
+               "multi_node_zero3.yaml", "fsdp2.yaml"]
 HIDDEN_SIZE_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 
 
@@ -514,7 +514,7 @@ def readme_training_commands() -> list[list[str]]:
 
 def test_readme_training_commands_use_real_flags():
     commands = readme_training_commands()
-    assert len(commands) == 4
+    assert len(commands) == 5
     for flags in commands:
         run = parse_args(flags)  # unknown or misspelt flags raise here
         assert run.model.model_name_or_path == "Qwen/Qwen2.5-VL-3B-Instruct"

@@ -37,8 +37,8 @@ import torch
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 
-from fixtures.testing import zen_image_dataset
-from fixtures.vllm_server import VLLMServer, free_port, frozen_weight_sync
+from fixtures.testing import free_port, zen_image_dataset
+from fixtures.vllm_server import VLLMServer, frozen_weight_sync
 from trl_mdi.config import MDIGRPOConfig
 from trl_mdi.trainer import MDIGRPOTrainer
 from trl_mdi.vllm_server import VLLMServerError
