@@ -1,6 +1,6 @@
 # Two commands: `make demo` runs the main job on the embedded default, `make test` runs the suite.
 # `make test-e2e` runs the few end-to-end tests that take minutes each (marker `e2e`: the demo, a benchmark's quick
-# mode, a 2-process launch of the entry point); `.ci/run` calls it after `make test`, so CI runs every test while
+# mode, a 2-process launch of the entry point, a 2-process ZeRO-3 save and resume of three families); `.ci/run` calls it after `make test`, so CI runs every test while
 # `make test` stays within its 15 minutes on 2 cores.
 # Both create .venv and install the project on first use; later runs skip the install unless
 # pyproject.toml changed.

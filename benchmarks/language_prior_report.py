@@ -383,7 +383,7 @@ def warm_reliance_lines(rel: dict | None, s, *, pick: str | None = None, dev: bo
 
 FIXED_EARLIER = (
     "Fixed in earlier issues, not tuned here (from the git history, `git log -S`): the reward weights 4:1:1 "
-    "(answer : format : third reward, the brief's stack, the trainer's default since d4e031a, never changed); "
+    "(answer : format : third reward, the trainer's default stack since d4e031a, never changed); "
     "answer_visual_gain's clip `ANSWER_GAIN_CLIP` = 4 nats (1c6c0f4, issue 25: set with the reward, as a cap on "
     "what a counterfactual gap can earn against gap hacking as PAPO describes; never changed since); 120 GRPO steps "
     "per run (36af564, issue 15, never changed; set with the pool's conflict rate 0.5, lr 3e-4 and the warm-up's "

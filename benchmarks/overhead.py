@@ -11,7 +11,7 @@ for every variant:
     metrics_only   MDIGRPOTrainer, attention metrics and live Markdown logs (maps every 10 steps) on, the same two
                    rewards: nothing reads the attention before the loss, so the probe measures inside TRL's
                    training forward (no extra forward)
-    extra_forward  MDIGRPOTrainer with the brief's 4:1:1 stack (mc_idx, think_format, mdi_balance), logs on:
+    extra_forward  MDIGRPOTrainer with the default 4:1:1 stack (mc_idx, think_format, mdi_balance), logs on:
                    mdi_balance reads MDI before the loss, so the probe runs its one extra no-grad forward
 
 With ``--log_completions`` every variant (stock too) writes TRL's completions table each step (``log_completions=True``,

@@ -295,7 +295,7 @@ def test_trl_think_format_pays_for_the_shortcuts_ours_rejects():
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_mdi_balance_reward_follows_the_brief_formula():
+def test_mdi_balance_reward_follows_its_formula():
     mdi = torch.tensor([1.0, 2**0.5, 2.0, 1 / 2**0.5, 10.0, NAN])
     balance = metrics.mdi_balance(mdi, ratio=2.0).tolist()
     balance = [None if math.isnan(b) else b for b in balance]
@@ -355,14 +355,14 @@ def test_group_score_ties_nan_and_single_valid():
     torch.testing.assert_close(s, torch.tensor([-2 / 3, -2 / 3, 1 / 3, 1.0]))
 
 
-def test_group_score_separates_a_group_the_brief_reward_cannot():
-    # Typical MDI, all outside (1/R, R) = (0.5, 2): the brief's reward is -1 for every rollout.
+def test_group_score_separates_a_group_the_balance_reward_cannot():
+    # Typical MDI, all outside (1/R, R) = (0.5, 2): the balance reward is -1 for every rollout.
     mdi = torch.tensor([5.0, 17.0, 8.0, 12.0])
-    brief = R.mdi_balance_reward(["x"] * 4, metrics.mdi_balance(mdi, 2.0).tolist())
-    assert brief == [-1.0] * 4
+    balance = R.mdi_balance_reward(["x"] * 4, metrics.mdi_balance(mdi, 2.0).tolist())
+    assert balance == [-1.0] * 4
     score = S.group_relative_mdi_score(mdi, 4)
     torch.testing.assert_close(score, torch.tensor([1.0, -1.0, 1 / 3, -1 / 3]))
-    rewards = torch.tensor([brief, R.mdi_group_reward(["x"] * 4, score.tolist())]).T
+    rewards = torch.tensor([balance, R.mdi_group_reward(["x"] * 4, score.tolist())]).T
     torch.testing.assert_close(R.zero_spread_fraction(rewards, 4), torch.tensor([1.0, 0.0]))
 
 

@@ -94,7 +94,7 @@ def test_trains_logs_attention_and_hands_fields_to_rewards(model_dir, grpo_train
                 "rewards/mc_idx_reward/zero_spread_frac", "rewards/mdi_group_reward/zero_spread_frac"):
         assert key in logs[0], key
     assert logs[0]["attention/rows_without_image"] == 0.0
-    # Every rollout got its fields; they agree with each other (balance is the brief's formula of mdi).
+    # Every rollout got its fields; they agree with each other (balance is clip(1 - |log mdi| / log R, 0, 1)).
     assert len(rec.calls) == 2 and rec.calls[0]["n"] == 4
     import math
 
@@ -105,7 +105,7 @@ def test_trains_logs_attention_and_hands_fields_to_rewards(model_dir, grpo_train
         # The group score is zero-mean within the (single, local) group.
         assert sum(call["group"]) == pytest.approx(0.0, abs=1e-5)
         assert all(v is not None for v in call["early"] + call["late"] + call["aei_text"])
-    # The brief's balance reward equals 2 * balance - 1 of what the recording reward saw.
+    # The balance reward equals 2 * balance - 1 of what the recording reward saw.
     assert logs[0]["rewards/mdi_balance_reward/mean"] == pytest.approx(
         sum(2 * b - 1 for b in rec.calls[0]["balance"]) / 4, abs=1e-4
     )
@@ -179,7 +179,7 @@ def test_rows_without_image_get_none_and_are_counted(model_dir, grpo_train_datas
     trainer.train()
     seen = [m for call in rec.calls for m in call["mdi"]]
     assert None in seen and any(m is not None for m in seen)
-    # The brief's balance is None (not a made-up 1.0) where there is no image.
+    # The balance is None (not a made-up 1.0) where there is no image.
     for call in rec.calls:
         for m, b in zip(call["mdi"], call["balance"]):
             assert (m is None) == (b is None)

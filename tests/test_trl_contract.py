@@ -330,3 +330,50 @@ def test_completions_table_is_written_from_logs_at_log_time():
     assert "df_base.to_parquet(" in log and 'images_raw = self._logs["images"] or []' in log
     assert 'logging_backend.log({"completions": logging_backend.Table(dataframe=df)})' in log
     assert _params(GRPOTrainer.log) == ["self", "logs", "start_time"]
+
+
+def test_what_the_weight_loading_overrides_rely_on():
+    """Issue 42 (MDIGRPOTrainer._load_from_checkpoint / _load_best_model, trl_mdi.checkpoints.load_full_weights):
+    (1) transformers' Trainer loads a checkpoint's whole-model weights with ``load_state_dict(state_dict, False)``,
+    without the key conversion ``save_pretrained`` reverted (the fault the overrides replace; should transformers fix
+    it, this fails and the overrides can go); (2) train() calls _load_from_checkpoint(checkpoint) only outside
+    DeepSpeed and FSDP, before accelerate wraps the model, and DeepSpeed resumes from its own shards in
+    _inner_training_loop; _load_best_model loads DeepSpeed's shards itself; (3) save_pretrained writes the reverted
+    layout; (4) the loader the trainer calls is from_pretrained's own: convert_and_load_state_dict_in_model(model,
+    state_dict, load_config) with the model's conversion mapping, returning (loading info, offload index), the info
+    naming missing, unexpected and mismatched keys and conversion errors; tied weights listed in
+    ``all_tied_weights_keys``."""
+    import dataclasses
+
+    from transformers import PreTrainedModel, Trainer
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    flat = lambda fn: " ".join(inspect.getsource(fn).split())  # noqa: E731 (whitespace-insensitive source)
+    assert _params(Trainer._load_from_checkpoint) == ["self", "resume_from_checkpoint", "model"]
+    assert _params(Trainer._load_best_model) == ["self"]
+    for fn in (Trainer._load_from_checkpoint, Trainer._load_best_model):
+        assert flat(fn).count("load_result = model.load_state_dict(state_dict, False)") == 1, fn.__name__
+    assert "load_result = load_sharded_checkpoint(model, resume_from_checkpoint, strict=is_sagemaker_mp_enabled())" \
+        in flat(Trainer._load_from_checkpoint)
+    assert "elif _is_peft_model(model):" in flat(Trainer._load_from_checkpoint)
+    train = flat(Trainer.train)
+    assert ("if not is_sagemaker_mp_enabled() and not self.is_deepspeed_enabled and not self.is_fsdp_enabled: "
+            "self._load_from_checkpoint(resume_from_checkpoint)") in train
+    assert train.index("self._load_from_checkpoint(resume_from_checkpoint)") < train.index("inner_training_loop(")
+    assert ("if self.is_deepspeed_enabled: deepspeed_load_checkpoint( self.model_wrapped, resume_from_checkpoint, "
+            "load_module_strict=not _is_peft_model(self.model) )") in flat(Trainer._prepare_for_training)
+    assert ("if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None: "
+            "self._load_best_model()") in flat(Trainer._finalize_training)
+    assert "if self.is_deepspeed_enabled: deepspeed_load_checkpoint(" in flat(Trainer._load_best_model)
+    assert "state_dict = revert_weight_conversion(model_to_save, state_dict)" in flat(PreTrainedModel.save_pretrained)
+    assert _params(convert_and_load_state_dict_in_model)[:3] == ["model", "state_dict", "load_config"]
+    assert "return loading_info, disk_offload_index" in inspect.getsource(convert_and_load_state_dict_in_model)
+    assert "model._weight_conversions = model_specific_conversions" in flat(convert_and_load_state_dict_in_model)
+    assert _params(get_model_conversion_mapping)[0] == "model"
+    assert "weight_mapping" in {f.name for f in dataclasses.fields(LoadStateDictConfig)}
+    assert {"missing_keys", "unexpected_keys", "mismatched_keys", "conversion_errors"} <= {
+        f.name for f in dataclasses.fields(LoadStateDictInfo)}
+    assert "self.all_tied_weights_keys = self.get_expanded_tied_weights_keys(" in flat(PreTrainedModel.post_init)

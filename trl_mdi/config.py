@@ -123,7 +123,7 @@ class MDIGRPOConfig(GRPOConfig):
             it. `None`: no limit. Before the weights load, the main process waits up to TRL's `vllm_server_timeout`
             for the server to answer, and stops with the command that starts one if none does.
 
-        > Online group filtering (TPRL brief's online_filtering / filter_key / filter_low / filter_high)
+        > Online group filtering (online_filtering / filter_key / filter_low / filter_high)
 
         online_filtering (`bool`, *optional*, defaults to `False`):
             Drop from the update every group whose mean of `filter_key` lies outside `[filter_low, filter_high]`

@@ -411,6 +411,37 @@ class MDIGRPOTrainer(GRPOTrainer):
                 self.live_logs.close()
             raise
 
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # transformers reloads a checkpoint's whole-model weights with load_state_dict(strict=False) and no key
+        # conversion, but save_pretrained wrote them in the Hub layout: most tensors kept their old values behind a
+        # warning (Qwen2.5-VL 68 of 69, LLaVA 1.5 all). Loaded here as from_pretrained converts them, or refused
+        # (trl_mdi.checkpoints.load_full_weights); a LoRA adapter stays transformers' (PEFT's load), then checked.
+        target = model if model is not None else self.model
+        if self._loads_whole_weights(resume_from_checkpoint, target):
+            checkpoints.load_full_weights(unwrap_model(target), resume_from_checkpoint)
+            return
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if not self.is_fsdp_enabled:
+            checkpoints.check_adapter_loaded(target, resume_from_checkpoint)
+
+    def _load_best_model(self):
+        # load_best_model_at_end: transformers' load has the same fault as a resume's (_load_from_checkpoint above).
+        best = self.state.best_model_checkpoint
+        if self._loads_whole_weights(best, self.model):
+            logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
+            checkpoints.load_full_weights(unwrap_model(self.model), best)
+            return
+        super()._load_best_model()
+        if not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            checkpoints.check_adapter_loaded(self.model, best)
+
+    def _loads_whole_weights(self, folder: str, model) -> bool:
+        """Whether the trainer loads ``folder``'s weights itself: whole-model weights into a model held whole by this
+        process. DeepSpeed resumes from its own ``global_step*/`` shards, FSDP from its own files, PEFT loads its
+        adapter: those stay transformers'."""
+        return (not (self.is_deepspeed_enabled or self.is_fsdp_enabled) and not checkpoints.is_peft_model(model)
+                and checkpoints.holds_full_weights(folder))
+
     def _save_checkpoint(self, model, trial):
         # Whole or absent (trl_mdi.checkpoints): a stale marker goes first, the marker is written once every process
         # has saved, and a save that fails removes its folder and says why (tests/test_trl_contract.py pins the path).

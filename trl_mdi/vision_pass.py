@@ -96,7 +96,9 @@ def _tower_on(backbone: torch.nn.Module, dummy: dict[str, torch.Tensor]) -> Any:
 
 
 def _is_decode_step(kwargs: dict) -> bool:
-    cache = kwargs.get("past_key_values")
+    # transformers 5.24 renamed the forward's cache argument ``cache`` (``past_key_values`` until 5.23, still taken
+    # with a deprecation warning until 5.40)
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
     return cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0
 
 

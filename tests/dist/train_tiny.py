@@ -1,14 +1,14 @@
 """A few MDIGRPOTrainer steps under `accelerate launch` with 2 CPU processes (DDP or ZeRO-3).
 
 argv: model_dir data_parquet out_jsonl config_json. Each rank appends one JSON record: its view of the world,
-how many no-grad policy forwards it ran per generation batch, how many rollouts it measured, and (rank 0) the
-logged metrics.
+how many no-grad policy forwards it ran per generation batch, how many rollouts it measured, the digest of the full
+parameters training started from (after a resume's checkpoint loaded), and (rank 0) the logged metrics.
 """
 
-import hashlib
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 from datasets import load_dataset
@@ -17,6 +17,10 @@ from trl import GRPOTrainer
 from trl_mdi.config import MDIGRPOConfig
 from trl_mdi.data import to_conversational
 from trl_mdi.trainer import MDIGRPOTrainer
+
+# Run as a script, so tests/dist/ is on sys.path and not the checkout, whose fixtures/ folder is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from fixtures.testing import DigestAtTrainBegin, parameter_digest  # noqa: E402
 
 
 def spread_reward(completions, **kwargs):
@@ -93,6 +97,7 @@ def main():
     if no_vision_pass and trainer.vision_pass is not None:
         trainer.vision_pass.remove()
         trainer.vision_pass = None
+    trainer.add_callback(at_start := DigestAtTrainBegin())
     trainer.train(resume_from_checkpoint=resume)
     acc = trainer.accelerator
     record = {
@@ -108,11 +113,9 @@ def main():
         "logs": [h for h in trainer.state.log_history if "loss" in h] if acc.is_main_process else [],
     }
     record["dummy_vision_passes"] = trainer.vision_pass.count if trainer.vision_pass is not None else None
-    digest = hashlib.sha256()
-    for name, p in sorted(acc.unwrap_model(trainer.model).named_parameters()):
-        digest.update(name.encode() + p.detach().cpu().float().numpy().tobytes())
-    record["param_digest"] = digest.hexdigest()
+    record["param_digest"] = parameter_digest(acc.unwrap_model(trainer.model))
     record["global_step"] = trainer.state.global_step
+    record["start_digest"] = at_start.value  # the full parameters training started from: a resume's checkpoint's
     ds_params = [p for p in trainer.model.parameters() if hasattr(p, "ds_numel")]
     if ds_params:
         record["local_param_fraction"] = sum(p.ds_tensor.numel() for p in ds_params) / sum(p.ds_numel for p in ds_params)

@@ -20,7 +20,8 @@ RECOMMENDED_DEFAULTS: dict[str, Any] = {
     "epsilon_high": 0.28,  # DAPO clip-higher
     "mask_truncated_completions": True,  # a cut-off completion has no answer: keep it out of the loss
 }
-"""GRPO settings recommended by the product brief, installed as parser defaults (a flag or YAML key wins)."""
+"""Recommended GRPO settings, installed as parser defaults (a flag or YAML key wins): DAPO's token-level loss,
+clip-higher and overlong filtering (Yu et al., "DAPO", arXiv 2503.14476)."""
 
 CPU_DEFAULTS: dict[str, Any] = {"bf16": False}
 """Parser defaults on a machine without CUDA / XPU / MPS."""

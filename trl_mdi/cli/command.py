@@ -142,7 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(trainer.run_plan.describe())  # phase 2 too: where the probe measures, the forwards the run adds, and why
     if s.eval_only:
         return _evaluate_only(trainer, t, start, log)
-    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    try:
+        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    except CheckpointError as e:  # weights that do not fit the model: refused once read (trl_mdi.checkpoints)
+        return _fail(str(e))
     trainer.save_model(t.output_dir)  # model (gathered from ZeRO-3 shards) + processor
     if is_main:
         print(f"training done in {time.time() - start:.0f} s; outputs:\n{describe_outputs(t, start)}", flush=True)

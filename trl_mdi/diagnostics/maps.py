@@ -1,5 +1,6 @@
 """Attention maps: what a live-log map is drawn from, and the PNG itself (per-image-token attention mass as a heat
-map over the image). numpy + PIL only; the probe result and the processor are read, never imported.
+map over the image, in matplotlib's viridis). numpy, PIL and matplotlib's colormaps; the probe result and the
+processor are read, never imported.
 
 A row's image tokens come one image after another, in the order of its images, each image's tokens row-major over
 its token grid. The grid is known for two layouts (:func:`image_token_grids`):
@@ -36,21 +37,15 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-# Ten anchor colours of matplotlib's viridis, interpolated to a 256-entry lookup table.
-_VIRIDIS = np.array([
-    (68, 1, 84), (72, 40, 120), (62, 74, 137), (49, 104, 142), (38, 130, 142),
-    (31, 158, 137), (53, 183, 121), (110, 206, 88), (181, 222, 43), (253, 231, 37),
-], dtype=np.float64)
-_LUT = np.stack([np.interp(np.linspace(0, 1, 256), np.linspace(0, 1, len(_VIRIDIS)), _VIRIDIS[:, c])
-                 for c in range(3)], axis=1).round().astype(np.uint8)
 _RESAMPLE = {"nearest": Image.Resampling.NEAREST, "bilinear": Image.Resampling.BILINEAR}
 _BAR = 18  # height of the title / caption bar and of the legend strip, in pixels
 
 
 def colormap(values: np.ndarray) -> np.ndarray:
-    """Viridis-like RGB (uint8, shape ``values.shape + (3,)``) of values in [0, 1] (clipped)."""
-    idx = (np.clip(np.nan_to_num(values, nan=0.0), 0.0, 1.0) * 255).round().astype(np.intp)
-    return _LUT[idx]
+    """matplotlib's viridis as RGB (uint8, shape ``values.shape + (3,)``) of values in [0, 1] (clipped; NaN as 0)."""
+    from matplotlib import colormaps  # here, not at the top: importing the trainer does not load matplotlib
+
+    return colormaps["viridis"](np.clip(np.nan_to_num(values, nan=0.0), 0.0, 1.0), bytes=True)[..., :3]
 
 
 def token_grid_hw(image_grid_thw: Sequence[int] | Any, merge_size: int = 2) -> tuple[int, int]:

@@ -186,7 +186,7 @@ def _optional_float(value: Any) -> float | None:
 
 
 def mdi_balance_reward(completions: list, mdi_balance: list, **kwargs) -> list[float | None]:
-    """MDI balance (product brief): 2 * balance - 1, with balance = clip(1 - |log MDI| / log R, 0, 1).
+    """MDI balance: 2 * balance - 1, with balance = clip(1 - |log MDI| / log R, 0, 1) (docs/rewards.md).
 
     ``mdi_balance`` is computed per rollout by the trainer (``trl_mdi.attention.metrics.mdi_balance``) and
     passed as a list of float or None; None or NaN (no image tokens, hence no MDI) stays None.
