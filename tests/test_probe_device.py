@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 
 import pytest
 import torch
@@ -21,9 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from fixtures.testing import eager_masses, grpo_batch, shape_image
 from fixtures.tiny import TINY_ARCHS
-from trl_mdi.attention import measure_modality_attention
+from trl_mdi.attention import measure_modality_attention, routes
 from trl_mdi.attention import probe as probe_module
-from trl_mdi.attention import routes
 from trl_mdi.attention.routes import ROUTES
 
 MODEL_KEYS = ("input_ids", "attention_mask", "completion_mask")

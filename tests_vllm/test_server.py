@@ -19,8 +19,9 @@ differs from the run TRL places it on):
 - MDI and the reliance signals are finite on the server's rollouts, and the completions table has their columns;
 - a server that is down, or up but silent, stops the run with a clear error within a bounded time.
 
-Shown able to fail (not kept): with the features placed one token later (``_place_features`` shifted) the log-probs
-of image rows differ from the policy's by more than 0.1.
+Shown able to fail (a one-off pytest plugin, not kept): with TRL's placement of the image features moved one token
+earlier (``VLLMGeneration._place_features`` shifted), the Idefics3 test fails: the server's log-probs differ from the
+frozen policy's by 0.21.
 """
 
 from __future__ import annotations

@@ -18,14 +18,14 @@ from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from . import routes as R
 from .layout import (
     TokenLayout,
     token_query_mask,
 )
-from . import routes as R
 from .model_facts import UNMEASURED_LAYER_TYPES, text_config_of, unwrap_model
-from .routes import ROUTES
 from .result import COMPLETION, GROUPS, IMAGE, PROMPT_TEXT, SPECIAL, ModalityAttention
+from .routes import ROUTES
 
 PROBE_ATTN_IMPLEMENTATION = "trl_mdi_probe"
 
