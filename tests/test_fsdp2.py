@@ -34,6 +34,12 @@ def test_the_trainers_forwards_under_fully_shard_equal_the_unsharded_models(tiny
         assert r["head_is_dtensor"] and r["dtensor_params"] == r["params"], r
         assert r["probe"] < 1e-6 and 0 < r["probe_mean_image_mass"] < 1, r
         assert r["choice_logits"] < 1e-5 and r["choice_logits_finite"] == 5, r  # 3 + 2 candidates, one -1
+        assert r["choice_logits_type"] == "Tensor", r  # not a DTensor leaking into the signals
+        # accelerate's wrap keeps the head unsharded after a forward; a tail that reshards leaves a sharded DTensor,
+        # which choice_logits makes whole (before: "mixed torch.Tensor and DTensor")
+        assert not r["head_sharded_at_read"] and r["head_sharded_at_read_resharded"], r
+        assert "choice_logits_resharded_error" not in r, r
+        assert r["choice_logits_resharded"] < 1e-5 and r["choice_logits_resharded_type"] == "Tensor", r
         assert r["counterfactual_logps"] < 1e-5, r
         # The dummy vision pass: ran once, left the loss and the (rank-averaged) gradients as they were, and gave
         # every vision parameter a zero gradient.
