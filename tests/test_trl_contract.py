@@ -495,3 +495,22 @@ def test_what_save_on_sigterm_relies_on():
     assert ("if self.control.should_save: self._save_checkpoint(model, trial) self.control = "
             "self.callback_handler.on_save(self.args, self.state, self.control)") in save
     assert "model=self.model" in flat(CallbackHandler.call_event)
+
+
+def test_server_mode_requests_go_through_the_clients_session():
+    """trl_mdi.vllm_server: the trainer bounds every request of TRL's vLLM client by wrapping the client's
+    ``requests.Session`` (``trainer.vllm_generation.vllm_client.session``), and waits for the server itself before TRL
+    builds the client. That covers every request only while (1) the client is that attribute, built in server mode,
+    (2) every request but the start-up health check goes through ``self.session`` (the health check, ``requests.get``,
+    is what wait_for_server runs first, with a timeout), (3) the session's retries live on its mounted adapters, and
+    (4) TRL places one run of image tokens per image (what check_server_images refuses otherwise)."""
+    from trl.generation import vllm_client, vllm_generation
+
+    assert "self.vllm_client = VLLMClient(" in inspect.getsource(vllm_generation.VLLMGeneration._init_vllm)
+    client = inspect.getsource(vllm_client.VLLMClient)
+    assert "self.session = requests.Session()" in client
+    assert "HTTPAdapter(max_retries=retry_strategy" in client and 'self.session.mount("http://", adapter)' in client
+    assert client.count("requests.get(") == 1 and client.count("requests.post(") == 0
+    assert "requests.get(url)" in inspect.getsource(vllm_client.VLLMClient.check_server)
+    place = inspect.getsource(vllm_generation.VLLMGeneration._place_features)
+    assert "The prompt must contain one run of image tokens per image." in place
