@@ -85,11 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = max((work / "grpo").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
     windows = {label: _window_means(history, key) for label, key in (
-        ("weighted reward", "reward"), ("sampled accuracy (mc_idx reward)", "rewards/mc_idx_reward/mean"),
+        ("weighted reward", "reward"), ("sampled accuracy (mc_idx reward)", "rewards/mc_idx/mean"),
         ("clean format (sampled)", "completions/clean_format_frac"), ("MDI (all layers)", "attention/mdi"),
         ("MDI balance (attention/mdi_balance)", "attention/mdi_balance"),
-        ("MDI balance reward", "rewards/mdi_balance_reward/mean"),
-        ("answer reward zero-spread fraction", "rewards/mc_idx_reward/zero_spread_frac"),
+        ("MDI balance reward", "rewards/mdi_balance/mean"),
+        ("answer reward zero-spread fraction", "rewards/mc_idx/zero_spread_frac"),
         ("visual gain (reliance/visual_gain, nats per token)", "reliance/visual_gain"),
         ("answer visual gain (reliance/answer_visual_gain, nats)", "reliance/answer_visual_gain"),
         ("blind agreement (reliance/blind_agree_rate)", "reliance/blind_agree_rate"))}

@@ -41,7 +41,7 @@ per run, side by side on the same steps and seeds, every run computing and loggi
 (`reliance_signals=True`, counterfactual `--counterfactual`, default the trainer's), variants:
 
     answer_format        mc_idx 4, think_format 1                                         (5 seeds)
-    mdi_balance          + mdi_balance 1 (the brief's 4:1:1, the default stack)           (3 seeds)
+    mdi_balance          + mdi_balance 1 (4:1:1, the default stack)           (3 seeds)
     mdi_group            + mdi_group 1 (group-relative MDI balance)                       (3 seeds)
     tprl_perturbation    answer_format + TPRL (entropy + perception filtering, trajectory reweighting), VPPO's
                          perturbed-image signal (perception_signal="perturbation")        (3 seeds)

@@ -71,8 +71,8 @@ def step_mean(run: dict, key: str, head: bool) -> float:
 
 
 def zero_spread(run: dict, reward: str) -> float:
-    """Mean over all steps of ``rewards/<reward>_reward/zero_spread_frac`` (NaN when the run lacks that reward)."""
-    return _mean(r.get(f"rewards/{reward}_reward/zero_spread_frac") for r in run["steps"])
+    """Mean over all steps of ``rewards/<reward>/zero_spread_frac`` (NaN when the run lacks that reward)."""
+    return _mean(r.get(f"rewards/{reward}/zero_spread_frac") for r in run["steps"])
 
 
 def by_variant(runs: list[dict], variants: dict) -> dict[str, list[dict]]:
@@ -191,7 +191,7 @@ def spread_table(groups: dict[str, list[dict]], variants: dict) -> list[str]:
         cells = [spread([zero_spread(r, n) for r in rs], ".2f") if n in variants[name].rewards else "—"
                  for n in REWARD_NAMES]
         for n in own:
-            key = f"rewards/{n}_reward/mean"
+            key = f"rewards/{n}/mean"
             cells.append("—" if n not in variants[name].rewards else
                          f"{_f(_mean(step_mean(r, key, True) for r in rs), '.2f')} → "
                          f"{_f(_mean(step_mean(r, key, False) for r in rs), '.2f')}")
@@ -247,7 +247,7 @@ def _agreement(a: dict | None) -> str:
 
 PICK_SIGNAL = "answer_visual_gain"
 """The signal whose within-prompt AUROC ranks the counterfactual kinds on the development split: the one a reward
-reads (``answer_visual_gain_reward``), within prompts since GRPO's group-relative advantage compares rollouts of one
+reads (``answer_visual_gain``), within prompts since GRPO's group-relative advantage compares rollouts of one
 prompt only."""
 PICK_RULE = (f"the highest within-prompt AUROC of {PICK_SIGNAL} on the development split, at the 3 decimals shown; "
              "ties go to the trainer's default kind, then to the higher pooled AUROC, then to the earlier kind in "
@@ -383,7 +383,7 @@ def warm_reliance_lines(rel: dict | None, s, *, pick: str | None = None, dev: bo
 
 FIXED_EARLIER = (
     "Fixed in earlier issues, not tuned here (from the git history, `git log -S`): the reward weights 4:1:1 "
-    "(answer : format : third reward, the brief's stack, the trainer's default since d4e031a, never changed); "
+    "(answer : format : third reward, the trainer's default stack since d4e031a, never changed); "
     "answer_visual_gain's clip `ANSWER_GAIN_CLIP` = 4 nats (1c6c0f4, issue 25: set with the reward, as a cap on "
     "what a counterfactual gap can earn against gap hacking as PAPO describes; never changed since); 120 GRPO steps "
     "per run (36af564, issue 15, never changed; set with the pool's conflict rate 0.5, lr 3e-4 and the warm-up's "

@@ -15,7 +15,7 @@ own parser (`fixtures.warmup.evaluate_accuracy`), every `--eval_every` GRPO step
                               trajectory reweighting all on
     blank images (control)    warm-up and GRPO on the same questions with blank images (synthetic blank_images),
                               scored on blank held-out images: must stay at chance
-    pure GRPO, no warm-up     GRPO from the random model; expected to stall, `rewards/mc_idx_reward/zero_spread_frac`
+    pure GRPO, no warm-up     GRPO from the random model; expected to stall, `rewards/mc_idx/zero_spread_frac`
                               shows why (groups in which every rollout gets the same mc_idx reward teach nothing)
 
 then the main and TPRL runs again with a second GRPO seed (same warm-up), so that their comparison is not one draw.
@@ -75,11 +75,11 @@ TARGET_ACC, TARGET_SECONDS, TARGET_GAIN, TARGET_BLANK = 0.90, 600.0, 0.30, 0.35
 # Logged per GRPO step (TRL's metric names; attention/* and zero_spread_frac come from MDIGRPOTrainer).
 STEP_KEYS = {
     "reward": "reward",
-    "mc_idx": "rewards/mc_idx_reward/mean",
-    "think_format": "rewards/think_format_reward/mean",
-    "mdi_balance": "rewards/mdi_balance_reward/mean",
+    "mc_idx": "rewards/mc_idx/mean",
+    "think_format": "rewards/think_format/mean",
+    "mdi_balance": "rewards/mdi_balance/mean",
     "mdi": "attention/mdi",
-    "mc_idx_zero_spread": "rewards/mc_idx_reward/zero_spread_frac",
+    "mc_idx_zero_spread": "rewards/mc_idx/zero_spread_frac",
     "clipped_ratio": "completions/clipped_ratio",
     "mean_length": "completions/mean_length",
 }
@@ -388,7 +388,7 @@ def report(runs: list[Run], s: Settings, recipe: WarmupRecipe, argv: list[str], 
         f"- Evaluation: greedy, max_new_tokens {s.eval_max_new_tokens}, suppress_tokens=[image_token_id], every "
         f"{s.eval_every} GRPO steps; accuracy by the mc_idx reward's rule (`parse_mc_answer`: a hedged answer such as "
         "'Answer: A or B' is wrong). 'format': the lenient think format (any text after </think>); 'clean': the format "
-        "the prompt asks, by think_format_reward's own rule (one think block, then a final line 'Answer: X', nothing "
+        "the prompt asks, by think_format's own rule (one think block, then a final line 'Answer: X', nothing "
         "after it), then end of sequence. Times "
         "exclude the evaluations (they add "
         + ", ".join(f"{r.eval_seconds:.0f} s" for r in runs) + " to the runs, in table order).",

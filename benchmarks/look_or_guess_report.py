@@ -216,7 +216,7 @@ def design_lines(s: ExperimentSettings, recipe) -> list[str]:
           f"on it), {s.eval_samples} completions per prompt sampled at temperature 1, greedy beside; on conflict rows "
           "only the look style is right. Choices were made on the DEVELOPMENT split (validation rows at the training "
           "conflict rate) or fixed in advance: the reward form (below), the clip (the registry's: 0.5 nats per token "
-          "for the mean, 4 nats for the sum), weight 1 beside 4:1 (the brief's stack), the counterfactual kind (below), "
+          "for the mean, 4 nats for the sum), weight 1 beside 4:1 (the default stack's), the counterfactual kind (below), "
           "the steps (the time budget).", ""]
     return L
 
@@ -333,7 +333,7 @@ def trajectory_lines(groups: dict[str, list[dict]], names: list[str], variants: 
               "| variant | mc_idx | think_format | third reward |", "|---|---:|---:|---|"]
         for n in names:
             def zs(reward, rs=groups[n]):
-                return _mean(x.get(f"rewards/{reward}_reward/zero_spread_frac") for r in rs for x in r["steps"])
+                return _mean(x.get(f"rewards/{reward}/zero_spread_frac") for r in rs for x in r["steps"])
             third = variants[n].rewards[2] if len(variants[n].rewards) > 4 else None
             L.append(f"| {variants[n].label} | {_cell(zs('mc_idx'))} | {_cell(zs('think_format'))} | "
                      + (f"{third}: {_cell(zs(third))}" if third else "—") + " |")

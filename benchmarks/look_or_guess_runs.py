@@ -93,7 +93,7 @@ def run_one(name: str, variant, seed: int, model_dir: Path, pool, test, s: Exper
         from trl_mdi.rewards import resolve_reward_funcs
 
         placebo = PlaceboGuardedReward(seed=seed, group_size=s.num_generations)
-        funcs = [placebo if getattr(f, "__name__", "") == "guarded_visual_gain_reward" else f
+        funcs = [placebo if getattr(f, "__name__", "") == "guarded_visual_gain" else f
                  for f in resolve_reward_funcs(list(config.reward_funcs), list(config.reward_weights))]
     trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=funcs, args=config, train_dataset=pool)
     for cb in (ConsoleSummaryCallback, PrinterCallback, ProgressCallback):  # keep the output readable

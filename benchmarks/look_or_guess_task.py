@@ -336,9 +336,9 @@ def colour_word_gains(rollouts: list[dict], tokenizer, ds, offsets: tuple[int, .
     such as ``<think> the shape in the image green</think>`` included); position ``k`` is ``k`` tokens after it.
     Per style: ``rollouts`` (scored), ``aligned``, per offset the mean gain, its n and the most frequent token there,
     and the mean of each reward over the style's rollouts: ``visual_gain`` (the shipped mean form,
-    ``visual_gain_reward``) and ``guarded_visual_gain`` (on the rollout's largest token gain, gated by its answer
+    ``visual_gain``) and ``guarded_visual_gain`` (on the rollout's largest token gain, gated by its answer
     and format against the row's label)."""
-    from trl_mdi.rewards import guarded_visual_gain_reward, visual_gain_reward
+    from trl_mdi.rewards import guarded_visual_gain, visual_gain
 
     close = tokenizer.convert_tokens_to_ids("</think>")
     out = {}
@@ -363,8 +363,8 @@ def colour_word_gains(rollouts: list[dict], tokenizer, ds, offsets: tuple[int, .
                 table[k] = {"mean": sum(gs) / len(gs), "n": len(gs), "token": tokenizer.decode([tok_id]),
                             "token_share": count / len(gs)}
         texts = [r["text"] for r in rs]
-        mean_form = visual_gain_reward(texts, [r.get("visual_gain") for r in rs]) if rs else []
-        guarded = guarded_visual_gain_reward(
+        mean_form = visual_gain(texts, [r.get("visual_gain") for r in rs]) if rs else []
+        guarded = guarded_visual_gain(
             texts, visual_gain_max=[max(r["gains"]) if r["gains"] else None for r in rs],
             label_idx=[ds[r["prompt"]]["label_idx"] for r in rs],
             choices=[ds[r["prompt"]]["choices"] for r in rs]) if rs else []
@@ -379,7 +379,7 @@ def guarded_levels(rollouts: list[dict], ds) -> dict:
     level of ``guarded_visual_gain`` (the registry's settings), over scored rollouts (``score_rollouts``)."""
     import numpy as np
 
-    from trl_mdi.rewards import guarded_visual_gain_reward as reward
+    from trl_mdi.rewards import guarded_visual_gain as reward
 
     out = {"thresholds": reward.thresholds}
     for style in (*STYLES, OTHER):

@@ -11,7 +11,7 @@ for every variant:
     metrics_only   MDIGRPOTrainer, attention metrics and live Markdown logs (maps every 10 steps) on, the same two
                    rewards: nothing reads the attention before the loss, so the probe measures inside TRL's
                    training forward (no extra forward)
-    extra_forward  MDIGRPOTrainer with the brief's 4:1:1 stack (mc_idx, think_format, mdi_balance), logs on:
+    extra_forward  MDIGRPOTrainer with the default 4:1:1 stack (mc_idx, think_format, mdi_balance), logs on:
                    mdi_balance reads MDI before the loss, so the probe runs its one extra no-grad forward
 
 With ``--log_completions`` every variant (stock too) writes TRL's completions table each step (``log_completions=True``,
@@ -83,15 +83,18 @@ from benchmarks.stats import paired_seed_difference  # noqa: E402
 from fixtures.synthetic import write_synthetic_aokvqa  # noqa: E402
 from fixtures.tiny import save_tiny_vlm  # noqa: E402
 from trl_mdi.aokvqa import prepare_aokvqa  # noqa: E402
-from trl_mdi.config import MDIGRPOConfig  # noqa: E402
+from trl_mdi.config import MDIGRPOConfig, redeclared_grpo_fields  # noqa: E402
 from trl_mdi.data import to_conversational  # noqa: E402
-from trl_mdi.rewards import mc_idx_reward, mdi_balance_reward, think_format_reward  # noqa: E402
+from trl_mdi.rewards import mc_idx, mdi_balance, think_format  # noqa: E402
 from trl_mdi.trainer import MDIGRPOTrainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Trainer overhead: MDIGRPOTrainer vs GRPOTrainer"
 VLLM_SECTION = "## Trainer overhead under vLLM: MDIGRPOTrainer vs GRPOTrainer"
 MODEL = dict(num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=4, intermediate_size=768)
+# GRPOConfig's values of the fields whose default MDIGRPOConfig sets (epsilon_high, mask_truncated_completions, ...):
+# every arm, stock and ours, runs the same GRPO, as they did before MDIGRPOConfig carried its own defaults (issue 43).
+STOCK_GRPO = {f.name: GRPOConfig.__dataclass_fields__[f.name].default for f in redeclared_grpo_fields()}
 
 
 class StepTimer(TrainerCallback):
@@ -145,8 +148,9 @@ def run(variant: str, model_dir: Path, dataset, work: Path, steps: int, completi
         output_dir=str(work / variant), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=8,
         num_generations=4, max_completion_length=completion_length, max_steps=steps, logging_steps=1, save_strategy="no", seed=0,
         learning_rate=1e-5, disable_tqdm=True, gradient_checkpointing=False, log_completions=log_completions,
+        **STOCK_GRPO,
     )
-    rewards = [mc_idx_reward, think_format_reward]
+    rewards = [mc_idx, think_format]
     if variant == "stock":
         trainer = GRPOTrainer(str(model_dir), reward_funcs=rewards, args=GRPOConfig(**common, reward_weights=[4, 1]),
                               train_dataset=dataset)
@@ -158,7 +162,7 @@ def run(variant: str, model_dir: Path, dataset, work: Path, steps: int, completi
             attention_diag_log_path=str(work / variant / "attention.md"),
         )
         if variant == "extra_forward":
-            rewards = [*rewards, mdi_balance_reward]
+            rewards = [*rewards, mdi_balance]
         trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=rewards, args=args, train_dataset=dataset)
         expected = "training_forward" if variant == "metrics_only" else "extra_forward"
         assert trainer.run_plan.placement == expected, (variant, trainer.run_plan.placement)
@@ -416,7 +420,7 @@ def run_vllm(variant: str, model_dir: Path, dataset, work: Path, seed: int, warm
         output_dir=str(work / variant), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=8,
         num_generations=4, max_completion_length=completion_length, max_steps=warmup + steps + 1, logging_steps=1,
         save_strategy="no", seed=seed, learning_rate=1e-5, disable_tqdm=True, gradient_checkpointing=False,
-        generation_kwargs={"logit_bias": {image_token_id: -100.0}}, **vllm_cpu.VLLM_CPU_ARGS,
+        generation_kwargs={"logit_bias": {image_token_id: -100.0}}, **vllm_cpu.VLLM_CPU_ARGS, **STOCK_GRPO,
     )
     # Imported here: it imports vLLM, which only --vllm runs have (set up by then: vllm_cpu.set_env at the top).
     from fixtures.vllm_baseline import PromptFixedGRPOTrainer
@@ -424,7 +428,7 @@ def run_vllm(variant: str, model_dir: Path, dataset, work: Path, seed: int, warm
     start = time.perf_counter()
     if variant in ("stock", "stock_fixed"):
         cls = GRPOTrainer if variant == "stock" else PromptFixedGRPOTrainer
-        trainer = cls(str(model_dir), reward_funcs=[mc_idx_reward, think_format_reward],
+        trainer = cls(str(model_dir), reward_funcs=[mc_idx, think_format],
                       args=GRPOConfig(**common, reward_weights=[4, 1]), train_dataset=dataset)
     else:
         args = MDIGRPOConfig(**common, compute_attention_metrics=True, realtime_rollout_logging=True,
@@ -433,7 +437,7 @@ def run_vllm(variant: str, model_dir: Path, dataset, work: Path, seed: int, warm
         trainer = MDIGRPOTrainer(str(model_dir), args=args, train_dataset=dataset)  # no reward_funcs: the default
         plan = trainer.run_plan
         stack = (plan.reward_names, tuple(plan.reward_weights or ()), str(plan.placement))
-        assert stack == (("mc_idx_reward", "think_format_reward", "mdi_balance_reward"), (4.0, 1.0, 1.0),
+        assert stack == (("mc_idx", "think_format", "mdi_balance"), (4.0, 1.0, 1.0),
                          "trl_forward"), stack
     build_s = time.perf_counter() - start
     profile = StepProfile(trainer.model)

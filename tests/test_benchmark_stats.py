@@ -1,12 +1,14 @@
-"""The benchmarks' statistics in ``benchmarks.stats``: the t quantiles against a printed table and a numerical
-integral, paired seed differences and the verdict's cases, and the module's doctests (``benchmarks/`` is outside
-pytest's doctest paths)."""
+"""The benchmarks' statistics in ``benchmarks.stats``: the t intervals against a printed table and against
+RESULTS.md's stored figures, paired seed differences, the verdict's cases, the exact sign-flip test against
+scipy's, and the module's doctests (``benchmarks/`` is outside pytest's doctest paths)."""
 
 import doctest
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
+from scipy import stats as scipy_stats
 
 import benchmarks.stats as R
 
@@ -16,40 +18,47 @@ def test_doctests():
     assert tried and not failed
 
 
-# ----------------------------------------------------------------------------------------------- t quantiles
+# ----------------------------------------------------------------------------------------------- t intervals
 
 # Student's t, two-sided 95% (the 0.975 quantile), from a printed table (3 decimals), df 1..30
 T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 
 
-def test_t_quantiles_match_the_printed_table():
-    for df, want in enumerate(T_975, start=1):
-        assert R.student_t_quantile(0.975, df) == pytest.approx(want, abs=5e-4), df
-    for p, df, want in [(0.95, 1, 6.314), (0.95, 2, 2.920), (0.95, 4, 2.132), (0.95, 10, 1.812), (0.95, 30, 1.697),
-                        (0.995, 4, 4.604), (0.995, 10, 3.169), (0.9, 5, 1.476), (0.975, 1000, 1.962)]:
-        assert R.student_t_quantile(p, df) == pytest.approx(want, abs=5e-4), (p, df)
+def test_the_interval_takes_the_two_sided_t_quantile_of_n_minus_1_df():
+    """The t quantile is scipy's; what is ours is asking for the right one: (1 + level) / 2 at n - 1 df."""
+    for n, want in enumerate(T_975, start=2):
+        d = R.paired_seed_difference(list(range(n)), [0.5 * s * s for s in range(n)])
+        assert d["t"] == pytest.approx(want, abs=5e-4), n
+        assert d["high"] - d["mean"] == pytest.approx(d["t"] * d["sd"] / math.sqrt(n), rel=1e-12)
+    for level, n, want in [(0.90, 2, 6.314), (0.90, 5, 2.132), (0.90, 31, 1.697), (0.99, 5, 4.604),
+                           (0.99, 11, 3.169), (0.8, 6, 1.476)]:
+        assert R.paired_seed_difference([0.1 * s * s for s in range(n)], [0.0] * n, level=level)["t"] == \
+            pytest.approx(want, abs=5e-4), (level, n)
 
 
-def test_t_quantiles_against_closed_forms_and_a_numerical_integral():
-    for p in (0.6, 0.9, 0.975, 0.999):
-        assert R.student_t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-9)  # Cauchy
-        assert R.student_t_quantile(p, 2) == pytest.approx((2 * p - 1) * math.sqrt(2 / (4 * p * (1 - p))), rel=1e-9)
-        assert R.student_t_quantile(1 - p, 7) == -R.student_t_quantile(p, 7)
-    assert R.student_t_quantile(0.5, 3) == 0.0
-    for df in (3, 6, 13):  # the density integrated from 0 to the quantile holds 0.475 of the mass (Simpson's rule)
-        q = R.student_t_quantile(0.975, df)
-        c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
-        t = np.linspace(0, q, 2001)
-        f = c * (1 + t ** 2 / df) ** (-(df + 1) / 2)
-        mass = (t[1] - t[0]) / 3 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())
-        assert mass == pytest.approx(0.475, abs=1e-9), df
-    with pytest.raises(ValueError, match="df must be an integer >= 1"):
-        R.student_t_quantile(0.975, 0)
-    with pytest.raises(ValueError, match="df must be an integer"):
-        R.student_t_quantile(0.975, 2.5)
-    with pytest.raises(ValueError, match=r"p must be in \(0, 1\)"):
-        R.student_t_quantile(1.0, 4)
+def _results_table(heading: str, caption: str) -> list[list[str]]:
+    """Rows (cells stripped) of the table under ``caption`` in RESULTS.md's section ``heading``."""
+    text = (Path(__file__).resolve().parents[1] / "benchmarks" / "RESULTS.md").read_text()
+    section = text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split(caption, 1)[1].split("\n\n", 2)[1]  # the caption line ends, then the table
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in block.splitlines()[2:]]
+
+
+def test_the_replications_intervals_follow_from_its_stored_per_seed_values():
+    """The stored records and their figures: RESULTS.md's primary intervals (computed when the t quantile was
+    hand-written) come out of the same section's per-seed table again, to the printed 3 decimals."""
+    heading = "## Look or guess, replication: pre-registered plan and results"
+    per_seed = _results_table(heading, "Per seed, conflict accuracy:")
+    arm = {k: {int(r[0]): float(r[1 + i]) for r in per_seed} for i, k in enumerate("ABCD")}
+    assert len(per_seed) == 16
+    family = R.holm_family({"B vs A": (arm["B"], arm["A"]), "C vs A": (arm["C"], arm["A"])})
+    primary = {r[0]: r for r in _results_table(heading, "Primary (conflict accuracy")}
+    for name in ("B vs A", "C vs A"):
+        assert R.format_paired_difference(family[name]["difference"]) == primary[name][3], name
+    secondary = {r[0]: r for r in _results_table(heading, "Secondary (95% paired t")}
+    vs_placebo = R.paired_seed_difference(arm["C"], arm["D"])
+    assert R.format_paired_difference(vs_placebo).removesuffix(" (16 seeds)") == secondary["C vs A"][1]
 
 
 # ------------------------------------------------------------------------------------- paired seed differences
@@ -164,6 +173,16 @@ def test_sign_flip_is_exact():
         R.sign_flip_p([0.1, float("nan")])
     with pytest.raises(ValueError, match="at most"):
         R.sign_flip_p([0.1] * (R.SIGN_FLIP_MAX_PAIRS + 1))
+
+
+@pytest.mark.parametrize("decimals", [3, 1])  # 1 decimal: many assignments tie with the observed sum
+def test_sign_flip_agrees_with_scipys_exact_permutation_test(decimals):
+    rng = np.random.default_rng(4)
+    for n in range(2, 14):  # scipy needs 2 or more
+        d = np.round(rng.normal(0.1, 0.3, n), decimals)
+        exact = scipy_stats.permutation_test((d,), lambda x, axis: x.mean(axis=axis), permutation_type="samples",
+                                             n_resamples=np.inf, vectorized=True)
+        assert R.sign_flip_p(d) == pytest.approx(exact.pvalue, abs=1e-12), (n, d)
 
 
 def seeds(values, base=0.4):

@@ -92,7 +92,7 @@ def test_one_definition_of_the_choice_letters():
 def test_the_parser_the_format_and_the_prompt_read_all_26_letters():
     from trl_mdi.aokvqa import format_prompt
     from trl_mdi.evaluation import score_completions
-    from trl_mdi.rewards import extract_choice_letter, mc_idx_reward
+    from trl_mdi.rewards import extract_choice_letter, mc_idx
 
     twelve = CHOICE_WORDS[:12]
     assert format_prompt("Which?", twelve).splitlines()[-1] == "L. option 11"
@@ -102,7 +102,7 @@ def test_the_parser_the_format_and_the_prompt_read_all_26_letters():
     assert clean_format("<think>x</think>\nAnswer: L", choices=twelve)
     assert not clean_format("<think>x</think>\nAnswer: M", choices=twelve)
     assert valid_letters(CHOICE_WORDS) == LETTERS
-    rewards = mc_idx_reward(["Answer: K", "Answer: E", "Answer: Z"], [10, 10, 25],
+    rewards = mc_idx(["Answer: K", "Answer: E", "Answer: Z"], [10, 10, 25],
                             choices=[twelve, twelve, CHOICE_WORDS])
     assert rewards == [1.0, 0.0, 1.0]
     result = score_completions(["Answer: K", "Answer: Z"], [10, 24], [12, 26])

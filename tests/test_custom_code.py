@@ -297,12 +297,13 @@ def test_the_default_stack_loses_mdi_balance_where_the_probe_cannot_measure(soft
     whose attention cannot be measured it keeps mc_idx and think_format, as on a text-only model, in the plan and in
     TRL's own reward lists alike."""
     from trl_mdi import MDIGRPOConfig, MDIGRPOTrainer
-    from trl_mdi.rewards import think_format_reward
+    from trl_mdi.rewards import think_format
 
-    args = MDIGRPOConfig.from_grpo_config(grpo_args(tmp_path))  # the user's own MDIGRPOConfig
+    args = MDIGRPOConfig.from_grpo_config(grpo_args(tmp_path))  # the user's own MDIGRPOConfig...
+    args.reward_funcs = ["mc_idx", "think_format", "mdi_balance"]  # ...whose reward_funcs hold its default stack
     rows = zen_image_dataset(12).map(lambda r, i: {"label_idx": i % 2, "choices": ["red", "blue"]}, with_indices=True)
     trainer = MDIGRPOTrainer(model=str(softmax_vlm), args=args, train_dataset=rows)
-    assert trainer.run_plan.reward_names == ("mc_idx_reward", think_format_reward.__name__)
+    assert trainer.run_plan.reward_names == ("mc_idx", think_format.__name__)
     assert trainer.reward_func_names == list(trainer.run_plan.reward_names)
     assert trainer.reward_weights.tolist() == [4.0, 1.0] and len(trainer.reward_processing_classes) == 2
     assert trainer.run_plan.attention_metrics is False and "computes attention itself" in trainer.run_plan.attention_why

@@ -284,7 +284,7 @@ def test_prep_round_trip_library(synth_dir, tmp_path):
     report = prepare_aokvqa(
         str(synth_dir), str(out), splits=["train", "val", "test"], subset_size=12, seed=0, log=logs.append
     )
-    assert sorted(os.listdir(out)) == ["sample_12.parquet", "train.parquet", "validation.parquet"]
+    assert sorted(os.listdir(out)) == [aokvqa.OUTPUT_MARKER, "sample_12.parquet", "train.parquet", "validation.parquet"]
     assert report.rows == {"train": 48, "validation": 16, "sample_12": 12}
     text = "\n".join(logs)
     assert "split 'test' has no labels (correct_choice_idx is null in all 12 rows): skipped" in text
@@ -472,15 +472,17 @@ def test_empty_result_is_an_error_and_writes_nothing(tmp_path):
 
 def test_out_dir_with_content_is_refused_unless_overwrite(tmp_path, synth_dir):
     out = tmp_path / "out"
-    out.mkdir()
+    prepare_aokvqa(str(synth_dir), str(out), subset_size=40, log=quiet)  # an earlier output, with its sample_40
     (out / "notes.txt").write_text("mine")
-    (out / "sample_99.parquet").write_bytes(b"stale output of an earlier run")
+    (out / "sample_99.parquet").write_bytes(b"a file of the user's that looks like an output")
     with pytest.raises(OutDirNotEmptyError, match="--overwrite"):
         prepare_aokvqa(str(synth_dir), str(out), log=quiet)
-    assert sorted(os.listdir(out)) == ["notes.txt", "sample_99.parquet"]
     prepare_aokvqa(str(synth_dir), str(out), overwrite=True, subset_size=4, log=quiet)
-    # Our stale output is gone, the user's file stays, the new outputs are in place.
-    assert sorted(os.listdir(out)) == ["notes.txt", "sample_4.parquet", "train.parquet", "validation.parquet"]
+    # Our stale output (sample_40) is gone, the user's files stay (issue 42: even one named like an output, which the
+    # prep's marker does not list), the new outputs are in place and marked as the prep's own.
+    assert sorted(os.listdir(out)) == [aokvqa.OUTPUT_MARKER, "notes.txt", "sample_4.parquet", "sample_99.parquet",
+                                       "train.parquet", "validation.parquet"]
+    assert aokvqa.marked_outputs(str(out)) == {"sample_4.parquet", "train.parquet", "validation.parquet"}
     # An empty existing directory is fine without --overwrite.
     (tmp_path / "empty").mkdir()
     assert prepare_aokvqa(str(synth_dir), str(tmp_path / "empty"), log=quiet).rows["train"] == 48

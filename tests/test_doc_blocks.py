@@ -123,7 +123,7 @@ def _readme_check(ns, request):
     trainer = ns["trainer"]
     assert trainer.state.global_step == 1
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    assert logs and "attention/mdi_late" in logs[0] and "rewards/mdi_balance_reward/mean" in logs[0]
+    assert logs and "attention/mdi_late" in logs[0] and "rewards/mdi_balance/mean" in logs[0]
 
 
 def _probe_setup(request):
@@ -283,7 +283,7 @@ def _none_and_nan_check(ns, request):
 
 def _completions_table_setup(request):
     """One step of the tiny Qwen2.5-VL with scripted answer-line rollouts (tests/test_reliance_trainer.py), the
-    mc_idx reward, reliance signals and the completions table on: the block reads the run's step-1 parquet."""
+    demo's reward stack, reliance signals and the completions table on: the block reads the run's step-1 parquet."""
     from test_reliance_trainer import scripted_generation
     from test_trainer import make_args
 
@@ -291,7 +291,7 @@ def _completions_table_setup(request):
 
     tmp = request.getfixturevalue("tmp_path")
     scripted_generation(request.getfixturevalue("monkeypatch"))
-    trainer = MDIGRPOTrainer(str(request.getfixturevalue("tiny_vlm_dir")("qwen2_5_vl")), reward_funcs=["mc_idx"],
+    trainer = MDIGRPOTrainer(str(request.getfixturevalue("tiny_vlm_dir")("qwen2_5_vl")), reward_funcs=["mc_idx", "think_format", "mdi_balance"],
                              args=make_args(tmp, reliance_signals=True, log_completions=True, max_steps=1,
                                             per_device_train_batch_size=8, num_generations=2),
                              train_dataset=request.getfixturevalue("grpo_train_dataset"))
@@ -302,7 +302,11 @@ def _completions_table_setup(request):
 
 def _completions_table_check(ns, request):
     table, blind = ns["table"], ns["blind"]
-    assert len(table) == 8 and {"answer_visual_gain", "blind_agrees", "mdi_balance", "image_evidence"} <= set(table)
+    assert len(table) == 8 and {"answer_visual_gain", "blind_agrees", "attention/mdi_balance", "image_evidence"} <= set(table)
+    # The mdi_balance reward (2 * balance - 1) keeps its column beside the balance signal it reads (TRL's table would
+    # let a column of ours named like a reward overwrite it).
+    reward, signal = table["mdi_balance"], table["attention/mdi_balance"]
+    assert reward.tolist() == pytest.approx((2 * signal - 1).tolist(), nan_ok=True) and signal.notna().any()
     assert list(blind.index) == [i for i, v in enumerate(table["blind_agrees"]) if v == 1]
 
 

@@ -27,9 +27,16 @@ def grpo_kwargs(tmp_path, **overrides):
     return kw
 
 
+# GRPOConfig's values where MDIGRPOConfig's defaults differ (issue 43), so that a run here compares with stock
+# GRPOTrainer's: a random tiny model never stops within 8 tokens, and with mask_truncated_completions every completion
+# would leave the loss (nothing would train, and TRL's masked forward leaves the probe nothing to measure).
+TRL_LOSS = dict(epsilon_high=None, mask_truncated_completions=False)
+
+
 def mdi_args(tmp_path, **overrides):
     return MDIGRPOConfig(**grpo_kwargs(tmp_path, rollout_log_path=str(tmp_path / "logs" / "rollouts.md"),
-                                       attention_diag_log_path=str(tmp_path / "logs" / "attention.md"), **overrides))
+                                       attention_diag_log_path=str(tmp_path / "logs" / "attention.md"),
+                                       **{**TRL_LOSS, **overrides}))
 
 
 def logged(trainer) -> list[dict]:
@@ -136,7 +143,7 @@ def test_segment_ranges_are_checked_against_the_model(tiny_vlm_dir, grpo_train_d
                        train_dataset=grpo_train_dataset)
     from trl_mdi.cli.command import main
 
-    # The dry run prints the trainer's own run plan (phase 1), so it stops on the same error.
+    # The dry run makes the trainer's own run plan, so it stops on the same error.
     code = main([str(a) for a in ("--model_name_or_path", model, "--dataset_path", prepared_aokvqa_dir,
                                       "--output_dir", tmp_path / "o", "--attention_layer_segments", "early:0-99",
                                       "--dry_run")])
@@ -200,18 +207,28 @@ def test_with_metrics_off_the_update_equals_stock_grpo(dropout_model_dir, grpo_t
 
 
 
-def test_the_default_stack_stands_in_only_where_its_defaults_were_chosen(tiny_vlm_dir, tmp_path):
-    """GRPOTrainer's behaviour without a reward (its own error) unless the user chose this trainer's defaults (an
-    MDIGRPOConfig, or the entry point), and never on top of an environment that owns the reward."""
-    from trl_mdi.run_plan import plan_run
+def test_the_default_stack_stands_in_where_the_config_names_it(tiny_vlm_dir, tmp_path):
+    """Issue 43: the rewards follow values a user can read. The trainer's reward_funcs argument wins; without it, the
+    config's reward_funcs, whose MDIGRPOConfig default is the 4:1:1 stack; a plain GRPOConfig (upgraded: no
+    reward_funcs) or reward_funcs=None leaves the rewards to GRPOTrainer (its own "No reward source" error)."""
+    from transformers import AutoProcessor
+
+    from trl_mdi.run_plan import RewardsFrom, plan_run
 
     path = str(tiny_vlm_dir("qwen2_5_vl"))
+    processor = AutoProcessor.from_pretrained(path)
     config = mdi_args(tmp_path)
-    chosen = plan_run(path, None, config, defaults_chosen=True, columns={})
-    assert chosen.reward_names == ("mc_idx_reward", "think_format_reward", "mdi_balance_reward")
-    assert chosen.reward_weights == (4.0, 1.0, 1.0) and chosen.rewards_from == "the default stack"
+    assert config.reward_funcs == ["mc_idx", "think_format", "mdi_balance"] and config.reward_weights is None
+    chosen = plan_run(path, processor, None, config, {})
+    assert chosen.reward_names == ("mc_idx", "think_format", "mdi_balance")
+    assert chosen.reward_weights == (4.0, 1.0, 1.0) and chosen.rewards_from is RewardsFrom.DEFAULT_STACK
     assert "[the default stack]" in chosen.describe()
-    assert plan_run(path, [], config, defaults_chosen=True, columns={}).reward_names == chosen.reward_names
-    for kwargs in ({"defaults_chosen": False}, {"defaults_chosen": True, "environment_rewards": True}):
-        plan = plan_run(path, None, config, columns={}, **kwargs)
-        assert plan.reward_funcs == () and plan.rewards_from.startswith("none given"), kwargs
+    assert plan_run(path, processor, [], config, {}).reward_names == chosen.reward_names
+    mine = plan_run(path, processor, [spread_reward], config, {})
+    assert mine.reward_names == ("spread_reward",) and mine.rewards_from is RewardsFrom.ARGUMENT
+    named = plan_run(path, processor, None, mdi_args(tmp_path, reward_funcs=["mc_idx"]), {})
+    assert named.reward_names == ("mc_idx",) and named.rewards_from is RewardsFrom.CONFIG
+    for args in (MDIGRPOConfig.from_grpo_config(GRPOConfig(**grpo_kwargs(tmp_path))), mdi_args(tmp_path, reward_funcs=None)):
+        plan = plan_run(path, processor, None, args, {})
+        assert plan.reward_funcs == () and plan.rewards_from is RewardsFrom.NONE
+        assert plan.rewards_from.startswith("none given")

@@ -139,6 +139,20 @@ def test_recommended_and_cpu_defaults(base_args, monkeypatch):
     assert script_defaults()["ddp_backend"] == "gloo" and "use_cpu" not in script_defaults()  # ZeRO-3
 
 
+def test_python_and_the_entry_point_get_the_same_defaults(base_args, tmp_path):
+    """Issue 43: the recommended GRPO settings and the reward stack are MDIGRPOConfig's own defaults, so a Python user
+    and a command-line user who give the same values get the same run."""
+    from trl_mdi import MDIGRPOConfig
+
+    cli = parse_args([str(a) for a in base_args]).training
+    python = MDIGRPOConfig(output_dir=str(tmp_path / "python"), bf16=False)  # what the script sets on a CPU machine
+    for name in ("loss_type", "epsilon_high", "mask_truncated_completions", "reward_funcs", "reward_weights",
+                 "beta", "epsilon", "num_generations", "scale_rewards", "compute_attention_metrics"):
+        assert getattr(cli, name) == getattr(python, name), name
+    assert (python.loss_type, python.epsilon_high, python.mask_truncated_completions) == ("dapo", 0.28, True)
+    assert python.reward_funcs == ["mc_idx", "think_format", "mdi_balance"]
+
+
 def test_dry_run_prints_the_effective_configuration(capsys, base_args):
     code, out, _ = run_main(capsys, *base_args, "--dry_run", "--epsilon_high", "0.3", "--max_pixels", 12544)
     assert code == 0
@@ -148,15 +162,68 @@ def test_dry_run_prints_the_effective_configuration(capsys, base_args):
     assert lines["reward_weights"].split()[1:4] == ["4", "1", "1"]
     assert "compute_attention_metrics" in lines and "max_image_side" in lines
     assert "train (64 rows)" in out and "dry run" in out
-    # The trainer's own run plan, phase 1 (trl_mdi.run_plan.plan_run): what the dry run says is what the run does.
-    from trl_mdi.run_plan import plan_run
+    # The trainer's own run plan (trl_mdi.run_plan.plan_run), every line of it: decided without the weights.
+    assert "MDIGRPOTrainer run plan:" in out
+    assert "mc_idx x4, think_format x1, mdi_balance x1 [the default stack]" in out
+    plan = dict(line.strip().split("  ", 1) for line in out.split("MDIGRPOTrainer run plan:\n", 1)[1].splitlines()
+                if line.startswith("  ") and "  " in line.strip())
+    assert plan["attention implementation"].strip() == "sdpa"
+    assert plan["probe placement"].strip() == "extra_forward (reward mdi_balance reads mdi_balance before the loss)"
+    assert plan["dummy vision pass"].strip() == "off (one process)" and "decided once" not in out
 
-    assert "MDIGRPOTrainer run plan (before loading the model):" in out
-    run = parse_args([str(a) for a in base_args] + ["--epsilon_high", "0.3"])
-    run.training.model_init_kwargs = model_init_kwargs(run.model, run.training)
-    plan = plan_run(run.model.model_name_or_path, None, run.training, defaults_chosen=True, columns={})
-    assert plan.describe() in out
-    assert "mc_idx_reward x4, think_format_reward x1, mdi_balance_reward x1 [the default stack]" in out
+
+def _think_template_model(tiny_vlm_dir, tmp_path) -> Path:
+    """The tiny Qwen2.5-VL whose chat template opens <think> after the assistant turn (a Qwen3 thinking template):
+    its plan reads ``think_prefilled`` True, where the default template gives False."""
+    import shutil
+
+    model = tmp_path / "thinking-model"
+    shutil.copytree(tiny_vlm_dir("qwen2_5_vl"), model)
+    template = model / "chat_template.jinja"
+    text = template.read_text()
+    opening = "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    assert opening in text
+    template.write_text(text.replace(opening, opening + "<think>\n"))
+    return model
+
+
+def _plan_lines(printed: str) -> list[str]:
+    """Every run plan printed (each a block of lines), as text."""
+    import itertools
+
+    blocks = printed.split("MDIGRPOTrainer run plan:\n")[1:]
+    return ["\n".join(itertools.takewhile(lambda line: line.startswith("  "), b.splitlines())) for b in blocks]
+
+
+def test_the_dry_run_prints_the_plan_the_run_follows(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path, capsys,
+                                                     monkeypatch):
+    """Issue 43: the entry point decides the run plan once (one call of plan_run, one read of the model config by
+    trl_mdi), prints it, and hands it to the trainer; the dry run prints that plan, every line, here on a chat
+    template that opens <think> (which only the processor tells)."""
+    from fixtures.testing import CallCounter
+    from trl_mdi.run_plan import plan_run
+    from trl_mdi.trainer import MDIGRPOTrainer
+
+    model = _think_template_model(tiny_vlm_dir, tmp_path)
+    flags = ["--model_name_or_path", model, "--dataset_path", prepared_aokvqa_dir, "--max_steps", "1",
+             "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "4",
+             "--report_to", "none", "--save_strategy", "no", "--realtime_rollout_logging", "false"]
+    with CallCounter(plan_run) as dry:
+        code, dry_out, err = run_main(capsys, *flags, "--output_dir", tmp_path / "dry", "--dry_run")
+    assert code == 0, err
+    followed = []
+    train = MDIGRPOTrainer.train
+    monkeypatch.setattr(MDIGRPOTrainer, "train", lambda self, **kw: (followed.append(self.run_plan.describe()),
+                                                                     train(self, **kw))[1])
+    with CallCounter(plan_run) as real:
+        code, run_out, err = run_main(capsys, *flags, "--output_dir", tmp_path / "run")
+    assert code == 0, err
+    (dry_plan,) = _plan_lines(dry_out)
+    assert "chat template prefills <think>  yes" in dry_plan and "probe placement" in dry_plan
+    assert _plan_lines(run_out) == [dry_plan]  # printed once, before the weights load: the dry run's plan
+    assert followed == ["MDIGRPOTrainer run plan:\n" + dry_plan]  # and the trainer followed it
+    assert (dry.calls, real.calls) == (1, 1)
+    assert len(dry.config_reads) == 1 and len(real.config_reads) == 1, (dry.config_reads, real.config_reads)
 
 
 def test_model_init_kwargs_from_model_flags(base_args):
@@ -386,6 +453,10 @@ def test_vllm_modes_this_machine_cannot_run(mode, installed, cuda, expected):
 
     problem = vllm_problem(True, mode, installed, cuda)
     assert (problem is None) if expected is None else (expected in problem and "\n" not in problem)
+    if mode == "server" and expected is not None:  # the refusal names the command that serves the model on a GPU
+        problem = vllm_problem(True, mode, installed, cuda, "Qwen/Qwen2.5-VL-3B-Instruct")
+        assert ("`CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen2.5-VL-3B-Instruct " in problem
+                and """--weight-transfer-config '{"backend": "nccl"}'`""" in problem)
     assert vllm_problem(False, mode, installed, cuda) is None
 
 
@@ -426,7 +497,7 @@ def test_describe_outputs_finds_logs_in_the_default_folder(tmp_path, monkeypatch
 # ------------------------------------------------------------------------------------------ accelerate configs
 
 GPU_CONFIGS = ["single_gpu.yaml", "multi_gpu.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml",
-               "multi_node_zero3.yaml"]
+               "multi_node_zero3.yaml", "fsdp2.yaml"]
 HIDDEN_SIZE_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 
 
@@ -477,8 +548,8 @@ def test_two_process_zero3_run(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path):
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
     steps = [h for h in state["log_history"] if "loss" in h]
     assert len(steps) == 2
-    for key in ("attention/mdi", "attention/mdi_late", "attention/image_mass", "rewards/mc_idx_reward/mean",
-                "rewards/think_format_reward/mean", "rewards/mdi_balance_reward/mean"):
+    for key in ("attention/mdi", "attention/mdi_late", "attention/image_mass", "rewards/mc_idx/mean",
+                "rewards/think_format/mean", "rewards/mdi_balance/mean"):
         assert key in steps[-1], key
     assert (logs / "rollouts.md").stat().st_size > 0 and (logs / "attention.md").stat().st_size > 0
     assert f"Markdown log:            {logs / 'rollouts.md'}" in proc.stdout  # the closing summary finds them
@@ -510,7 +581,7 @@ def readme_training_commands() -> list[list[str]]:
 
 def test_readme_training_commands_use_real_flags():
     commands = readme_training_commands()
-    assert len(commands) == 4
+    assert len(commands) == 5
     for flags in commands:
         run = parse_args(flags)  # unknown or misspelt flags raise here
         assert run.model.model_name_or_path == "Qwen/Qwen2.5-VL-3B-Instruct"

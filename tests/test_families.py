@@ -15,7 +15,7 @@ from fixtures.testing import eager_masses, grpo_batch, shape_image
 from fixtures.tiny import TINY_ARCHS
 from trl_mdi import signals as S
 from trl_mdi.attention import image_token_ids, measure_modality_attention
-from trl_mdi.attention.model_facts import model_facts
+from trl_mdi.attention.model_facts import ZERO3_TRAINING_PROBLEMS, model_facts
 
 
 def rows_of(res, segments="thirds"):
@@ -26,14 +26,21 @@ def rows_of(res, segments="thirds"):
 MODEL_KEYS = ("input_ids", "attention_mask", "completion_mask")
 
 
-def _load(path, attn="sdpa"):
-    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation=attn).eval()
+def _load(path, attn=None):
+    """The saved tiny model with its default attention (SDPA; eager for PaliGemma 2's soft-capped Gemma 2 decoder,
+    which has no SDPA kernel), or ``attn``."""
+    kwargs = {"attn_implementation": attn} if attn else {}
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
 
 
-def _batch(processor):
-    # image + long prompt, text only, image + short prompt; completions of 5, 2, 7 tokens (both paddings vary)
+def _batch(processor, facts=None):
+    """Image + long prompt, text only, image + short prompt; completions of 5, 2, 7 tokens (both paddings vary). With
+    the model's ``facts``: laid out as the trainer lays it out for that family (the completion's token types), and a
+    family that takes no prompt without an image (PaliGemma) gets one in the middle row too."""
+    text_only = None if facts is None or not facts.image_in_every_prompt else shape_image(84, 4)
     return grpo_batch(processor, ["What colour is the shape in the image? Answer with a letter.", "How many shapes?",
-                                  "Shape?"], [shape_image(56, 1), None, shape_image(56, 2)], [5, 2, 7], seed=3)
+                                  "Shape?"], [shape_image(56, 1), text_only, shape_image(56, 2)], [5, 2, 7], seed=3,
+                      facts=facts)
 
 
 def _eager_masses(path, batch):
@@ -54,10 +61,10 @@ FAMILIES = [(a, {}) for a in TINY_ARCHS] + [("gemma3", {"sliding_window": 8})]
 @pytest.mark.parametrize("family", FAMILIES, indirect=True, ids=[f"{a}{'-window8' if k else ''}" for a, k in FAMILIES])
 def test_probe_equals_eager_on_every_family(family):
     arch, path, model, processor = family
-    batch = _batch(processor)
+    facts = model_facts(AutoConfig.from_pretrained(path))
+    batch = _batch(processor, facts)
     res = measure_modality_attention(model, **batch)
     ref, groups = _eager_masses(path, batch)
-    facts = model_facts(AutoConfig.from_pretrained(path))
     # The layers predicted from the config are the layers the probe really measured, and eager has a map for each.
     assert res.layers == list(facts.measured_layers) and len(res.layers) == ref.shape[1]
     got = torch.stack([res.image, res.prompt_text, res.completion, res.special], dim=-1)[:, res.layers]
@@ -66,15 +73,35 @@ def test_probe_equals_eager_on_every_family(family):
     print(f"\n{arch}: max |probe - eager| = {err:.1e} over layers {res.layers}")
     unmeasured = [i for i in range(res.num_layers) if i not in res.layers]
     assert torch.isnan(res.image[:, unmeasured]).all()  # linear-attention layers carry no (made-up) mass
-    assert res.n_image.tolist() == groups[..., 0].sum(1).tolist() and res.n_image[1] == 0 and res.n_image[0] > 0
-    assert res.n_queries.tolist() == [5, 2, 7]
+    text_only = not facts.image_in_every_prompt  # PaliGemma: an image in every row
+    assert res.n_image.tolist() == groups[..., 0].sum(1).tolist() and (res.n_image[1] == 0) == text_only
+    assert res.n_image[0] > 0 and res.n_queries.tolist() == [5, 2, 7]
     rows = rows_of(res)
-    assert rows[1]["mdi"] is None and all(r["mdi"] is not None and r["mdi"] > 0 for r in (rows[0], rows[2]))
+    assert (rows[1]["mdi"] is None) == text_only and all(r["mdi"] is not None and r["mdi"] > 0 for r in (rows[0], rows[2]))
     # Every segment has a finite value wherever a row has image and generated tokens, hybrid models included (only
     # a window that hides the image, tested below, makes a segment +inf).
     if not res.image_blind_layers().any():
         for name, vals in res.segment_metrics().items():
             assert torch.isfinite(vals["mdi"][[0, 2]]).all(), (arch, name)
+
+
+def test_soft_capped_attention_is_measured_with_its_cap(tiny_vlm_dir):
+    """PaliGemma 2's Gemma 2 layers soft-cap their attention logits (s -> cap * tanh(s / cap), before the mask); the
+    probe applies the same cap (``trl_mdi.attention.routes.attend``). The tiny model's logits stay far below the real
+    cap (50), so here every layer's cap is 0.05, where it flattens the weights: the probe still equals eager attention
+    within 1e-5, and its masses differ from those at the real cap by about 5e-4, fifty times that."""
+    path = tiny_vlm_dir("paligemma")
+    batch = _batch(AutoProcessor.from_pretrained(path), model_facts(AutoConfig.from_pretrained(path)))
+    at_real_cap = measure_modality_attention(_load(path), **batch)
+    model, eager = _load(path), _load(path, "eager")
+    for layer in [*model.model.language_model.layers, *eager.model.language_model.layers]:
+        layer.self_attn.attn_logit_softcapping = 0.05
+    res = measure_modality_attention(model, **batch)
+    ref, _ = eager_masses(eager, batch)
+    got = torch.stack([res.image, res.prompt_text, res.completion, res.special], dim=-1)[:, res.layers]
+    err = (got.double() - ref).abs().max().item()
+    assert err < 1e-5, f"max |probe - eager| with the cap at 0.05 = {err:.2e}"
+    assert (res.image - at_real_cap.image).abs().max() > 1e-4  # the cap bites (5e-4 here): ignoring it would show
 
 
 def test_hybrid_model_is_measured_on_its_softmax_layers_only(tiny_vlm_dir):
@@ -174,8 +201,11 @@ def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
     the per-layer masses equal eager attention weights (1e-5)."""
     path = tiny_vlm_dir(arch)
     processor = AutoProcessor.from_pretrained(path)
+    facts = model_facts(AutoConfig.from_pretrained(path))
+    third = shape_image(84, 4) if facts.image_in_every_prompt else None  # PaliGemma: an image in every row
     batch = grpo_batch(processor, ["Compare the two shapes.", "Shape?", "No image here."],
-                       [[shape_image(56, 1), shape_image(56, 2)], shape_image(56, 3), None], [4, 6, 3], seed=5)
+                       [[shape_image(56, 1), shape_image(56, 2)], shape_image(56, 3), third], [4, 6, 3], seed=5,
+                       facts=facts)
     if arch in TWO_IMAGE_ROWS_FAIL_UNDER_TRL:
         # The processor lays a multi-image row out without tiles and says so in batch_num_images, which TRL 1.16's
         # log-prob forward does not pass on (nor does the probe, which takes what TRL takes): the model then tiles
@@ -184,7 +214,7 @@ def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
             measure_modality_attention(_load(path), **batch)
         return
     res = measure_modality_attention(_load(path), **batch)
-    assert res.n_image[0] == 2 * res.n_image[1] > 0 and res.n_image[2] == 0
+    assert res.n_image[0] == 2 * res.n_image[1] > 0 and (res.n_image[2] == 0) == (third is None)
     ref, _ = _eager_masses(path, batch)
     got = torch.stack([res.image, res.prompt_text, res.completion, res.special], dim=-1)[:, list(res.layers)]
     err = (got.double() - ref.double()).nan_to_num(0.0).abs().max().item()
@@ -192,7 +222,7 @@ def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3",
-                                  "llava", "glm4v", "qwen3_vl_moe", "mistral3"])
+                                  "llava", "glm4v", "qwen3_vl_moe", "mistral3", "lfm2_vl", "paligemma"])
 def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     """The attention maps of a two-image row (images of different sizes): the probe's per-image-token masses equal
     eager attention weights token by token, and the per-image split the maps use (each image's token grid) cuts
@@ -209,7 +239,7 @@ def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     # LLaVA 1.5's processor centre-crops a square: its maps are drawn for square images only (a larger one here).
     images = [shape_image(56, 1), shape_image(112, 4) if arch == "llava" else wide]
     batch = grpo_batch(processor, ["Which picture shows more?", "Shape?"], [images, shape_image(56, 3)], [5, 3],
-                       seed=7)
+                       seed=7, facts=model_facts(AutoConfig.from_pretrained(path)))
     res = measure_modality_attention(_load(path), **batch, image_map_rows=[0])
     mass = res.image_token_mass[0]  # (layers, image tokens of row 0)
     # Eager reference: one key group per image token of row 0.
@@ -235,8 +265,11 @@ def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
             row_ends = ids[run + 1].reshape(h, w)[:, -1].tolist()  # the token after each row's last [IMG]
             assert row_ends == [processor.image_break_token_id] * (h - 1) + [processor.image_end_token_id]
     runs = torch.tensor_split(img_pos, last.nonzero().flatten() + 1)
+    if arch == "paligemma":  # every image's placeholders come first, one image after another: a single run
+        assert len(runs) == 1
+        runs = torch.split(img_pos, [h * w for h, w in grids])
     assert [p.shape[1] for p in parts] == [len(r) for r in runs] == [h * w for h, w in grids]
-    if arch not in ("gemma3", "llava"):  # Qwen grids follow the image's size; Gemma 3 and LLaVA use one square
+    if arch not in ("gemma3", "llava", "paligemma"):  # Qwen grids follow the size; Gemma 3, LLaVA, PaliGemma: a square
         assert parts[0].shape[1] != parts[1].shape[1]
     # What the live log draws: one entry per image, its masses from its own run, shares adding up to 1.
     (record,) = attention_map_records(res, [images, [shape_image(56, 3)]], [0], "thirds", processor)
@@ -265,7 +298,8 @@ def test_families_without_a_plain_token_grid_get_no_map(tiny_vlm_dir, arch):
 
 
 @pytest.mark.parametrize("arch, markers", [("glm4v", ("<|begin_of_image|>", "<|end_of_image|>")),
-                                           ("mistral3", ("[IMG_BREAK]", "[IMG_END]"))])
+                                           ("mistral3", ("[IMG_BREAK]", "[IMG_END]")),
+                                           ("lfm2_vl", ("<|image_start|>", "<|image_end|>"))])
 def test_tokens_around_and_inside_an_image_run_are_text_keys(tiny_vlm_dir, arch, markers):
     """GLM-4.1V's begin / end-of-image tokens around its M-RoPE run and Pixtral's row-break / end tokens inside the run
     are facts of the model (``ModelFacts.image_marker_ids``), never image keys: the image group is exactly the
@@ -299,14 +333,87 @@ def test_a_family_transformers_cannot_load_under_zero3_is_refused_by_path_with_t
 
     from fixtures.testing import zen_image_dataset
     from trl_mdi import MDIGRPOTrainer
-    from trl_mdi import trainer as trainer_module
+    from trl_mdi import run_plan as run_plan_module  # the plan checks ZeRO-3 before any weight loads
 
-    monkeypatch.setattr(trainer_module, "is_deepspeed_zero3_enabled", lambda: True)
+    monkeypatch.setattr(run_plan_module, "is_deepspeed_zero3_enabled", lambda: True)
     path = str(tiny_vlm_dir("qwen3_vl_moe"))
     args = GRPOConfig(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2, num_generations=2)
     with pytest.raises(ValueError, match=r"\(qwen3_vl_moe\) cannot be loaded under DeepSpeed ZeRO-3 .* pass the model "
                                          r"object"):
         MDIGRPOTrainer(path, reward_funcs=[lambda **k: []], args=args, train_dataset=zen_image_dataset(2))
+
+
+@pytest.mark.parametrize("arch", sorted(ZERO3_TRAINING_PROBLEMS))
+def test_a_family_that_cannot_train_under_zero3_is_refused_with_the_fix(tiny_vlm_dir, tmp_path, monkeypatch, arch):
+    """LFM2-VL under DeepSpeed ZeRO-3: its projector runs once per image tile, so processes with different numbers of
+    tiles gather its weights a different number of times and the collectives stop matching (the every-family launch
+    saw gloo's "Received data size doesn't match expected size" with an image on one process and the dummy pass on
+    the other, and trained with four images on each). Refused at construction, by path and as an object, before TRL
+    builds anything; without ZeRO-3 the same trainer builds."""
+    from unittest import mock
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    from fixtures.testing import zen_image_dataset
+    from trl_mdi import MDIGRPOTrainer
+    from trl_mdi import run_plan as run_plan_module  # the plan checks ZeRO-3 before any weight loads
+
+    path = str(tiny_vlm_dir(arch))
+    args = GRPOConfig(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2, num_generations=2)
+    monkeypatch.setattr(run_plan_module, "is_deepspeed_zero3_enabled", lambda: True)
+    for model in (path, AutoModelForImageTextToText.from_pretrained(path)):
+        with mock.patch.object(GRPOTrainer, "__init__", side_effect=AssertionError("TRL was built")):
+            with pytest.raises(ValueError, match=rf"'{arch}' cannot train under DeepSpeed ZeRO-3: .*once per image "
+                                                 r"tile.* Fix: train it with ZeRO-2"):
+                MDIGRPOTrainer(model, reward_funcs=[lambda **k: []], args=args, train_dataset=zen_image_dataset(2))
+    monkeypatch.setattr(run_plan_module, "is_deepspeed_zero3_enabled", lambda: False)
+    MDIGRPOTrainer(path, reward_funcs=[lambda **k: [0.0] * len(k["prompts"])], args=args,
+                   train_dataset=zen_image_dataset(2))
+
+
+def test_paligemma_trains_as_it_generates_and_refuses_text_only_prompts(tiny_vlm_dir, tmp_path, monkeypatch):
+    """What PaliGemma needs under TRL 1.16, done by the trainer: prompts of different lengths on one process are encoded
+    one at a time (its processor fails on TRL's unpadded batch, ``ModelFacts.unpadded_batch_problem``); every log-prob
+    forward gets the completion's token_type_ids as 1, the causal suffix generation gave it (TRL's zeros would put it
+    in the bidirectional prefix); the processor's labels, which TRL passes on to its old-log-prob forward
+    (num_iterations=2), are dropped. A text-only prompt stops the run with the reason before generating."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from fixtures.testing import zen_image_dataset
+    from trl_mdi import MDIGRPOTrainer
+
+    seen = []
+    original = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def spy(self, model, input_ids, attention_mask, logits_to_keep, **kwargs):
+        seen.append((attention_mask, kwargs["token_type_ids"], logits_to_keep, "labels" in kwargs))
+        return original(self, model, input_ids, attention_mask, logits_to_keep, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", spy)
+
+    def args(name):
+        return GRPOConfig(str(tmp_path / name), use_cpu=True, report_to="none", per_device_train_batch_size=4,
+                          num_generations=2, max_completion_length=4, max_steps=1, num_iterations=2,
+                          save_strategy="no", disable_tqdm=True, logging_steps=1)
+
+    path = str(tiny_vlm_dir("paligemma"))
+    trainer = MDIGRPOTrainer(path, reward_funcs=[lambda completions, **k: [float(len(c[0]["content"]) % 3)
+                                                                       for c in completions]],
+                             args=args("images"), train_dataset=zen_image_dataset(4))
+    trainer.train()
+    assert len(seen) >= 2  # the old-log-prob forward and the training forward
+    for mask, types, completion_length, labels in seen:
+        prompt = mask[:, :-completion_length].bool()
+        assert types[:, -completion_length:].eq(1).all() and types[:, :-completion_length][prompt].eq(0).all()
+        assert not labels
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert math.isfinite(logs[0]["loss"]) and 0 < logs[0]["attention/mdi"] < float("inf")
+
+    trainer = MDIGRPOTrainer(path, reward_funcs=[lambda completions, **k: [0.0] * len(completions)],
+                             args=args("mixed"), train_dataset=zen_image_dataset(4, images_per_row=[1, 0]))
+    with pytest.raises(ValueError, match=r"'paligemma' cannot take a prompt without an image .*PaliGemmaProcessor "
+                                         r"refuses a batch without images"):
+        trainer.train()
 
 
 def test_llava_maps_only_square_images(tiny_vlm_dir):

@@ -5,6 +5,7 @@
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -95,7 +96,13 @@ def test_resume_names_what_a_checkpoint_lacks(tmp_path):
     grown = whole_checkpoint(tmp_path / "grown")
     with open(grown / "scheduler.pt", "ab") as f:
         f.write(b"x")
-    assert "has scheduler.pt cut short (" in _error(grown, tmp_path) and "saved as" in _error(grown, tmp_path)
+    # Issue 42: a file that grew is not "cut short"; the message gives the size found against the size saved.
+    size = (grown / "scheduler.pt").stat().st_size
+    assert f"has scheduler.pt changed since the save ({size} bytes found, {size - 1} saved)" in _error(grown, tmp_path)
+    shrunk = whole_checkpoint(tmp_path / "shrunk")
+    cut(shrunk / "scheduler.pt", 0.5)
+    size = (shrunk / "scheduler.pt").stat().st_size
+    assert re.search(rf"has scheduler\.pt cut short \({size} bytes found, \d+ saved\)", _error(shrunk, tmp_path))
 
 
 def _error(folder, output_dir):

@@ -16,7 +16,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_mdi import rewards as R
-from trl_mdi.rewards import GuardedVisualGainReward, guarded_visual_gain_reward
+from trl_mdi.rewards import GuardedVisualGainReward, guarded_visual_gain
 
 RIGHT = "<think> the shape is red</think>\nAnswer: A"  # right for label 0, clean format
 NAN = float("nan")
@@ -26,12 +26,12 @@ def test_wrong_or_malformed_rollouts_get_zero_whatever_their_gain():
     completions = [RIGHT, "<think> the shape is red</think>\nAnswer: B", "Answer: A",
                    "<think> the shape is red</think>\nAnswer: A or B", "<think></think>\nAnswer: A",
                    "<think> red</think>\nAnswer: A\nmore"]
-    out = guarded_visual_gain_reward(completions, visual_gain_max=[5.0] * 6, label_idx=[0] * 6)
+    out = guarded_visual_gain(completions, visual_gain_max=[5.0] * 6, label_idx=[0] * 6)
     assert out == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
 
 
 def test_steps_dead_zone_and_saturation():
-    assert guarded_visual_gain_reward.thresholds == pytest.approx([0.1, 0.3, 0.5])  # the registry's
+    assert guarded_visual_gain.thresholds == pytest.approx([0.1, 0.3, 0.5])  # the registry's
     r = GuardedVisualGainReward(dead_zone=0.5, saturation=1.5, steps=3)
     assert r.thresholds == [0.5, 1.0, 1.5]
     gains = [-2.0, 0.0, 0.2, 0.4999, 0.5, 0.99, 1.0, 1.49, 1.5, 1.6, 3.0, 40.0]
@@ -51,13 +51,13 @@ def test_one_step_is_a_threshold():
 
 
 def test_none_and_nan():
-    out = guarded_visual_gain_reward([RIGHT] * 5, visual_gain_max=[None, NAN, 2.0, 2.0, 2.0],
+    out = guarded_visual_gain([RIGHT] * 5, visual_gain_max=[None, NAN, 2.0, 2.0, 2.0],
                                      label_idx=[0, 0, None, NAN, 0])
     assert out == [None, None, None, None, 1.0]
     # A wrong answer without a gain (no image) is not applicable, not 0: nothing was measured.
-    assert guarded_visual_gain_reward(["Answer: B"], visual_gain_max=[None], label_idx=[0]) == [None]
+    assert guarded_visual_gain(["Answer: B"], visual_gain_max=[None], label_idx=[0]) == [None]
     with pytest.raises(ValueError, match="visual_gain_max"):
-        guarded_visual_gain_reward([RIGHT, RIGHT], visual_gain_max=[1.0], label_idx=[0, 0])
+        guarded_visual_gain([RIGHT, RIGHT], visual_gain_max=[1.0], label_idx=[0, 0])
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -74,16 +74,16 @@ def test_bad_settings_fail_at_construction(kwargs, match):
 
 
 def test_registry_binding_and_pickling():
-    assert R.REWARD_REGISTRY["guarded_visual_gain"] is guarded_visual_gain_reward
-    assert R.required_reward_inputs(guarded_visual_gain_reward) == ("visual_gain_max", "label_idx")
-    bound = R.bind_think_format([guarded_visual_gain_reward], answer_pattern=r"Final: (?P<letter>[A-Z])",
+    assert R.REWARD_REGISTRY["guarded_visual_gain"] is guarded_visual_gain
+    assert R.required_reward_inputs(guarded_visual_gain) == ("visual_gain_max", "label_idx")
+    bound = R.bind_think_format([guarded_visual_gain], answer_pattern=r"Final: (?P<letter>[A-Z])",
                                 think_prefilled=True)[0]
     assert bound.answer_pattern == r"Final: (?P<letter>[A-Z])" and bound.think_prefilled
-    assert guarded_visual_gain_reward.answer_pattern != bound.answer_pattern  # the registry's instance unchanged
+    assert guarded_visual_gain.answer_pattern != bound.answer_pattern  # the registry's instance unchanged
     # The bound copy reads the bound format: a prefilled think block, the run's answer line.
     assert bound([" the shape is red</think>\nFinal: A"], visual_gain_max=[2.0], label_idx=[0]) == [1.0]
     assert pickle.loads(pickle.dumps(bound)) == bound
-    assert bound.__name__ == "guarded_visual_gain_reward"
+    assert bound.__name__ == "guarded_visual_gain"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -125,10 +125,10 @@ def advantages(tiny_vlm_dir, grpo_train_dataset, tmp_path, reward, field, gains,
                       per_device_train_batch_size=len(gains), num_generations=4, max_completion_length=16, max_steps=1,
                       seed=0, disable_tqdm=True, **config)
     trainer = GRPOTrainer(str(tiny_vlm_dir("qwen2_5_vl")), args=args, train_dataset=rows,
-                          reward_funcs=[R.mc_idx_reward, R.think_format_reward, InjectedGains(reward, field, [gains])])
+                          reward_funcs=[R.mc_idx, R.think_format, InjectedGains(reward, field, [gains])])
     trainer.model.train()
     out = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
-    per_func = torch.tensor(trainer._metrics["train"]["rewards/mc_idx_reward/mean"])
+    per_func = torch.tensor(trainer._metrics["train"]["rewards/mc_idx/mean"])
     assert per_func[-1] == 1.0  # the answer reward ties (all right): only the third reward can move anything
     return out["advantages"]
 
@@ -140,7 +140,7 @@ def test_a_group_inside_one_step_gets_zero_advantage_through_trl(tiny_vlm_dir, g
     # saturation. Weights 4:1:1, TRL's defaults (sum then normalise, scale_rewards="group": the group's std + 1e-4
     # divides).
     gains = [0.0, 0.02, 0.05, 0.099, 0.3, 0.35, 0.4, 0.49, 0.5, 0.7, 2.5, 4.0]
-    adv = advantages(tiny_vlm_dir, grpo_train_dataset, tmp_path, guarded_visual_gain_reward, "visual_gain_max", gains,
+    adv = advantages(tiny_vlm_dir, grpo_train_dataset, tmp_path, guarded_visual_gain, "visual_gain_max", gains,
                      reward_weights=[4.0, 1.0, 1.0])
     assert adv.shape == (12,)
     assert torch.equal(adv, torch.zeros(12))
@@ -151,7 +151,7 @@ def test_a_group_across_steps_does_get_advantage_through_trl(tiny_vlm_dir, grpo_
     # The control of the test above: looking (0.6 nats) vs not (0.01) inside a group is what the reward is for.
     scripted_right_completions(monkeypatch)
     gains = [0.01, 0.01, 0.6, 0.6, 0.05, 0.35, 0.35, 3.0]
-    adv = advantages(tiny_vlm_dir, grpo_train_dataset, tmp_path, guarded_visual_gain_reward, "visual_gain_max", gains,
+    adv = advantages(tiny_vlm_dir, grpo_train_dataset, tmp_path, guarded_visual_gain, "visual_gain_max", gains,
                      reward_weights=[4.0, 1.0, 1.0])
     assert (adv[:2] < -0.5).all() and (adv[2:4] > 0.5).all()
     assert adv[4] < adv[5] == adv[6] < adv[7]
@@ -163,11 +163,11 @@ def test_the_hazard_it_guards_against_a_tiny_difference_becomes_a_full_advantage
     # the group's std + 1e-4, so the difference becomes most of a unit advantage (docs/rewards.md, group scaling).
     scripted_right_completions(monkeypatch)
     gains = [0.1000, 0.1001, 0.1002, 0.1003] * 2
-    adv = advantages(tiny_vlm_dir, grpo_train_dataset, tmp_path, R.visual_gain_reward, "visual_gain", gains,
+    adv = advantages(tiny_vlm_dir, grpo_train_dataset, tmp_path, R.visual_gain, "visual_gain", gains,
                      reward_weights=[4.0, 1.0, 1.0])
     assert adv.abs().max() > 0.5
     # scale_rewards="none" leaves the difference at its size: ~1e-4 of advantage.
     scripted_right_completions(monkeypatch)
-    adv_none = advantages(tiny_vlm_dir, grpo_train_dataset, tmp_path / "none", R.visual_gain_reward, "visual_gain",
+    adv_none = advantages(tiny_vlm_dir, grpo_train_dataset, tmp_path / "none", R.visual_gain, "visual_gain",
                           gains, reward_weights=[4.0, 1.0, 1.0], scale_rewards="none")
     assert adv_none.abs().max() < 1e-3

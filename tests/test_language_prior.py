@@ -519,7 +519,7 @@ def test_benchmark_quick_mode_runs_end_to_end_and_resumes(tmp_path):
         run = json.loads((work / "runs" / f"{name}-s0.json").read_text())
         assert [e["step"] for e in run["evals"]] == [0, 2, 4]
         assert {"conflict", "plain", "clean", "mdi_all", "mdi_late"} <= set(run["evals"][-1])
-        assert len(run["steps"]) == 4 and "rewards/mc_idx_reward/zero_spread_frac" in run["steps"][0]
+        assert len(run["steps"]) == 4 and "rewards/mc_idx/zero_spread_frac" in run["steps"][0]
         assert "reliance/blind_agree_rate" in run["steps"][0] and len(run["step_seconds"]) == 4
         end = run["reliance_end"]
         assert (end["prompts"], end["samples"], end["rollouts"]) == (8, 2, 16) and list(end["kinds"]) == ["black"]

@@ -22,7 +22,7 @@ from fixtures.warmup import (
     target_completion,
     warm_start,
 )
-from trl_mdi.rewards import extract_choice_letter, mc_idx_reward, think_format_reward
+from trl_mdi.rewards import extract_choice_letter, mc_idx, think_format
 
 # A smaller model than the benchmark's, trained hard on a few examples: enough to learn the answer format.
 SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, vision_depth=1,
@@ -44,8 +44,8 @@ def test_score_completions_hand_made():
     assert r.answered_rate == pytest.approx(4 / 5)
     assert r.letters == {"A": 1, "B": 2, "D": 1, "": 1}
     # Same verdicts as the rewards GRPO trains on.
-    assert [x == 1.0 for x in mc_idx_reward(completions, [0, 2, 3, 1, 0])] == [True, False, True, True, False]
-    assert sum(think_format_reward(completions)) == 2  # the asked format: "<think> image</think> D" is not it
+    assert [x == 1.0 for x in mc_idx(completions, [0, 2, 3, 1, 0])] == [True, False, True, True, False]
+    assert sum(think_format(completions)) == 2  # the asked format: "<think> image</think> D" is not it
     # A clean answer that did not stop at end-of-sequence is not clean; the letter still counts.
     r = score_completions(["<think> image</think>\nAnswer: A"], [0], ended=[False])
     assert (r.accuracy, r.clean_rate) == (1.0, 0.0)
@@ -62,7 +62,7 @@ def test_target_completion_fits_grpo_budget(tiny_vlm_dir):
     tok = AutoProcessor.from_pretrained(tiny_vlm_dir("qwen2_vl")).tokenizer
     text = target_completion("red", 3)
     assert len(tok(text, add_special_tokens=False)["input_ids"]) + 1 <= 8
-    assert think_format_reward([text]) == [1.0]
+    assert think_format([text]) == [1.0]
     assert extract_choice_letter(text, 4) == "D"
     assert "red" not in text  # the default reasoning does not give the answer away
     assert "red" in target_completion("red", 0, think="{answer}")

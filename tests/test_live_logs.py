@@ -66,10 +66,10 @@ class Recorded:
 
 
 def test_logs_hold_every_step_and_the_rewards_the_trainer_computed(model_dir, grpo_train_dataset, tmp_path):
-    from trl_mdi.rewards import mc_idx_reward, mdi_balance_reward
+    from trl_mdi.rewards import mc_idx, mdi_balance
 
     rollout_log, attention_log = _logs(tmp_path)
-    recorded = [Recorded(mc_idx_reward), Recorded(mdi_balance_reward), Recorded(spread_reward)]
+    recorded = [Recorded(mc_idx), Recorded(mdi_balance), Recorded(spread_reward)]
     trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=recorded,
                              args=make_args(tmp_path, max_steps=3, log_full_rollouts_per_step=4),
                              train_dataset=grpo_train_dataset)
@@ -304,11 +304,11 @@ def test_reliance_signals_in_the_rollout_log(model_dir, grpo_train_dataset, tmp_
     rate equal to the reliance/* metrics the trainer logged for the same batch, a blind-agreement trend, the
     blind-agreement rate on the console; an attention log without any of it, or none with attention metrics off (the
     signals need no probe; the answer letter's image attention is then left out)."""
-    from trl_mdi.rewards import mc_idx_reward
+    from trl_mdi.rewards import mc_idx
 
     half_answered_generation(monkeypatch)
     rollout_log, attention_log = _logs(tmp_path)
-    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[mc_idx_reward, spread_reward],
+    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[mc_idx, spread_reward],
                              args=make_args(tmp_path, max_steps=2, log_full_rollouts_per_step=2, reliance_signals=True,
                                             compute_attention_metrics=attention),
                              train_dataset=grpo_train_dataset)

@@ -288,7 +288,7 @@ def _batch_log(rows: list[dict], completions: list[str]):
     rewards = torch.tensor([[0.0, 0.0]] * n + [[1.0, 0.5], [0.0, float("nan")]][:n])
     return BatchLog(step=1, epoch=0.0, rows=rows, prompts=[f"Q{i}" for i in range(n)], completions=completions,
                     completion_lengths=[7] * n, rewards=rewards, advantages=torch.arange(2 * n, dtype=torch.float32),
-                    reward_names=["accuracy_reward", "spread_reward"], reward_weights=[2.0, 1.0])
+                    reward_names=["accuracy", "spread_reward"], reward_weights=[2.0, 1.0])
 
 
 MC_ROWS = [{"label_idx": 1, "choices": ["red", "blue"]}, {"label_idx": 0, "choices": ["red", "blue"]}]
@@ -307,7 +307,7 @@ def test_task_columns_come_from_the_rows_not_from_multiple_choice(tmp_path):
     assert [(r["answer"], r["parsed"], r["format_ok"]) for r in mc] == [("B (blue)", "B", True), ("A (red)", None, False)]
     # Final values, numbered globally: rows 2 and 3 of the gathered rewards and advantages, None for a NaN reward.
     assert [r["index"] for r in mc] == [2, 3] and [r["advantage"] for r in mc] == [2.0, 3.0]
-    assert mc[0]["reward"] == 2.5 and mc[1]["rewards"] == {"accuracy_reward": 0.0, "spread_reward": None}
+    assert mc[0]["reward"] == 2.5 and mc[1]["rewards"] == {"accuracy": 0.0, "spread_reward": None}
     free = [r["rollout"] for r in rollout_records(_batch_log(FREE_ROWS, texts), offset=2,
                                                   answer_format=ThinkFormatReward())]
     assert free[0]["answer"] == "\\frac{1}{3}" and not {"parsed", "format_ok"} & set(free[0])
@@ -316,7 +316,7 @@ def test_task_columns_come_from_the_rows_not_from_multiple_choice(tmp_path):
         rollout_records(_batch_log(MC_ROWS, texts), offset=3)
 
     for name, rollouts in (("mc", mc), ("free", free)):
-        w = RolloutLogWriter(tmp_path / f"{name}.md", full_rollouts_per_step=1, accuracy_rewards=["accuracy_reward"])
+        w = RolloutLogWriter(tmp_path / f"{name}.md", full_rollouts_per_step=1, accuracy_rewards=["accuracy"])
         assert w.write_step(1, 0.0, rollouts)
         w.close()
     mc_text, free_text = read(tmp_path / "mc.md"), read(tmp_path / "free.md")
@@ -325,7 +325,8 @@ def test_task_columns_come_from_the_rows_not_from_multiple_choice(tmp_path):
     assert "**Parsed answer:** B · **Gold answer:** B (blue) · **Format:** ✅ asked" in mc_text
     header = cells(free_text.split("### Other rollouts (1)\n\n", 1)[1].split("\n", 1)[0])
     assert header[-2:] == ["gold", "completion"] and "parsed" not in header and "format" not in header
-    assert "**Gold answer:** \\frac{1}{3}" in free_text and "Parsed answer" not in free_text
+    # the backslash escaped for Markdown (issue 42): it renders as \frac{1}{3}
+    assert "**Gold answer:** \\\\frac{1}{3}" in free_text and "Parsed answer" not in free_text
     assert "**Format:**" not in free_text and "clean format" not in free_text
     assert "| accuracy | 0.5 |" in free_text  # right / wrong still comes from the accuracy reward
 
@@ -333,10 +334,10 @@ def test_task_columns_come_from_the_rows_not_from_multiple_choice(tmp_path):
 def test_console_shows_the_accuracy_rewards_or_the_first_reward():
     from trl_mdi.diagnostics import ConsoleSummaryCallback
 
-    default = ConsoleSummaryCallback(False, ["mc_idx_reward", "think_format_reward", "mdi_balance_reward"])
-    assert default.keys[:2] == ("reward", "rewards/mc_idx_reward/mean")
-    math_run = ConsoleSummaryCallback(False, ["think_format_reward", "accuracy_reward"])
-    assert math_run.keys[:2] == ("reward", "rewards/accuracy_reward/mean") and "rewards/mc_idx_reward/mean" not in math_run.keys
+    default = ConsoleSummaryCallback(False, ["mc_idx", "think_format", "mdi_balance"])
+    assert default.keys[:2] == ("reward", "rewards/mc_idx/mean")
+    math_run = ConsoleSummaryCallback(False, ["think_format", "accuracy"])
+    assert math_run.keys[:2] == ("reward", "rewards/accuracy/mean") and "rewards/mc_idx/mean" not in math_run.keys
     custom = ConsoleSummaryCallback(False, ["my_math_reward", "length_penalty"])
     assert custom.keys[:3] == ("reward", "rewards/my_math_reward/mean", "attention/mdi")
 
@@ -616,7 +617,7 @@ def test_console_shows_the_blind_agreement_rate_when_logged(capsys):
 
     from trl_mdi.diagnostics import ConsoleSummaryCallback
 
-    callback = ConsoleSummaryCallback(False, ["mc_idx_reward"])
+    callback = ConsoleSummaryCallback(False, ["mc_idx"])
     assert "reliance/blind_agree_rate" in callback.keys
     state = SimpleNamespace(is_world_process_zero=True, global_step=3)
     callback.on_log(None, state, None, logs={"loss": 0.1, "reward": 1.0, "reliance/blind_agree_rate": 0.25})
@@ -1014,7 +1015,7 @@ def test_skipped_rollouts_have_no_reward_and_are_counted_not_averaged_as_zero(tm
     nan = float("nan")
     log = BatchLog(step=1, epoch=0.0, rows=[{}, {}], prompts=["Q0", "Q1"], completions=["a", "b"],
                    completion_lengths=[1, 1], rewards=torch.tensor([[nan, nan], [1.0, 0.5]]),
-                   advantages=torch.zeros(2), reward_names=["accuracy_reward", "spread_reward"],
+                   advantages=torch.zeros(2), reward_names=["accuracy", "spread_reward"],
                    reward_weights=[2.0, 1.0], skipped=torch.tensor([True, False]))
     records = [r["rollout"] for r in rollout_records(log)]
     assert records[0]["reward"] is None and records[0]["skipped"] == "unreadable image"

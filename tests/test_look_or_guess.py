@@ -349,7 +349,7 @@ def test_step_logger_keeps_each_steps_look_rate():
         State.global_step = step
         log.on_step_end(None, State, None)
         log.on_log(None, State, None, logs={"reward": 4.0, "rewards/look_rate/mean": rate, "loss": 0.1,
-                                            "rewards/visual_gain_reward/zero_spread_frac": 0.0})
+                                            "rewards/visual_gain/zero_spread_frac": 0.0})
     log.on_log(None, State, None, logs={"train_runtime": 3.0})  # the closing log has no reward: not a step
     assert [s["rewards/look_rate/mean"] for s in run["steps"]] == [0.25, 0.5]
     assert "loss" not in run["steps"][0] and len(run["step_seconds"]) == 2
@@ -574,12 +574,12 @@ def test_code_version_names_the_commit_and_the_dirty_tree():
 
 def test_placebo_permutes_the_guarded_values_within_each_group():
     from benchmarks.look_or_guess_placebo import PlaceboGuardedReward
-    from trl_mdi.rewards import guarded_visual_gain_reward
+    from trl_mdi.rewards import guarded_visual_gain
 
     ok = "<think> the shape is red</think>\nAnswer: A"
     gains = [0.0, 0.2, 0.4, 0.6, 0.05, 0.35, 0.9, None] * 2  # 4 groups of 4
     kw = dict(visual_gain_max=gains, label_idx=[0] * 16)
-    real = guarded_visual_gain_reward([ok] * 16, **kw)
+    real = guarded_visual_gain([ok] * 16, **kw)
     placebo = PlaceboGuardedReward(seed=3, group_size=4)
 
     class State:

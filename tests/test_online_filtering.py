@@ -13,7 +13,7 @@ def group_reward(completions, label_idx, **kwargs):
 
 
 def test_dropped_groups_leave_advantages_loss_mask_and_normaliser(tiny_vlm_dir, grpo_train_dataset, tmp_path):
-    args = make_args(tmp_path, per_device_train_batch_size=16, online_filtering=True, filter_key="group",
+    args = make_args(tmp_path, per_device_train_batch_size=16, online_filtering=True, filter_key="group_reward",
                      filter_low=0.01, filter_high=0.99, realtime_rollout_logging=False)
     trainer = MDIGRPOTrainer(str(tiny_vlm_dir("qwen2_5_vl")), reward_funcs=[group_reward], args=args,
                              train_dataset=grpo_train_dataset)

@@ -22,6 +22,7 @@ from trl import GRPOTrainer
 
 from fixtures.tiny import TINY_ARCHS
 from trl_mdi.batch import policy_batch
+from trl_mdi.diagnostics.completions_table import column_names
 from trl_mdi.trainer import MDIGRPOTrainer
 
 PREFIX = "<think>look</think>\nAnswer:"
@@ -158,13 +159,15 @@ def check_completions_table(trainer, seen: list[dict], want: list[dict[str, list
     for step, (batch, expected, logged) in enumerate(zip(seen, want, logs), start=1):
         table = completions_table(trainer, step)
         assert len(table) == len(batch["completions"]) and (table["step"] == step).all()
-        missing = sorted(set(batch["signals"]) - set(table.columns))
+        # a signal named like one of the run's rewards is shown under its metric namespace (reliance/<name>)
+        shown = column_names(list(batch["signals"]), trainer.reward_func_names)
+        missing = sorted(shown[n] for n in batch["signals"] if shown[n] not in table.columns)
         assert not missing, f"step {step}: the completions table lacks {missing}; it has {list(table.columns)}"
         for name, values in batch["signals"].items():
-            np.testing.assert_allclose(table[name].to_numpy(), values.double().numpy(), rtol=0, atol=0,
+            np.testing.assert_allclose(table[shown[name]].to_numpy(), values.double().numpy(), rtol=0, atol=0,
                                        equal_nan=True, err_msg=name)
         for name, values in expected.items():
-            np.testing.assert_allclose(table[name].to_numpy(), values, rtol=0, atol=1e-5, err_msg=name)
+            np.testing.assert_allclose(table[shown[name]].to_numpy(), values, rtol=0, atol=1e-5, err_msg=name)
             if name != "blind_agrees":
                 assert logged[f"reliance/{name}/p50"] == pytest.approx(float(np.quantile(values, 0.5)), abs=1e-5)
         for cell, gain in zip(table["image_evidence"], expected.get("answer_visual_gain", [])):
@@ -340,7 +343,7 @@ def test_the_plan_says_which_forwards_run_and_why(model_dir, grpo_train_dataset,
                              args=make_args(tmp_path, enable_perception_filtering=True, perception_perturbation="black"),
                              train_dataset=grpo_train_dataset)
     plan = trainer.run_plan.describe()
-    assert "reward answer_visual_gain_reward reads answer_visual_gain" in plan
+    assert "reward answer_visual_gain reads answer_visual_gain" in plan
     assert "counterfactual image (reliance signals and the perturbation perception signal" in plan
     assert "perturbed images" not in plan  # one forward serves both
 
@@ -349,7 +352,11 @@ def test_the_plan_says_which_forwards_run_and_why(model_dir, grpo_train_dataset,
 def test_every_counterfactual_kind_encodes_on_every_family(tiny_vlm_dir, arch):
     """Each ``counterfactual_image`` kind, checked as the trainer checks it at construction (the family's processor
     and template encode a prompt with that counterfactual image, or a ValueError names a kind to use instead): on
-    every tiny family every kind encodes, removing the image ("none") included."""
+    every tiny family every kind encodes, removing the image ("none") included, except on PaliGemma, whose processor
+    takes no prompt without an image: there "none" is refused, naming "black"."""
+    from transformers import AutoConfig
+
+    from trl_mdi.attention.model_facts import model_facts
     from trl_mdi.batch import check_counterfactual_encodes
     from trl_mdi.counterfactual import counterfactual_kinds
 
@@ -360,6 +367,10 @@ def test_every_counterfactual_kind_encodes_on_every_family(tiny_vlm_dir, arch):
             check_counterfactual_encodes(processor, kind)
         except ValueError as err:
             failed[kind] = str(err)
+    if model_facts(AutoConfig.from_pretrained(tiny_vlm_dir(arch))).image_in_every_prompt:
+        # PaliGemma's processor takes no prompt without an image: "none" is refused at construction, naming "black".
+        assert set(failed) == {"none"} and "choose another kind, e.g. 'black'" in failed["none"], (arch, failed)
+        return
     assert not failed, (arch, failed)
 
 
@@ -372,10 +383,16 @@ def test_every_family_gets_the_signals_at_its_answer_letter(tiny_vlm_dir, grpo_t
     reference (plain forwards of a fresh copy of the checkpoint, on the same rollouts) within 1e-5. (The tiny
     Gemma 3's output does not depend on its image at all: its gains with a black image are exactly 0 and the blind
     answer always agrees.)"""
+    from transformers import AutoConfig
+
+    from trl_mdi.attention.model_facts import model_facts
+
     scripted_generation(monkeypatch)
     seen = capture(monkeypatch)
     path = tiny_vlm_dir(arch)
-    for kind in ("black", "none"):
+    # PaliGemma takes no prompt without an image: "none" is refused at construction (the test above).
+    needs_image = model_facts(AutoConfig.from_pretrained(path)).image_in_every_prompt
+    for kind in ("black",) if needs_image else ("black", "none"):
         trainer = MDIGRPOTrainer(str(path), reward_funcs=[spread_reward],
                                  args=make_args(tmp_path / kind, max_steps=1, reliance_signals=True,
                                                 counterfactual_image=kind),

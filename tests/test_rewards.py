@@ -155,38 +155,38 @@ def test_think_block_is_ignored_when_an_answer_follows():
 
 
 # ---------------------------------------------------------------------------------------------------
-# mc_idx_reward
+# mc_idx
 # ---------------------------------------------------------------------------------------------------
 
 
 def test_mc_idx_reward_strings_and_messages():
     completions = ["Answer: B", msg("Answer: B"), msg("<think>A?</think>Answer: C"), "no idea"]
-    assert R.mc_idx_reward(completions, [1, 1, 1, 1]) == [1.0, 1.0, 0.0, 0.0]
+    assert R.mc_idx(completions, [1, 1, 1, 1]) == [1.0, 1.0, 0.0, 0.0]
     # Parts-style content (multimodal message format) reads the same.
     parts = [[{"role": "assistant", "content": [{"type": "text", "text": "Answer: D"}]}]]
-    assert R.mc_idx_reward(parts, [3]) == [1.0]
+    assert R.mc_idx(parts, [3]) == [1.0]
 
 
 def test_mc_idx_reward_missing_labels_give_none():
-    out = R.mc_idx_reward(["Answer: A"] * 5, [None, NAN, np.float64("nan"), np.int64(0), 0.0])
+    out = R.mc_idx(["Answer: A"] * 5, [None, NAN, np.float64("nan"), np.int64(0), 0.0])
     assert out == [None, None, None, 1.0, 1.0]
 
 
 def test_mc_idx_reward_bad_labels_raise():
     with pytest.raises(ValueError, match="outside 0..3"):
-        R.mc_idx_reward(["Answer: A"], [4], choices=[["a", "b", "c", "d"]])
+        R.mc_idx(["Answer: A"], [4], choices=[["a", "b", "c", "d"]])
     with pytest.raises(ValueError, match="int index"):
-        R.mc_idx_reward(["Answer: A"], [1.5])
+        R.mc_idx(["Answer: A"], [1.5])
     with pytest.raises(ValueError, match="int index"):
-        R.mc_idx_reward(["Answer: A"], ["B"])
+        R.mc_idx(["Answer: A"], ["B"])
     with pytest.raises(ValueError, match="2 completions but 1"):
-        R.mc_idx_reward(["Answer: A", "B"], [0])
+        R.mc_idx(["Answer: A", "B"], [0])
 
 
 def test_mc_idx_reward_uses_choices_column_and_logs_parsed_letters():
     logged = {}
     choices = [["cat", "dog", "cow", "pig"]] * 2
-    out = R.mc_idx_reward(
+    out = R.mc_idx(
         ["The answer is C. Figure E.", "Answer: F"],
         [2, 1],
         choices=choices,
@@ -197,7 +197,7 @@ def test_mc_idx_reward_uses_choices_column_and_logs_parsed_letters():
 
 
 # ---------------------------------------------------------------------------------------------------
-# think_format_reward
+# think_format
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -219,9 +219,9 @@ def test_mc_idx_reward_uses_choices_column_and_logs_parsed_letters():
     ],
 )
 def test_think_format_cases(text, expected):
-    assert R.think_format_reward([text]) == [expected]
-    assert R.think_format_reward([msg(text)]) == [expected]
-    assert R.think_format_lenient_reward([text]) == [expected]  # the lenient one agrees on these
+    assert R.think_format([text]) == [expected]
+    assert R.think_format([msg(text)]) == [expected]
+    assert R.think_format_lenient([text]) == [expected]  # the lenient one agrees on these
 
 
 # The drifted completions of the demo's last step before the strict reward (issue 14): the lenient reward paid 1.
@@ -231,15 +231,15 @@ JUNK = ['<think> image</think>\nAnswer" A', "<think> image</think>\nAnswers A", 
 
 
 def test_strict_format_rejects_the_demos_junk_the_lenient_one_paid_for():
-    assert R.think_format_reward(JUNK) == [0.0] * len(JUNK)
-    assert R.think_format_lenient_reward(JUNK) == [1.0] * len(JUNK)
+    assert R.think_format(JUNK) == [0.0] * len(JUNK)
+    assert R.think_format_lenient(JUNK) == [1.0] * len(JUNK)
     ok = ["<think> image</think>\nAnswer: B", "<think>red</think>   \n\nAnswer: B  \n", msg("<think> x</think>\nAnswer: B")]
-    assert R.think_format_reward(ok, choices=[["a", "b", "c", "d"]] * 3) == [1.0, 1.0, 1.0]
+    assert R.think_format(ok, choices=[["a", "b", "c", "d"]] * 3) == [1.0, 1.0, 1.0]
     bad = ["<think> x</think>\nAnswer: B\nbecause", "<think> x</think>\nAnswer: E", "<think> x</think>\nthen Answer: B",
            "<think> x</think>\nAnswer: b", "<think> x</think>\nAnswer: A or B"]
-    assert R.think_format_reward(bad, choices=[["a", "b", "c", "d"]] * 5) == [0.0] * 5
+    assert R.think_format(bad, choices=[["a", "b", "c", "d"]] * 5) == [0.0] * 5
     # Without a choices column any capital letter is valid.
-    assert R.think_format_reward(["<think> x</think>\nAnswer: E"]) == [1.0]
+    assert R.think_format(["<think> x</think>\nAnswer: E"]) == [1.0]
 
 
 def test_think_format_binds_a_pattern_and_a_prefilled_think():
@@ -249,9 +249,9 @@ def test_think_format_binds_a_pattern_and_a_prefilled_think():
     assert prefilled(["reasoning</think>\nAnswer: A", "<think>r</think>\nAnswer: A", "</think>\nAnswer: A"]) == [1.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="named group"):
         R.ThinkFormatReward(r"Answer: ([A-Z])")
-    bound = R.bind_think_format([R.think_format_reward, R.mc_idx_reward], answer_pattern=final.answer_pattern)
-    assert bound[0].answer_pattern == final.answer_pattern and bound[1] is R.mc_idx_reward
-    assert R.think_format_reward.answer_pattern == R.ThinkFormatReward().answer_pattern  # the default is untouched
+    bound = R.bind_think_format([R.think_format, R.mc_idx], answer_pattern=final.answer_pattern)
+    assert bound[0].answer_pattern == final.answer_pattern and bound[1] is R.mc_idx
+    assert R.think_format.answer_pattern == R.ThinkFormatReward().answer_pattern  # the default is untouched
 
 
 def test_default_system_prompt_and_pattern_agree():
@@ -278,7 +278,7 @@ def test_default_system_prompt_and_pattern_agree():
     ("I think the right one is D.", 3, 1.0),
 ])
 def test_hedged_answers_score_zero(text, label, expected):
-    assert R.mc_idx_reward([text], [label], choices=[["a", "b", "c", "d"]]) == [expected]
+    assert R.mc_idx([text], [label], choices=[["a", "b", "c", "d"]]) == [expected]
 
 
 def test_trl_think_format_pays_for_the_shortcuts_ours_rejects():
@@ -287,7 +287,7 @@ def test_trl_think_format_pays_for_the_shortcuts_ours_rejects():
 
     shortcuts = ["<think></think>Answer: A", "<think>reasoning</think>", "<think>a</think>b</think>c"]
     assert trl_think([msg(t) for t in shortcuts]) == [1.0, 1.0, 1.0]
-    assert R.think_format_reward(shortcuts) == [0.0, 0.0, 0.0]
+    assert R.think_format(shortcuts) == [0.0, 0.0, 0.0]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -295,22 +295,22 @@ def test_trl_think_format_pays_for_the_shortcuts_ours_rejects():
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_mdi_balance_reward_follows_the_brief_formula():
+def test_mdi_balance_reward_follows_its_formula():
     mdi = torch.tensor([1.0, 2**0.5, 2.0, 1 / 2**0.5, 10.0, NAN])
     balance = metrics.mdi_balance(mdi, ratio=2.0).tolist()
     balance = [None if math.isnan(b) else b for b in balance]
-    out = R.mdi_balance_reward(["x"] * 6, balance)
+    out = R.mdi_balance(["x"] * 6, balance)
     assert out[:5] == pytest.approx([1.0, 0.0, -1.0, 0.0, -1.0], abs=1e-6)
     assert out[5] is None
-    assert R.mdi_balance_reward(["x", "y"], [None, NAN]) == [None, None]
+    assert R.mdi_balance(["x", "y"], [None, NAN]) == [None, None]
     with pytest.raises(ValueError, match="1 completions but 2"):
-        R.mdi_balance_reward(["x"], [0.5, 0.5])
+        R.mdi_balance(["x"], [0.5, 0.5])
 
 
 def test_mdi_group_reward_passes_scores_through():
-    assert R.mdi_group_reward(["a", "b", "c", "d"], [0.5, -0.5, None, NAN]) == [0.5, -0.5, None, None]
+    assert R.mdi_group(["a", "b", "c", "d"], [0.5, -0.5, None, NAN]) == [0.5, -0.5, None, None]
     with pytest.raises(ValueError, match="2 completions but 1"):
-        R.mdi_group_reward(["a", "b"], [0.0])
+        R.mdi_group(["a", "b"], [0.0])
 
 
 def _log_abs(x: torch.Tensor) -> torch.Tensor:
@@ -355,14 +355,14 @@ def test_group_score_ties_nan_and_single_valid():
     torch.testing.assert_close(s, torch.tensor([-2 / 3, -2 / 3, 1 / 3, 1.0]))
 
 
-def test_group_score_separates_a_group_the_brief_reward_cannot():
-    # Typical MDI, all outside (1/R, R) = (0.5, 2): the brief's reward is -1 for every rollout.
+def test_group_score_separates_a_group_the_balance_reward_cannot():
+    # Typical MDI, all outside (1/R, R) = (0.5, 2): the balance reward is -1 for every rollout.
     mdi = torch.tensor([5.0, 17.0, 8.0, 12.0])
-    brief = R.mdi_balance_reward(["x"] * 4, metrics.mdi_balance(mdi, 2.0).tolist())
-    assert brief == [-1.0] * 4
+    balance = R.mdi_balance(["x"] * 4, metrics.mdi_balance(mdi, 2.0).tolist())
+    assert balance == [-1.0] * 4
     score = S.group_relative_mdi_score(mdi, 4)
     torch.testing.assert_close(score, torch.tensor([1.0, -1.0, 1 / 3, -1 / 3]))
-    rewards = torch.tensor([brief, R.mdi_group_reward(["x"] * 4, score.tolist())]).T
+    rewards = torch.tensor([balance, R.mdi_group(["x"] * 4, score.tolist())]).T
     torch.testing.assert_close(R.zero_spread_fraction(rewards, 4), torch.tensor([1.0, 0.0]))
 
 
@@ -409,11 +409,16 @@ def test_registry_contents_and_defaults():
     assert set(R.REWARD_REGISTRY) == {"mc_idx", "think_format", "think_format_lenient", "mdi_balance", "mdi_group",
                                       "accuracy", "answer_visual_gain", "answer_visual_gain_group", "visual_gain",
                                       "visual_gain_sum", "guarded_visual_gain"}
-    assert R.REWARD_REGISTRY["accuracy"].__module__ == "trl.rewards.accuracy_rewards"
+    # accuracy is TRL's accuracy_reward under the registry's name (TRL names its metrics by the function's name)
+    from trl.rewards import accuracy_reward
+
+    completions = [[{"role": "assistant", "content": c}] for c in (r"\boxed{\frac{1}{2}}", r"\boxed{3}")]
+    solution = [r"$\frac{1}{2}$", "$4$"]
+    assert R.accuracy(completions, solution) == accuracy_reward(completions, solution) == [1.0, 0.0]
     assert set(R.DEFAULT_REWARDS) <= set(R.REWARD_REGISTRY)
     assert len(R.DEFAULT_REWARD_WEIGHTS) == len(R.DEFAULT_REWARDS)
     funcs, weights = R.resolve_rewards(list(R.DEFAULT_REWARDS), list(R.DEFAULT_REWARD_WEIGHTS))
-    assert funcs == [R.mc_idx_reward, R.think_format_reward, R.mdi_balance_reward]
+    assert funcs == [R.mc_idx, R.think_format, R.mdi_balance]
     assert weights == [4.0, 1.0, 1.0]
     # Registry rewards survive pickling (TRL's async rollout worker sends them to a child process).
     for fn in R.REWARD_REGISTRY.values():
@@ -426,8 +431,8 @@ def test_required_inputs_agree_with_signatures():
         needs = R.required_reward_inputs(fn)
         columns = [n for n in needs if not S.trainer_field(n)]
         assert columns == ([R.REQUIRED_COLUMNS[name]] if name in R.REQUIRED_COLUMNS else []), name
-    assert R.required_reward_inputs(R.mdi_balance_reward) == ("mdi_balance",)
-    assert R.required_reward_inputs(R.mdi_group_reward) == ("mdi_group_score",)
+    assert R.required_reward_inputs(R.mdi_balance) == ("mdi_balance",)
+    assert R.required_reward_inputs(R.mdi_group) == ("mdi_group_score",)
     assert {n for fn in R.REWARD_REGISTRY.values() for n in R.required_reward_inputs(fn)
             if S.reward_field_pattern(n)} == {"mdi_balance", "mdi_group_score"}
     assert {n for fn in R.REWARD_REGISTRY.values() for n in R.required_reward_inputs(fn)
@@ -441,9 +446,9 @@ def test_check_reward_inputs():
 
     check_reward_inputs(list(R.REWARD_REGISTRY.values())[:4], {"train": ["prompt", "image", "label_idx"]},
                         attention=True, segments=["early", "late"])
-    with pytest.raises(ValueError, match=r"'mc_idx_reward' needs column\(s\) \['label_idx'\].*'prompt'.*'label_idx' for mc_idx"):
-        check_reward_inputs([R.mc_idx_reward, R.mdi_balance_reward], {"train": ["prompt", "image"]}, attention=True)
-    with pytest.raises(ValueError, match="'accuracy_reward' needs column.*solution"):
+    with pytest.raises(ValueError, match=r"'mc_idx' needs column\(s\) \['label_idx'\].*'prompt'.*'label_idx' for mc_idx"):
+        check_reward_inputs([R.mc_idx, R.mdi_balance], {"train": ["prompt", "image"]}, attention=True)
+    with pytest.raises(ValueError, match="'accuracy' needs column.*solution"):
         check_reward_inputs([R.REWARD_REGISTRY["accuracy"]], {"eval": ["prompt", "label_idx"]}, attention=True)
     # A segment the model does not have is named, with the fields it does have.
     def late_reward(completions, mdi_late, **kwargs):
@@ -454,8 +459,8 @@ def test_check_reward_inputs():
     with pytest.raises(ValueError, match="compute_attention_metrics=True"):
         check_reward_inputs([late_reward], {"train": ["prompt"]}, attention=False)
     with pytest.raises(ValueError, match=r"has columns \['mdi'\] that the trainer fills"):
-        check_reward_inputs([R.mc_idx_reward], {"train": ["prompt", "label_idx", "mdi"]}, attention=True)
-    check_reward_inputs([R.mc_idx_reward], {"train": None}, attention=True)  # columns unknown: not checked
+        check_reward_inputs([R.mc_idx], {"train": ["prompt", "label_idx", "mdi"]}, attention=True)
+    check_reward_inputs([R.mc_idx], {"train": None}, attention=True)  # columns unknown: not checked
 
 
 def test_resolve_rewards_default_weights_and_errors():
@@ -467,8 +472,8 @@ def test_resolve_rewards_default_weights_and_errors():
     assert all(name in text for name in R.REWARD_REGISTRY)
     with pytest.raises(ValueError, match="2 reward weights for 3 reward functions"):
         R.resolve_rewards(list(R.DEFAULT_REWARDS), [4.0, 1.0])
-    with pytest.raises(ValueError, match="share the name 'mc_idx_reward'"):
-        R.resolve_rewards(["mc_idx", "trl_mdi.rewards:mc_idx_reward"])
+    with pytest.raises(ValueError, match="share the name 'mc_idx'"):
+        R.resolve_rewards(["mc_idx", "trl_mdi.rewards:mc_idx"])
     with pytest.raises(ValueError, match="no reward functions"):
         R.resolve_rewards([])
 
@@ -521,11 +526,11 @@ def test_answer_visual_gain_rewards_are_clipped_and_ranked():
     """The reliance reward pays clip(g, 0, G) / G (G = ANSWER_GAIN_CLIP nats); None stays None; the group variant
     passes the trainer's rank through."""
     G = R.ANSWER_GAIN_CLIP
-    assert R.answer_visual_gain_reward(["a"] * 5, [-3.0, 0.0, G / 4, G, 10 * G]) == [0.0, 0.0, 0.25, 1.0, 1.0]
-    assert R.answer_visual_gain_reward(["a", "b"], [None, float("nan")]) == [None, None]
+    assert R.answer_visual_gain(["a"] * 5, [-3.0, 0.0, G / 4, G, 10 * G]) == [0.0, 0.0, 0.25, 1.0, 1.0]
+    assert R.answer_visual_gain(["a", "b"], [None, float("nan")]) == [None, None]
     with pytest.raises(ValueError, match="2 completions but 1"):
-        R.answer_visual_gain_reward(["a", "b"], [1.0])
-    assert R.answer_visual_gain_group_reward(["a", "b", "c"], [1.0, -1.0, None]) == [1.0, -1.0, None]
+        R.answer_visual_gain(["a", "b"], [1.0])
+    assert R.answer_visual_gain_group(["a", "b", "c"], [1.0, -1.0, None]) == [1.0, -1.0, None]
 
 
 # ------------------------------------------------------------------------------------------ None and NaN counts
@@ -548,14 +553,14 @@ def test_reward_tally_counts_each_call_and_keeps_names():
     async def async_reward(completions, **kwargs):
         return [1.0] * len(completions)
 
-    tally = R.RewardTally([R.mc_idx_reward, half_nan, model, async_reward])
-    assert [getattr(f, "__name__", None) for f in tally.funcs[:2]] == ["mc_idx_reward", "half_nan"]
+    tally = R.RewardTally([R.mc_idx, half_nan, model, async_reward])
+    assert [getattr(f, "__name__", None) for f in tally.funcs[:2]] == ["mc_idx", "half_nan"]
     assert tally.funcs[2] is model and tally.funcs[3] is async_reward
     tally.funcs[1](completions=["a"] * 4)
     out = tally.funcs[0](completions=["Answer: A", "Answer: B", "x"], label_idx=[0, 0, None])
     assert out == [1.0, 0.0, None] and tally.counts[0] == (1, 0, 3)
     assert tally.counts[1] == (2, 2, 4) and tally.counts[2] == tally.counts[3] == (0, 0, 0)
-    pickle.loads(pickle.dumps(R.RewardTally([R.mc_idx_reward]).funcs[0]))  # picklable, like the rewards it wraps
+    pickle.loads(pickle.dumps(R.RewardTally([R.mc_idx]).funcs[0]))  # picklable, like the rewards it wraps
 
 
 def test_outcome_metrics_fractions_per_reward():

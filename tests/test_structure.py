@@ -1,6 +1,7 @@
 """The library's shape, checked: no import cycle inside trl_mdi (every import counts: module level, inside functions
 and under TYPE_CHECKING), the maths layer importing nothing above it, no deprecation alias, no module importing another
-module's private names, no module importing the repository's fixtures (not shipped in the wheel)."""
+module's private names, no module importing the repository's fixtures (not shipped in the wheel), one name per
+reward (the registry's key is the function's ``__name__``)."""
 
 from __future__ import annotations
 
@@ -306,3 +307,20 @@ def test_the_model_card_names_this_trainer_and_cites_what_it_adds():
     assert paper["citation"].startswith(GRPOTrainer._paper["citation"])
     for eprint in ("2402.03300", "2508.10552", "2510.09285"):  # GRPO, MDI/AEI, VPPO
         assert f"arXiv:{eprint}" in paper["citation"]
+
+
+def test_one_name_per_reward():
+    """A registry reward is named by its key: TRL logs a reward under its ``__name__`` (``rewards/<name>/mean``), so
+    the name in the config and the YAML is the one in the logs and the metrics. The function is
+    ``trl_mdi.rewards.<key>``, no other public name there refers to it (no alias), and no key is a name of TRL's own
+    rewards (``trl.rewards``), whose metrics would collide with ours."""
+    import trl.rewards
+
+    import trl_mdi.rewards as R
+
+    for key, reward in R.REWARD_REGISTRY.items():
+        assert reward.__name__ == key, f"registry key {key!r} holds a reward named {reward.__name__!r}"
+        assert getattr(R, key) is reward, f"trl_mdi.rewards.{key} is not the registry's {key!r}"
+        aliases = [n for n in dir(R) if not n.startswith("_") and n != key and getattr(R, n) is reward]
+        assert not aliases, f"{key!r} has other names in trl_mdi.rewards: {aliases}"
+    assert not set(R.REWARD_REGISTRY) & set(dir(trl.rewards)), "a registry name shadows one of TRL's rewards"

@@ -15,6 +15,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from fixtures import tiny
 from fixtures.tiny import SYSTEM_PROMPT, TINY_ARCHS, build_tiny_vlm
+from trl_mdi.attention.model_facts import model_facts
 
 FAMILIES = TINY_ARCHS[4:]  # the first four (the Qwen VLs, Idefics3) are tests/test_tiny.py's
 assert set(TINY_ARCHS[:4]) == {"qwen2_5_vl", "qwen2_vl", "qwen3_vl", "idefics3"}
@@ -38,6 +39,12 @@ EXPECTED |= {
     # Two rows of two [IMG] tokens: [IMG] [IMG] [IMG_BREAK] [IMG] [IMG] [IMG_END].
     "mistral3": ("Mistral3ForConditionalGeneration", "PixtralProcessor", "[IMG]", 4),
 }
+EXPECTED |= {  # issue 45: the families users train first
+    "lfm2_vl": ("Lfm2VlForConditionalGeneration", "Lfm2VlProcessor", "<image>", 4),  # 2 x 2, in <|image_start|> ... <|image_end|>
+    "paligemma": ("PaliGemmaForConditionalGeneration", "PaliGemmaProcessor", "<image>", 4),  # 2 x 2 SigLIP patches
+}
+# Gemma 2's soft-capped attention (PaliGemma 2's decoder) has no SDPA kernel: transformers loads it eager.
+ATTN_IMPLEMENTATION = {"paligemma": "eager"}
 # Tokens the processor counts per image besides the placeholder (InternVL: <img> and </img>; Mistral 3: its row
 # markers).
 EXTRA_COUNTED = {"internvl": 2, "mistral3": 2}  # Mistral 3: [IMG_BREAK] and [IMG_END]
@@ -60,6 +67,11 @@ TEMPLATE_MARKS |= {
     "glm4v": ("[gMASK]<sop><|user|>\n<|begin_of_image|><|image|><|end_of_image|>", "<|assistant|>\n"),
     "qwen3_vl_moe": ("<|vision_start|><|image_pad|><|vision_end|>", "<|im_end|>\n<|im_start|>assistant\n"),
     "mistral3": ("[/SYSTEM_PROMPT][INST][IMG]", "[/INST]"),
+}
+TEMPLATE_MARKS |= {
+    "lfm2_vl": ("<|startoftext|><|im_start|>user\n<image>What", "<|im_end|>\n<|im_start|>assistant\n"),
+    # No roles: the images, then the text (the processor adds <bos> after the last image and the closing newline).
+    "paligemma": ("<image>What colour", "circle?"),
 }
 QUESTION = "What colour is the circle?"
 
@@ -91,7 +103,8 @@ def test_build_save_reload_batch_forward_generate(arch, tiny_vlm_dir):
     assert type(model).__name__ == model_cls and type(processor).__name__ == processor_cls
     assert 100_000 < model.num_parameters() < 1_000_000
     assert model.num_parameters() == json.loads((path / "tiny_vlm.json").read_text())["num_params"]
-    assert model.dtype == torch.float32 and model.config._attn_implementation == "sdpa"
+    attn = model.config.get_text_config()._attn_implementation
+    assert model.dtype == torch.float32 and attn == ATTN_IMPLEMENTATION.get(arch, "sdpa")
     tok = processor.tokenizer
     assert tok.padding_side == "left" and tok.pad_token_id is not None and tok.eos_token_id is not None
     image_id = tok.convert_tokens_to_ids(image_token)
@@ -156,6 +169,10 @@ def test_build_save_reload_batch_forward_generate(arch, tiny_vlm_dir):
     texts[1] = processor.apply_chat_template(
         [{"role": "user", "content": QUESTION}], add_generation_prompt=True
     )
+    if model_facts(model.config).image_in_every_prompt:  # PaliGemma: refused by the processor (the trainer says so)
+        with pytest.raises(ValueError, match="`images` are expected"):
+            processor(text=texts[1:], return_tensors="pt")
+        return
     mixed = processor(
         text=texts, images=[images[0], []], return_tensors="pt", padding=True, padding_side="left"
     )
@@ -288,6 +305,63 @@ def test_gemma4_layer_types_and_sliding_window(tiny_vlm_dir):
         assert torch.isfinite(model(**inputs).logits).all()
 
 
+def test_lfm2_vl_conv_layers_and_tiles(tiny_vlm_dir):
+    """LFM2-VL's decoder mixes gated short convolutions (no attention weights) with full attention; an image far over
+    its token budget is tiled as the real processor tiles it (a marker per tile, a thumbnail), and gets no map."""
+    from trl_mdi.diagnostics.maps import image_token_grids
+
+    model, processor = _load(tiny_vlm_dir("lfm2_vl"))
+    assert model.config.text_config.layer_types == ["conv", "full_attention"] * 2
+    assert [layer.is_attention_layer for layer in model.model.language_model.layers] == [False, True, False, True]
+    text = processor.apply_chat_template(_messages(False), add_generation_prompt=True)
+    inputs = processor(text=[text], images=[[_image(256)]], return_tensors="pt")
+    tokens = processor.tokenizer.convert_ids_to_tokens(inputs["input_ids"][0].tolist())
+    assert [t for t in tokens if t.startswith("<|img_")] == [
+        "<|img_row_1_col_1|>", "<|img_row_1_col_2|>", "<|img_row_2_col_1|>", "<|img_row_2_col_2|>", "<|img_thumbnail|>"]
+    assert tokens.count("<image>") == 5 * 4 and inputs["pixel_values"].shape[0] == 5  # 2 x 2 tiles + the thumbnail
+    with torch.no_grad():
+        assert torch.isfinite(model(**inputs).logits).all()
+    # One view within the budget: a row-major grid (spatial_shapes / 2); a tiled image: no map.
+    assert image_token_grids(processor, [_image(56), Image.new("RGB", (112, 56))]) == [(2, 2), (1, 2)]
+    assert image_token_grids(processor, [_image(56), _image(256)]) is None
+
+
+def test_paligemma_prefix_is_bidirectional_and_its_suffix_causal(tiny_vlm_dir):
+    """PaliGemma 2's layout: Gemma 2 layers alternating sliding and full attention with soft-capped logits; the prefix
+    (token_type_ids 0: image, <bos>, prompt, newline) attends bidirectionally, the suffix (1: what it generates)
+    causally. With TRL 1.16's zeros over the completion, completion tokens would see the ones after them: the
+    trainer gives them 1 (``ModelFacts.completion_token_type``)."""
+    model, processor = _load(tiny_vlm_dir("paligemma"))
+    text = model.config.text_config
+    assert text.layer_types == ["sliding_attention", "full_attention"] * 2 and text.use_bidirectional_attention
+    assert (text.attn_logit_softcapping, text.final_logit_softcapping) == (50.0, 30.0)
+    assert model_facts(model.config).completion_token_type == 1
+    prompt = processor(text=[processor.apply_chat_template(_messages(False), add_generation_prompt=True)],
+                       images=[[_image(56)]], return_tensors="pt")
+    tokens = processor.tokenizer.convert_ids_to_tokens(prompt["input_ids"][0].tolist())
+    assert tokens[:6] == ["<image>"] * 4 + ["<bos>", "What"] and tokens[-1] == "Ċ"  # <bos> after the images, "\n"
+    assert prompt["token_type_ids"].eq(0).all()
+    n = prompt["input_ids"].shape[1]
+    completion = torch.tensor([[processor.tokenizer.convert_tokens_to_ids(t) for t in ("Ġred", "Ġcircle", "?")]])
+
+    def logits(ids, suffix_type):
+        types = torch.cat([prompt["token_type_ids"], torch.full_like(completion, suffix_type)], dim=1)
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=types,
+                         pixel_values=prompt["pixel_values"]).logits[0]
+
+    ids = torch.cat([prompt["input_ids"], completion], dim=1)
+    changed_prompt, changed_last = ids.clone(), ids.clone()
+    changed_prompt[0, n - 2] = processor.tokenizer.convert_tokens_to_ids("Ġsquare")  # the prompt's last word
+    changed_last[0, -1] = processor.tokenizer.convert_tokens_to_ids("Ġblue")  # the completion's last token
+    # Bidirectional prefix: the first text position reads the prompt's last word.
+    assert not torch.allclose(logits(ids, 1)[4], logits(changed_prompt, 1)[4])
+    # Causal suffix: the completion's first positions do not read its last token ...
+    torch.testing.assert_close(logits(ids, 1)[: n + 2], logits(changed_last, 1)[: n + 2])
+    # ... but with TRL's zeros they do: the completion joins the bidirectional prefix.
+    assert not torch.allclose(logits(ids, 0)[n], logits(changed_last, 0)[n])
+
+
 @pytest.mark.parametrize(
     ("arch", "softmax_layers"), [("qwen3_5_moe", [1, 3]), ("gemma4", [0, 1, 2, 3]), ("qwen3_5", [1, 3])]
 )
@@ -328,8 +402,8 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
 @pytest.mark.parametrize(
     ("arch", "overrides", "message"),
     [
-        ("qwen2_5_vl", {"full_attention_interval": 2}, "to qwen3_5, gemma3, qwen3_5_moe and gemma4 only"),
-        ("qwen3_5", {"sliding_window": 8}, "sliding_window applies to gemma3 and gemma4 only"),
+        ("qwen2_5_vl", {"full_attention_interval": 2}, "to qwen3_5, gemma3, qwen3_5_moe, gemma4, lfm2_vl and paligemma only"),
+        ("qwen3_5", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4 and paligemma only"),
         ("qwen3_5", {"full_attention_interval": 0}, "positive integer"),
         ("gemma3", {"sliding_window": -1}, "positive integer"),
         ("gemma3", {"image_size": 40}, "pooling"),
@@ -349,6 +423,9 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
         ("mistral3", {"min_pixels": 1024}, "set image_size instead"),
         ("glm4v", {"image_size": 32}, "set min_pixels/max_pixels instead"),
         ("qwen3_vl_moe", {"num_experts_per_tok": 5}, "exceeds num_experts 4"),
+        ("lfm2_vl", {"image_size": 32}, "set image_patch_size instead"),
+        ("lfm2_vl", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4 and paligemma only"),
+        ("paligemma", {"image_size": 40}, "not a multiple of image_patch_size"),
     ],
 )
 def test_invalid_family_requests_raise_value_error(arch, overrides, message):

@@ -1,5 +1,6 @@
 """MDIGRPOTrainer on tiny offline VLMs, single process on CPU."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -32,11 +33,13 @@ class RecordingReward:
 
 
 def make_args(tmp_path, **overrides):
+    # mask_truncated_completions off (MDIGRPOConfig's default is on): a random tiny model never stops within 8 tokens,
+    # so every completion would leave the loss and nothing would train.
     kw = dict(
         output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4,
         num_generations=4, max_completion_length=8, max_steps=2, logging_steps=1, save_strategy="no", seed=0,
         learning_rate=1e-3, disable_tqdm=True, rollout_log_path=str(tmp_path / "logs" / "rollouts.md"),
-        attention_diag_log_path=str(tmp_path / "logs" / "attention.md"),
+        attention_diag_log_path=str(tmp_path / "logs" / "attention.md"), mask_truncated_completions=False,
     )
     kw.update(overrides)
     return MDIGRPOConfig(**kw)
@@ -90,11 +93,11 @@ def test_trains_logs_attention_and_hands_fields_to_rewards(model_dir, grpo_train
     logs = _metrics(trainer)
     for key in ("attention/mdi", "attention/mdi_early", "attention/mdi_middle", "attention/mdi_late",
                 "attention/aei_text", "attention/aei_image", "attention/image_mass", "attention/prompt_text_mass",
-                "attention/rows_without_image", "rewards/mdi_balance_reward/mean",
-                "rewards/mc_idx_reward/zero_spread_frac", "rewards/mdi_group_reward/zero_spread_frac"):
+                "attention/rows_without_image", "rewards/mdi_balance/mean",
+                "rewards/mc_idx/zero_spread_frac", "rewards/mdi_group/zero_spread_frac"):
         assert key in logs[0], key
     assert logs[0]["attention/rows_without_image"] == 0.0
-    # Every rollout got its fields; they agree with each other (balance is the brief's formula of mdi).
+    # Every rollout got its fields; they agree with each other (balance is clip(1 - |log mdi| / log R, 0, 1)).
     assert len(rec.calls) == 2 and rec.calls[0]["n"] == 4
     import math
 
@@ -105,8 +108,8 @@ def test_trains_logs_attention_and_hands_fields_to_rewards(model_dir, grpo_train
         # The group score is zero-mean within the (single, local) group.
         assert sum(call["group"]) == pytest.approx(0.0, abs=1e-5)
         assert all(v is not None for v in call["early"] + call["late"] + call["aei_text"])
-    # The brief's balance reward equals 2 * balance - 1 of what the recording reward saw.
-    assert logs[0]["rewards/mdi_balance_reward/mean"] == pytest.approx(
+    # The balance reward equals 2 * balance - 1 of what the recording reward saw.
+    assert logs[0]["rewards/mdi_balance/mean"] == pytest.approx(
         sum(2 * b - 1 for b in rec.calls[0]["balance"]) / 4, abs=1e-4
     )
 
@@ -179,7 +182,7 @@ def test_rows_without_image_get_none_and_are_counted(model_dir, grpo_train_datas
     trainer.train()
     seen = [m for call in rec.calls for m in call["mdi"]]
     assert None in seen and any(m is not None for m in seen)
-    # The brief's balance is None (not a made-up 1.0) where there is no image.
+    # The balance is None (not a made-up 1.0) where there is no image.
     for call in rec.calls:
         for m, b in zip(call["mdi"], call["balance"]):
             assert (m is None) == (b is None)
@@ -207,7 +210,7 @@ def test_scoring_path_needs_only_token_ids(model_dir, grpo_train_dataset, tmp_pa
                              rollout_func=rollout_func)
     trainer.train()
     logs = _metrics(trainer)
-    assert logs[0]["rewards/think_format_reward/mean"] == 1.0  # the external completion really was scored
+    assert logs[0]["rewards/think_format/mean"] == 1.0  # the external completion really was scored
     assert all(m is not None and m > 0 for m in rec.calls[0]["mdi"])
 
 
@@ -275,8 +278,59 @@ def test_trainer_input_errors(model_dir, grpo_train_dataset, tmp_path):
 
 def test_default_stack_is_4_1_1(model_dir, grpo_train_dataset, tmp_path):
     trainer = MDIGRPOTrainer(str(model_dir), args=make_args(tmp_path), train_dataset=grpo_train_dataset)
-    assert trainer.reward_func_names == ["mc_idx_reward", "think_format_reward", "mdi_balance_reward"]
+    assert trainer.reward_func_names == ["mc_idx", "think_format", "mdi_balance"]
     assert trainer.reward_weights.tolist() == [4.0, 1.0, 1.0]
+
+
+def test_the_plan_is_made_once_per_trainer_and_reads_the_model_config_once(model_dir, grpo_train_dataset, tmp_path):
+    """Issue 43: one call of the plan function and one read of the model config by trl_mdi per trainer built from a
+    path (the processor loaded as TRL would); a trainer handed a plan follows it and decides nothing again."""
+    from fixtures.testing import CallCounter
+    from trl_mdi.run_plan import plan_run
+
+    with CallCounter(plan_run) as counted:
+        trainer = MDIGRPOTrainer(str(model_dir), args=make_args(tmp_path / "a"), train_dataset=grpo_train_dataset)
+    assert counted.calls == 1 and len(counted.config_reads) == 1, (counted.calls, counted.config_reads)
+    # Every line decided before the weights loaded, none revised by the loaded model.
+    assert trainer.run_plan.complete and trainer.run_plan.attn_implementation == "sdpa"
+    plan = trainer.run_plan
+    with CallCounter(plan_run) as counted:
+        again = MDIGRPOTrainer(str(model_dir), args=make_args(tmp_path / "b"), train_dataset=grpo_train_dataset,
+                               processing_class=trainer.processing_class, run_plan=plan)
+    assert (counted.calls, counted.config_reads) == (0, [])
+    assert again.run_plan is plan and again.reward_func_names == list(plan.reward_names)
+    with pytest.raises(ValueError, match="run_plan: a plan already decided the rewards"):
+        MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=make_args(tmp_path / "c"),
+                       train_dataset=grpo_train_dataset, processing_class=trainer.processing_class, run_plan=plan)
+
+
+def test_a_class_that_cannot_be_built_without_weights_leaves_its_lines_to_the_loaded_model(
+        model_dir, grpo_train_dataset, tmp_path, monkeypatch):
+    """The lines read off the model's modules say that they wait for the weights when its class cannot be built
+    without them; the trainer then reads them off the loaded model, as the class would have told."""
+    import trl_mdi.run_plan as run_plan
+
+    def unbuildable(*args, **kwargs):
+        raise RuntimeError("this class loads its weights in __init__")
+
+    monkeypatch.setattr(run_plan, "model_skeleton", unbuildable)
+    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], args=make_args(tmp_path),
+                             train_dataset=grpo_train_dataset)
+    assert trainer.run_plan.complete and trainer.run_plan.placement == "training_forward"
+    assert trainer.run_plan.attn_implementation == "sdpa" and trainer.run_plan.vision_pass is False
+    from transformers import AutoProcessor
+
+    early = run_plan.plan_run(str(model_dir), AutoProcessor.from_pretrained(model_dir), [spread_reward],
+                              make_args(tmp_path), {})
+    assert not early.complete and early.placement is None
+    waiting = ("decided once the weights load (RuntimeError building the model's class without weights: this class "
+               "loads its weights in __init__)")
+    lines = {line.split("  ")[1].strip(): line for line in early.describe().splitlines()[1:]}
+    assert all(lines[k].endswith(waiting) for k in ("attention implementation", "probe placement", "dummy vision pass"))
+    monkeypatch.undo()
+    assert dataclasses.replace(trainer.run_plan, reward_funcs=()) == dataclasses.replace(
+        run_plan.plan_run(str(model_dir), trainer.processing_class, [spread_reward], make_args(tmp_path), {}),
+        reward_funcs=())
 
 
 def test_world_size_that_accelerate_missed_is_a_clear_error(model_dir, grpo_train_dataset, tmp_path, monkeypatch):
@@ -338,7 +392,7 @@ def test_nan_and_none_rewards_counted_apart_and_nan_warned_once(model_dir, grpo_
     assert len(logs) == 2
     for step in logs:
         assert step["rewards/flaky_reward/nan_frac"] == 0.25 and step["rewards/flaky_reward/none_frac"] == 0.25
-        assert step["rewards/mc_idx_reward/nan_frac"] == 0.0 and "rewards/mc_idx_reward/none_frac" in step
+        assert step["rewards/mc_idx/nan_frac"] == 0.0 and "rewards/mc_idx/none_frac" in step
     warned = [r.getMessage() for r in caplog.records if "returned NaN" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith("reward flaky_reward returned NaN") and "1 of 4" in warned[0]
     assert trainer.reward_funcs[1] is flaky_reward  # the counting wrappers are gone after each batch

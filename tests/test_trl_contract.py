@@ -32,6 +32,13 @@ def test_overridden_method_signatures():
         assert name in logp, name
 
 
+def test_model_card_names_we_escape():
+    """MDIGRPOTrainer.create_model_card escapes the names TRL puts into the model card's Markdown: TRL's signature,
+    and the one name GRPOTrainer passes at every checkpoint (the output folder's)."""
+    assert _params(GRPOTrainer.create_model_card) == ["self", "model_name", "dataset_name", "tags"]
+    assert "self.create_model_card(model_name=model_name)" in inspect.getsource(GRPOTrainer._save_checkpoint)
+
+
 def test_generate_returns_its_8_tuple_and_encodes_prompts_once():
     src = inspect.getsource(GRPOTrainer._generate)
     assert "return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images" in src
@@ -103,6 +110,19 @@ def test_rewards_are_read_from_self_reward_funcs_and_none_becomes_nan_there():
     assert "output_reward_func = [reward if reward is not None else torch.nan for reward in output_reward_func]" in src
 
 
+def test_trl_extends_token_type_ids_with_zeros_and_passes_the_processors_labels_on():
+    """What the trainer's PaliGemma fixes answer (``_tokenize_prompts`` and ``_get_per_token_logps_and_entropies``):
+    TRL 1.16 extends the prompt's token_type_ids with zeros over the completion (PaliGemma's bidirectional prefix
+    type; the trainer sets them to 1), keeps every processor output but the ids and mask as a forward keyword (its
+    labels among them; the trainer drops them) and tokenizes a batch's prompts in one unpadded call."""
+    gen = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert "[token_type_ids, token_type_ids.new_zeros(completion_ids.shape)], dim=1" in gen
+    assert 'forward_kwargs = {k: v for k, v in prompt_inputs.items() if k not in ["input_ids", "attention_mask"]}' in gen
+    tokenize = inspect.getsource(GRPOTrainer._tokenize_prompts)
+    assert 'multimodal_fields = {k: v for k, v in tokenized.items() if k not in ("input_ids", "attention_mask")}' in tokenize
+    assert "conversation=prompts," in tokenize
+
+
 def test_tool_mask_only_enters_the_loss_mask():
     """TPRL's token masks are multiplied into TRL's tool_mask: it must reach the loss mask and nothing else."""
     src = inspect.getsource(GRPOTrainer._compute_loss)
@@ -121,12 +141,19 @@ def test_tool_mask_only_enters_the_loss_mask():
     assert "num_items_in_batch = self.accelerator.gather(loss_mask.sum()).sum()" in gen
 
 
-# InternVL: tile-indexed pixel_values, whose per-row tile counts TRL recomputes (num_tiles).
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3", "idefics3", "internvl"])
-def test_forward_inputs_match_what_trl_passes(tiny_vlm_dir, grpo_train_dataset, tmp_path, monkeypatch, arch):
+# InternVL and LFM2-VL: tile-indexed pixel_values, whose per-row tile counts TRL recomputes (num_tiles); LFM2-VL tiles
+# an image only when it is far over its token budget (256 pixels a side here, 2 x 2 tiles and a thumbnail).
+@pytest.mark.parametrize("arch, side", [("qwen2_5_vl", None), ("gemma3", None), ("idefics3", None), ("internvl", None),
+                                        ("lfm2_vl", None), ("lfm2_vl", 256)])
+def test_forward_inputs_match_what_trl_passes(tiny_vlm_dir, grpo_train_dataset, tmp_path, monkeypatch, arch, side):
     """With num_iterations=2 TRL runs its own old-log-prob forward: the trainer's batch builder must lay out exactly
     its inputs, both from TRL's own prompt encoding (``_tokenize_prompts``, the usual path) and from the prompts
     encoded again (the path of a ``rollout_func``, which bypasses TRL's encoding)."""
+    if side is not None:  # the same prompts with larger images
+        from fixtures.testing import shape_image
+
+        grpo_train_dataset = grpo_train_dataset.select(range(8)).map(
+            lambda row, i: {"image": shape_image(side, i)}, with_indices=True)
     args = MDIGRPOConfig(
         output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4,
         num_generations=4, max_completion_length=6, max_steps=1, num_iterations=2, save_strategy="no",
@@ -215,6 +242,78 @@ def test_trl_loads_the_processor_as_the_trainer_does_before_it():
                  'truncation_side="left"', 'padding_side="left"', "trust_remote_code=args.trust_remote_code"):
         assert part in call, part
     assert 'model_revision = model_init_kwargs.get("revision")' in src
+
+
+def test_what_the_run_plan_reads_before_trl_is_built():
+    """trl_mdi.run_plan decides before GRPOTrainer.__init__ runs (issue 43): (1) whether TRL runs its old-log-prob
+    forward, from the config values TRL copies onto itself (``trl_runs_policy_forward``); (2) what only the model's
+    modules tell, from the class TRL's ``create_model_from_path`` loads (``model_facts.trl_model_class``) built with
+    the ``attn_implementation`` and ``dtype`` TRL passes it (``model_skeleton``)."""
+    from trl.trainer import grpo_trainer
+
+    init = inspect.getsource(GRPOTrainer.__init__)
+    for line in ("self.num_iterations = args.num_iterations", "self.use_vllm = args.use_vllm",
+                 "self.vllm_importance_sampling_correction = args.vllm_importance_sampling_correction",
+                 "model = create_model_from_path(model, **model_init_kwargs)"):
+        assert line in init, line
+    loader = inspect.getsource(grpo_trainer.create_model_from_path)
+    for part in ('dtype = kwargs.get("dtype", "float32")',
+                 "architecture = getattr(transformers, config.architectures[0], None)",
+                 "for candidate in (AutoModelForImageTextToText, AutoModelForCausalLM):",
+                 "if candidate.__name__ in auto_map:", "architecture = AutoModelForCausalLM",
+                 "model = architecture.from_pretrained(model_id, **kwargs)"):
+        assert part in loader, part
+
+
+@pytest.mark.parametrize("attn_implementation", [None, "eager"])
+def test_the_model_class_built_without_weights_reads_as_the_loaded_model(tiny_vlm_dir, attn_implementation):
+    """On every tiny family (and its attention implementation forced to eager): what the plan reads off the class built
+    on the meta device (``model_skeleton``) is what the model TRL loads tells: the attention implementation, whether
+    the probe can measure it, whether the dummy vision pass can hook it."""
+    from transformers import AutoConfig, AutoProcessor
+    from trl.trainer.utils import create_model_from_path
+
+    from fixtures.tiny import TINY_ARCHS
+    from trl_mdi.attention.model_facts import attention_implementation, model_skeleton
+    from trl_mdi.attention.probe import probe_support
+    from trl_mdi.vision_pass import vision_pass_problem
+
+    def read(model, processor):
+        return attention_implementation(model), probe_support(model), vision_pass_problem(model, processor)
+
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    for arch in TINY_ARCHS:
+        path = str(tiny_vlm_dir(arch))
+        processor = AutoProcessor.from_pretrained(path)
+        skeleton = model_skeleton(path, AutoConfig.from_pretrained(path), kwargs)
+        assert next(skeleton.parameters()).device.type == "meta", arch
+        loaded = create_model_from_path(path, **kwargs)
+        assert type(skeleton) is type(loaded), arch
+        assert read(skeleton, processor) == read(loaded, processor), arch
+        if attn_implementation:
+            assert attention_implementation(loaded) == attn_implementation, arch
+
+
+def test_the_model_class_is_built_without_weights_under_zero3_too(tiny_vlm_dir):
+    """Under a ZeRO-3 config transformers builds a model inside deepspeed.zero.Init (its parameters partitioned
+    across the processes: a collective). The skeleton must stay whole and on meta, built as inside an active
+    zero.Init (transformers' ``set_zero3_state``), whose flag ``_from_config`` reads."""
+    from transformers import AutoConfig, PreTrainedModel
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+
+    from trl_mdi.attention.model_facts import model_skeleton
+
+    assert "and not _is_ds_init_called" in inspect.getsource(PreTrainedModel._from_config)
+    path = str(tiny_vlm_dir("qwen2_5_vl"))
+    zero3 = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    try:
+        assert is_deepspeed_zero3_enabled()
+        skeleton = model_skeleton(path, AutoConfig.from_pretrained(path))
+    finally:
+        del zero3
+    assert not is_deepspeed_zero3_enabled()
+    assert {p.device.type for p in skeleton.parameters()} == {"meta"}
+    assert not any(hasattr(p, "ds_id") for p in skeleton.parameters())  # never partitioned
 
 
 def test_the_processor_loaded_first_is_the_one_trl_would_load(tiny_vlm_dir, tmp_path):
@@ -330,3 +429,88 @@ def test_completions_table_is_written_from_logs_at_log_time():
     assert "df_base.to_parquet(" in log and 'images_raw = self._logs["images"] or []' in log
     assert 'logging_backend.log({"completions": logging_backend.Table(dataframe=df)})' in log
     assert _params(GRPOTrainer.log) == ["self", "logs", "start_time"]
+
+
+def test_what_the_weight_loading_overrides_rely_on():
+    """Issue 42 (MDIGRPOTrainer._load_from_checkpoint / _load_best_model, trl_mdi.checkpoints.load_full_weights):
+    (1) transformers' Trainer loads a checkpoint's whole-model weights with ``load_state_dict(state_dict, False)``,
+    without the key conversion ``save_pretrained`` reverted (the fault the overrides replace; should transformers fix
+    it, this fails and the overrides can go); (2) train() calls _load_from_checkpoint(checkpoint) only outside
+    DeepSpeed and FSDP, before accelerate wraps the model, and DeepSpeed resumes from its own shards in
+    _inner_training_loop; _load_best_model loads DeepSpeed's shards itself; (3) save_pretrained writes the reverted
+    layout; (4) the loader the trainer calls is from_pretrained's own: convert_and_load_state_dict_in_model(model,
+    state_dict, load_config) with the model's conversion mapping, returning (loading info, offload index), the info
+    naming missing, unexpected and mismatched keys and conversion errors; tied weights listed in
+    ``all_tied_weights_keys``."""
+    import dataclasses
+
+    from transformers import PreTrainedModel, Trainer
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    flat = lambda fn: " ".join(inspect.getsource(fn).split())  # noqa: E731 (whitespace-insensitive source)
+    assert _params(Trainer._load_from_checkpoint) == ["self", "resume_from_checkpoint", "model"]
+    assert _params(Trainer._load_best_model) == ["self"]
+    for fn in (Trainer._load_from_checkpoint, Trainer._load_best_model):
+        assert flat(fn).count("load_result = model.load_state_dict(state_dict, False)") == 1, fn.__name__
+    assert "load_result = load_sharded_checkpoint(model, resume_from_checkpoint, strict=is_sagemaker_mp_enabled())" \
+        in flat(Trainer._load_from_checkpoint)
+    assert "elif _is_peft_model(model):" in flat(Trainer._load_from_checkpoint)
+    train = flat(Trainer.train)
+    assert ("if not is_sagemaker_mp_enabled() and not self.is_deepspeed_enabled and not self.is_fsdp_enabled: "
+            "self._load_from_checkpoint(resume_from_checkpoint)") in train
+    assert train.index("self._load_from_checkpoint(resume_from_checkpoint)") < train.index("inner_training_loop(")
+    assert ("if self.is_deepspeed_enabled: deepspeed_load_checkpoint( self.model_wrapped, resume_from_checkpoint, "
+            "load_module_strict=not _is_peft_model(self.model) )") in flat(Trainer._prepare_for_training)
+    assert ("if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None: "
+            "self._load_best_model()") in flat(Trainer._finalize_training)
+    assert "if self.is_deepspeed_enabled: deepspeed_load_checkpoint(" in flat(Trainer._load_best_model)
+    assert "state_dict = revert_weight_conversion(model_to_save, state_dict)" in flat(PreTrainedModel.save_pretrained)
+    assert _params(convert_and_load_state_dict_in_model)[:3] == ["model", "state_dict", "load_config"]
+    assert "return loading_info, disk_offload_index" in inspect.getsource(convert_and_load_state_dict_in_model)
+    assert "model._weight_conversions = model_specific_conversions" in flat(convert_and_load_state_dict_in_model)
+    assert _params(get_model_conversion_mapping)[0] == "model"
+    assert "weight_mapping" in {f.name for f in dataclasses.fields(LoadStateDictConfig)}
+    assert {"missing_keys", "unexpected_keys", "mismatched_keys", "conversion_errors"} <= {
+        f.name for f in dataclasses.fields(LoadStateDictInfo)}
+    assert "self.all_tied_weights_keys = self.get_expanded_tied_weights_keys(" in flat(PreTrainedModel.post_init)
+
+
+def test_what_save_on_sigterm_relies_on():
+    """trl_mdi.preemption.PreemptionCallback: (1) a callback's on_step_end runs, after every optimizer step, before
+    transformers decides to save, and ``control.should_save`` set there saves that step's checkpoint through
+    _save_checkpoint (the override that marks it whole), then on_save runs; (2) ``should_training_stop`` then ends
+    the loop; (3) the callback handler hands on_train_begin the model (the tests' parameter digest reads it)."""
+    from transformers import Trainer
+    from transformers.trainer_callback import CallbackHandler
+
+    flat = lambda fn: " ".join(inspect.getsource(fn).split())  # noqa: E731 (whitespace-insensitive source)
+    epoch = flat(Trainer._run_epoch)
+    assert epoch.index("self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)") < \
+        epoch.index("self._maybe_log_save_evaluate(") < epoch.index(
+            "if self.control.should_epoch_stop or self.control.should_training_stop: break")
+    save = flat(Trainer._maybe_log_save_evaluate)
+    assert ("if self.control.should_save: self._save_checkpoint(model, trial) self.control = "
+            "self.callback_handler.on_save(self.args, self.state, self.control)") in save
+    assert "model=self.model" in flat(CallbackHandler.call_event)
+
+
+def test_server_mode_requests_go_through_the_clients_session():
+    """trl_mdi.vllm_server: the trainer bounds every request of TRL's vLLM client by wrapping the client's
+    ``requests.Session`` (``trainer.vllm_generation.vllm_client.session``), and waits for the server itself before TRL
+    builds the client. That covers every request only while (1) the client is that attribute, built in server mode,
+    (2) every request but the start-up health check goes through ``self.session`` (the health check, ``requests.get``,
+    is what wait_for_server runs first, with a timeout), (3) the session's retries live on its mounted adapters, and
+    (4) TRL places one run of image tokens per image (what check_server_images refuses otherwise)."""
+    from trl.generation import vllm_client, vllm_generation
+
+    assert "self.vllm_client = VLLMClient(" in inspect.getsource(vllm_generation.VLLMGeneration._init_vllm)
+    client = inspect.getsource(vllm_client.VLLMClient)
+    assert "self.session = requests.Session()" in client
+    assert "HTTPAdapter(max_retries=retry_strategy" in client and 'self.session.mount("http://", adapter)' in client
+    assert client.count("requests.get(") == 1 and client.count("requests.post(") == 0
+    assert "requests.get(url)" in inspect.getsource(vllm_client.VLLMClient.check_server)
+    place = inspect.getsource(vllm_generation.VLLMGeneration._place_features)
+    assert "The prompt must contain one run of image tokens per image." in place

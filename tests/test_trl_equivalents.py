@@ -207,14 +207,14 @@ def test_text_only_default_stack_leaves_out_mdi_balance(text_models, text_data, 
                              per_device_train_batch_size=3, num_generations=3)
         trainer = MDIGRPOTrainer(model=str(text_models[0]), args=args,
                                  train_dataset=text_data)
-    assert trainer.reward_func_names == ["mc_idx_reward", "think_format_reward"]
+    assert trainer.reward_func_names == ["mc_idx", "think_format"]
     assert trainer.reward_weights.tolist() == [4.0, 1.0]
     assert any("leaves out mdi_balance" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("request_kwargs, named, match", [
     ({"compute_attention_metrics": True}, None, "compute_attention_metrics=True"),
-    ({}, ["mdi_balance"], "reward 'mdi_balance_reward' \\(reads mdi_balance\\)"),
+    ({}, ["mdi_balance"], "reward 'mdi_balance' \\(reads mdi_balance\\)"),
     ({"enable_perception_filtering": True}, [spread_reward], "enable_perception_filtering=True"),
     ({"enable_trajectory_reweighting": True}, [spread_reward], "enable_trajectory_reweighting=True"),
 ])

@@ -5,6 +5,9 @@ The public names, importable from the package root the way ``trl`` exposes its t
     from trl_mdi import MDIGRPOConfig, MDIGRPOTrainer   # drop-in for trl's GRPOConfig / GRPOTrainer
     from trl_mdi import measure_modality_attention       # the exact O(L) attention probe on any supported model
 
+The reward functions live in ``trl_mdi.rewards`` under their registry names (``trl_mdi.rewards.mc_idx``); here they
+would be ambiguous (``trl_mdi.mdi_balance`` is the attention metric the ``mdi_balance`` reward reads).
+
 Names are resolved on first use (PEP 562), so ``import trl_mdi.attention.metrics`` does not pay for importing TRL.
 """
 
@@ -28,11 +31,6 @@ _EXPORTS: dict[str, str] = {
     "mdi": "trl_mdi.attention.metrics",
     "aei": "trl_mdi.attention.metrics",
     "mdi_balance": "trl_mdi.attention.metrics",
-    "mc_idx_reward": "trl_mdi.rewards",
-    "think_format_reward": "trl_mdi.rewards",
-    "mdi_balance_reward": "trl_mdi.rewards",
-    "mdi_group_reward": "trl_mdi.rewards",
-    "accuracy_reward": "trl_mdi.rewards",
     "REWARD_REGISTRY": "trl_mdi.rewards",
     "DEFAULT_REWARDS": "trl_mdi.rewards",
     "DEFAULT_REWARD_WEIGHTS": "trl_mdi.rewards",
@@ -42,9 +40,8 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [  # a literal list, so linters and `from trl_mdi import *` see every name; a test checks it equals _EXPORTS
     "DEFAULT_REWARDS", "DEFAULT_REWARD_WEIGHTS", "MDIGRPOConfig", "MDIGRPOTrainer", "ModalityAttention", "ModelFacts",
-    "REWARD_REGISTRY", "accuracy_reward", "aei", "layer_segments", "mc_idx_reward", "mdi", "mdi_balance",
-    "mdi_balance_reward", "mdi_group_reward", "measure_modality_attention", "model_facts", "probe_attention",
-    "resolve_rewards", "reward_help", "think_format_reward",
+    "REWARD_REGISTRY", "aei", "layer_segments", "mdi", "mdi_balance", "measure_modality_attention", "model_facts",
+    "probe_attention", "resolve_rewards", "reward_help",
 ]
 
 
@@ -70,12 +67,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         DEFAULT_REWARD_WEIGHTS,
         DEFAULT_REWARDS,
         REWARD_REGISTRY,
-        accuracy_reward,
-        mc_idx_reward,
-        mdi_balance_reward,
-        mdi_group_reward,
         resolve_rewards,
         reward_help,
-        think_format_reward,
     )
     from .trainer import MDIGRPOTrainer

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .attention.model_facts import processor_for_trl
+from .attention.model_facts import ModelFacts, processor_for_trl
 from .counterfactual import NO_IMAGE, counterfactual_prompts
 
 # Multimodal keys of a processor's output that TRL's log-prob forward takes (its keyword arguments), by kind:
@@ -122,17 +122,34 @@ def multimodal_tensors(fields: dict[str, Any], pad_to_multiple_of: int | None = 
     return out
 
 
+def completion_token_types(token_type_ids: torch.Tensor | None, completion_length: int,
+                           value: int) -> torch.Tensor | None:
+    """``token_type_ids`` (B, P + C) with the completion's columns, the last C, set to ``value``: the type generation
+    gives each new token (``ModelFacts.completion_token_type``; PaliGemma: 1, its causal suffix) where TRL 1.16
+    extends the prompt's types with zeros. Unchanged (the same object) for ``value`` 0 or no ``token_type_ids``.
+
+    >>> completion_token_types(torch.tensor([[0, 0, 0, 0]]), 2, 1).tolist()
+    [[0, 0, 1, 1]]
+    """
+    if token_type_ids is None or value == 0:
+        return token_type_ids
+    fixed = token_type_ids.clone()
+    fixed[:, fixed.shape[1] - completion_length:] = value
+    return fixed
+
+
 def policy_batch(prompt_ids: Sequence[Sequence[int]] | torch.Tensor, completion_ids: Sequence[Sequence[int]] | torch.Tensor,
                  *, pad_token_id: int, multimodal: dict[str, Any] | None = None,
                  prompt_mask: torch.Tensor | None = None, completion_mask: torch.Tensor | None = None,
                  num_images: list[int] | None = None, pad_to_multiple_of: int | None = None,
-                 device: torch.device | str | None = None) -> PolicyBatch:
+                 device: torch.device | str | None = None, facts: ModelFacts | None = None) -> PolicyBatch:
     """Lay out prompt + completion as TRL's log-prob forward does.
 
     Prompts and completions come as token lists (padded here: prompts left, completions right, with
     ``pad_to_multiple_of`` as TRL pads) or as padded tensors with their masks. Every completion token is kept,
     truncated completions included (TRL masks those out of the loss only). Per-token multimodal fields are
-    left-padded to the prompt's width and extended with zeros over the completion.
+    left-padded to the prompt's width and extended with zeros over the completion; ``token_type_ids``, given the
+    model's ``facts``, with its ``completion_token_type`` (PaliGemma's 1), as the trainer hands them to TRL's forward.
     """
     if torch.is_tensor(prompt_ids):
         p_ids = prompt_ids
@@ -153,6 +170,8 @@ def policy_batch(prompt_ids: Sequence[Sequence[int]] | torch.Tensor, completion_
             if value.shape[1] < p_ids.shape[1]:  # prompts padded to a multiple: pad the types alike, on the left
                 value = torch.nn.functional.pad(value, (p_ids.shape[1] - value.shape[1], 0))
             value = torch.cat([value, value.new_zeros(c_ids.shape)], dim=1)
+            if key == "token_type_ids":
+                value = completion_token_types(value, c_ids.shape[1], facts.completion_token_type if facts else 0)
         mm[key] = value
     return PolicyBatch(
         input_ids=torch.cat([p_ids, c_ids], dim=1),
@@ -164,27 +183,67 @@ def policy_batch(prompt_ids: Sequence[Sequence[int]] | torch.Tensor, completion_
     )
 
 
+def merge_prompt_encodings(parts: Sequence[tuple[list, list | None, dict]]) -> tuple[list, list | None, dict]:
+    """TRL 1.16's ``_tokenize_prompts`` output ``(prompt_ids, images, multimodal_fields)`` for a batch, from its outputs
+    for the batch's prompts one at a time (``parts``), merged the way TRL merges the per-prompt encodings of its
+    environment path: ids and image lists row after row (``images`` None when no prompt has one), tensors
+    concatenated, per-prompt lists joined.
+
+    >>> a = ([[1, 2]], [["img"]], {"token_type_ids": [[0, 0]], "pixel_values": torch.zeros(1, 3)})
+    >>> b = ([[3]], None, {"token_type_ids": [[0]], "pixel_values": torch.zeros(0, 3)})
+    >>> ids, images, fields = merge_prompt_encodings([a, b])
+    >>> ids, images, fields["token_type_ids"], tuple(fields["pixel_values"].shape)
+    ([[1, 2], [3]], [['img'], None], [[0, 0], [0]], (1, 3))
+    """
+    ids = [row for part_ids, _, _ in parts for row in part_ids]
+    images = [imgs[0] if imgs is not None else None for _, imgs, _ in parts]
+    fields: dict[str, list] = {}
+    for _, _, part_fields in parts:
+        for key, value in part_fields.items():
+            fields.setdefault(key, []).append(value)
+    merged = {k: torch.cat(v) if torch.is_tensor(v[0]) else [row for part in v for row in part]
+              for k, v in fields.items()}
+    return ids, images if any(i is not None for i in images) else None, merged
+
+
 def tile_counts(processing_class, images: list[list] | None, multimodal: dict[str, Any]) -> list[int] | None:
-    """Tiles per row where the processor's ``pixel_values`` hold tiles rather than images (InternVL: up to
-    ``max_patches`` tiles and a thumbnail per image), counted as TRL 1.16's ``_generate_and_score_completions``
-    counts them for its log-prob forward (``num_tiles``): the image processor run again with
-    ``crop_to_patches=True``. Without them TRL's chunked forward slices the tiles as if they were images. None for
-    every other layout (LFM2-VL's ``spatial_shapes`` tiles TRL counts another way; no tiny family has them)."""
+    """Tiles per row where the processor's ``pixel_values`` hold tiles rather than images, counted as TRL 1.16's
+    ``_generate_and_score_completions`` counts them for its log-prob forward (``num_tiles``); without them TRL's
+    chunked forward slices the tiles as if they were images (LFM2-VL: TRL's forward stops on the missing count).
+
+    - LFM2-VL (``spatial_shapes`` among the fields): each image is one view, or ``rows x cols`` tiles plus a thumbnail
+      (when the image processor's ``use_thumbnail`` is on), from the image processor's ``return_row_col_info``.
+    - InternVL (4-D ``pixel_values`` with more entries than images): up to ``max_patches`` tiles and a thumbnail per
+      image, the image processor run again with ``crop_to_patches=True``.
+
+    None for every other layout (one ``pixel_values`` entry per image or per row)."""
     pixels = multimodal.get("pixel_values")
     num_images = [len(i) if i else 0 for i in images or []]
-    if (not any(num_images) or not torch.is_tensor(pixels) or pixels.ndim != 4 or pixels.shape[0] == sum(num_images)
-            or "spatial_shapes" in multimodal):
+    if not any(num_images) or not torch.is_tensor(pixels):
+        return None
+    if "spatial_shapes" in multimodal:
+        image_processor = processing_class.image_processor
+        info = image_processor(images=images, return_tensors="pt", return_row_col_info=True)
+        tiles = torch.as_tensor(info["image_rows"]) * torch.as_tensor(info["image_cols"])
+        if image_processor.use_thumbnail:
+            tiles = tiles + (tiles > 1).to(tiles.dtype)
+        return [int(group.sum()) for group in torch.split(tiles, num_images)]
+    if pixels.ndim != 4 or pixels.shape[0] == sum(num_images):
         return None
     patches = processing_class.image_processor(images=images, crop_to_patches=True, return_tensors="pt")["num_patches"]
     return [int(group.sum()) for group in torch.split(torch.as_tensor(patches), num_images)]
 
 
 def encode_prompts(processing_class, prompts: list, images: list[list] | None = None,
-                   chat_template_kwargs: dict | None = None, chat_template: str | None = None):
-    """``(prompt_ids, multimodal_fields)`` of conversational prompts, as TRL 1.16's ``_tokenize_prompts`` returns them.
+                   chat_template_kwargs: dict | None = None, chat_template: str | None = None,
+                   facts: ModelFacts | None = None):
+    """``(prompt_ids, multimodal_fields)`` of conversational prompts, as TRL 1.16's ``_tokenize_prompts`` returns them
+    (as the trainer's override does: a processor's ``labels`` left out).
 
     ``prompts`` are chat messages; ``images`` (one list per row) are inserted into each first user turn the way
-    GRPOTrainer inserts them (``prepare_multimodal_messages``). The chat template adds the generation prompt.
+    GRPOTrainer inserts them (``prepare_multimodal_messages``). The chat template adds the generation prompt. Given
+    the model's ``facts``, a family whose processor cannot encode an unpadded batch (``unpadded_batch_problem``:
+    PaliGemma) is encoded one prompt at a time and merged (:func:`merge_prompt_encodings`), as the trainer encodes it.
     """
     from trl.data_utils import prepare_multimodal_messages
 
@@ -193,11 +252,19 @@ def encode_prompts(processing_class, prompts: list, images: list[list] | None = 
         prompts = [prepare_multimodal_messages(p, images=list(imgs or [])) for p, imgs in zip(prompts, images)]
     else:
         prompts = [prepare_multimodal_messages(p) for p in prompts]
-    tokenized = processing_class.apply_chat_template(conversation=prompts, chat_template=chat_template,
-                                                     add_generation_prompt=True, tokenize=True, return_dict=True,
-                                                     **(chat_template_kwargs or {}))
-    fields = {k: v for k, v in tokenized.items() if k not in ("input_ids", "attention_mask")}
-    return tokenized["input_ids"], fields
+
+    def encode(batch: list) -> tuple[list, None, dict]:
+        tokenized = processing_class.apply_chat_template(conversation=batch, chat_template=chat_template,
+                                                         add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                         **(chat_template_kwargs or {}))
+        return tokenized["input_ids"], None, {k: v for k, v in tokenized.items()
+                                              if k not in ("input_ids", "attention_mask", "labels")}
+
+    if facts is not None and facts.unpadded_batch_problem and len(prompts) > 1:
+        ids, _, fields = merge_prompt_encodings([encode([p]) for p in prompts])
+    else:
+        ids, _, fields = encode(prompts)
+    return ids, fields
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

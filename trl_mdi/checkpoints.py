@@ -11,7 +11,9 @@ Adam. Here:
 - **A failed save** (any exception inside it) removes the partial folder and raises :class:`CheckpointSaveError`
   naming the cause: ``No space left on device`` rather than torch's ``unexpected pos``.
 - **Resume checks** (:func:`resume_problems`), without loading anything: ``trainer_state.json``, the weights (full,
-  sharded, or LoRA's ``adapter_model.safetensors``; under DeepSpeed the ``global_step*/`` shards ``latest`` names),
+  sharded, or LoRA's ``adapter_model.safetensors``; under DeepSpeed the ``global_step*/`` shards ``latest`` names;
+  under FSDP the ``pytorch_model_fsdp_0/`` and ``optimizer_0/`` shard folders with every file their index names, or
+  the full-state-dict files),
   ``optimizer.pt`` and ``scheduler.pt``; files cut short (a safetensors file shorter than its header says, a torch
   zip without its end record, a marker's size that differs). Missing optimizer, scheduler or trainer state may be
   accepted with ``allow_partial_resume``; missing weights and cut files never.
@@ -91,6 +93,35 @@ def cut_file(path: Path) -> str | None:
     return None
 
 
+# FSDP's checkpoint layouts (accelerate's save_fsdp_model / save_fsdp_optimizer, which transformers' Trainer calls
+# under FSDP): SHARDED_STATE_DICT writes torch.distributed.checkpoint folders, every process its own files; the full
+# state dict, one file each from the main process.
+FSDP_MODEL_DIR, FSDP_OPTIMIZER_DIR = "pytorch_model_fsdp_0", "optimizer_0"
+FSDP_MODEL_FILE, FSDP_OPTIMIZER_FILE = "pytorch_model_fsdp.bin", "optimizer.bin"
+
+
+def fsdp_layout(folder: Path) -> bool:
+    """Whether ``folder`` is a checkpoint saved under FSDP (sharded or full state dict)."""
+    return (folder / FSDP_MODEL_DIR).is_dir() or (folder / FSDP_MODEL_FILE).is_file()
+
+
+def dcp_problems(shards: Path, what: str) -> list[Problem]:
+    """What a ``torch.distributed.checkpoint`` folder lacks: its ``.metadata`` index, or a shard file (``*.distcp``)
+    the index names (read without loading any tensor)."""
+    rel = shards.name
+    if not (shards / ".metadata").is_file():
+        return [Problem(f"{rel}/.metadata ({what}: the index of torch.distributed.checkpoint)")]
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        named = {item.relative_path for item in FileSystemReader(str(shards)).read_metadata().storage_data.values()}
+    except Exception as e:  # noqa: BLE001 - an index that does not read is a cut file, whatever torch raises
+        return [Problem(f"{rel}/.metadata", cut=f"unreadable ({type(e).__name__})")]
+    if not named:
+        return [Problem(f"{rel}/*.distcp ({what})")]
+    return [Problem(f"{rel}/{name}") for name in sorted(named) if not (shards / name).is_file()]
+
+
 def _weights_problems(folder: Path) -> list[Problem]:
     """The model's weights: under DeepSpeed the ``global_step*/`` shards (what DeepSpeed resumes from), else a full,
     sharded or LoRA adapter file."""
@@ -107,6 +138,9 @@ def _weights_problems(folder: Path) -> list[Problem]:
         if not any(shards.glob("*optim_states.pt")):
             out.append(Problem(f"{tag}/*optim_states.pt (the optimizer shards; DeepSpeed cannot resume without them)"))
         return out
+    if fsdp_layout(folder):
+        return (dcp_problems(folder / FSDP_MODEL_DIR, "the FSDP model shards") if (folder / FSDP_MODEL_DIR).is_dir()
+                else [])
     if (folder / "adapter_config.json").is_file():
         return [] if any((folder / n).is_file() for n in _ADAPTER) else [Problem("adapter_model.safetensors (LoRA)")]
     if not any((folder / n).is_file() for n in (*_WEIGHTS, *_ADAPTER)):
@@ -137,11 +171,19 @@ def resume_problems(folder: str | os.PathLike) -> list[Problem]:
         if not path.is_file():
             problems.append(Problem(rel, optional=rel in OPTIONAL))
         elif path.stat().st_size != size:
-            problems.append(Problem(rel, cut=f"{path.stat().st_size} bytes, saved as {size}"))
+            problems.append(Problem(rel, cut=f"{path.stat().st_size} bytes found, {size} saved"))
     deepspeed = (folder / "latest").is_file() or any(folder.glob("global_step*"))
+    fsdp = fsdp_layout(folder)
     expected = [Problem(n, optional=True) for n in (TRAINER_STATE,) + (() if deepspeed else ("optimizer.pt",
                                                                                               "scheduler.pt"))
-                if not (folder / n).is_file() and not (n == "optimizer.pt" and (folder / "optimizer.bin").is_file())]
+                if not (folder / n).is_file() and not (n == "optimizer.pt" and (folder / "optimizer.bin").is_file())
+                and not (n == "optimizer.pt" and fsdp)]
+    if fsdp:  # FSDP's optimizer: a sharded folder or the full file
+        if (folder / FSDP_OPTIMIZER_DIR).is_dir():
+            expected += dcp_problems(folder / FSDP_OPTIMIZER_DIR, "the FSDP optimizer shards")
+        elif not (folder / FSDP_OPTIMIZER_FILE).is_file():
+            expected.append(Problem(f"{FSDP_OPTIMIZER_DIR}/ or {FSDP_OPTIMIZER_FILE} (the FSDP optimizer state)",
+                                    optional=True))
     named = {p.name for p in problems}
     problems += [p for p in expected + _weights_problems(folder) if p.name not in named]
     named = {p.name for p in problems}
@@ -153,13 +195,22 @@ def resume_problems(folder: str | os.PathLike) -> list[Problem]:
 
 
 def describe(problems: list[Problem]) -> str:
-    """'lacks optimizer.pt, scheduler.pt and has optimizer.pt cut (...)' style text.
+    """'lacks optimizer.pt, scheduler.pt and has optimizer.pt cut (...)' style text. A file whose size differs from
+    the size its save recorded says both sizes, and is "cut short" only when it is shorter: a file that grew has
+    changed since the save.
 
     >>> describe([Problem("optimizer.pt", optional=True), Problem("model.safetensors", cut="10 bytes of 99")])
     'lacks optimizer.pt and has model.safetensors cut short (10 bytes of 99)'
+    >>> describe([Problem("scheduler.pt", cut="1065 bytes found, 1064 saved")])
+    'has scheduler.pt changed since the save (1065 bytes found, 1064 saved)'
     """
+    def damage(why: str) -> str:
+        sizes = re.fullmatch(r"(\d+) bytes found, (\d+) saved", why)
+        grew = sizes is not None and int(sizes.group(1)) > int(sizes.group(2))
+        return f"changed since the save ({why})" if grew else f"cut short ({why})"
+
     missing = [p.name for p in problems if p.cut is None]
-    cut = [f"{p.name} cut short ({p.cut})" for p in problems if p.cut is not None]
+    cut = [f"{p.name} {damage(p.cut)}" for p in problems if p.cut is not None]
     return " and ".join(([f"lacks {', '.join(missing)}"] if missing else []) + ([f"has {', '.join(cut)}"] if cut else []))
 
 
@@ -231,6 +282,164 @@ def recorded_logs(folder: str | os.PathLike | None) -> dict[str, str] | None:
         return None
 
 
+# --------------------------------------------------------------------------------------------------- loading weights
+def holds_full_weights(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds a whole model's weights (``model.safetensors``, ``pytorch_model.bin`` or a shard index
+    of either), as opposed to a LoRA adapter or only DeepSpeed's ``global_step*/`` shards."""
+    return any((Path(folder) / n).is_file() for n in _WEIGHTS)
+
+
+def load_full_weights(model, folder: str | os.PathLike) -> None:
+    """Load the whole-model weights saved in ``folder`` into ``model`` (a transformers ``PreTrainedModel``) in place,
+    converted as ``from_pretrained`` converts them; :class:`CheckpointError` when any tensor stays unloaded.
+
+    ``save_pretrained`` writes the Hub layout (``revert_weight_conversion``: Qwen2.5-VL's ``model.visual.*`` saved as
+    ``visual.*``, LLaVA's ``model.language_model.*`` as ``language_model.model.*``, MoE experts split per expert), and
+    that layout stays as saved (vLLM and the Hub read it). transformers' Trainer reloads it with
+    ``load_state_dict(strict=False)`` and no conversion, so most tensors kept their old values behind a warning. Here
+    the checkpoint goes through transformers' own loader (``convert_and_load_state_dict_in_model`` with the model's
+    conversion mapping, as in ``from_pretrained``). That loader puts new ``Parameter`` objects on the modules; each
+    value is copied into the model's own tensor and that tensor put back, so that devices, ``requires_grad``, tied
+    weights and whatever holds a reference (an optimizer, DDP) are unchanged. Every model tensor must load, except the
+    tied ones and ``_keys_to_ignore_on_save`` (never saved); a checkpoint tensor that fits no model tensor, a shape
+    that differs or a failed conversion refuse as well.
+    """
+    import torch
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    folder = Path(folder)
+    slots = [(module, name, tensor) for module in model.modules()
+             for name, tensor in (*module._parameters.items(), *module._buffers.items()) if tensor is not None]
+    conversions = model.__dict__.get("_weight_conversions", _UNSET)  # what a later save reverts: left as it was
+    config = LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(model))
+    with _saved_tensors(folder) as state_dict:
+        try:
+            info, _ = convert_and_load_state_dict_in_model(model, state_dict, config)
+        finally:
+            with torch.no_grad():
+                for module, name, own in slots:
+                    loaded = getattr(module, name)
+                    if loaded is not own:
+                        own.copy_(loaded)
+                        setattr(module, name, own)
+            if conversions is _UNSET:
+                model.__dict__.pop("_weight_conversions", None)
+            else:
+                model._weight_conversions = conversions
+    skipped = set(getattr(model, "all_tied_weights_keys", None) or ()) | set(model._keys_to_ignore_on_save or ())
+    unloaded = sorted(set(info.missing_keys) - skipped)
+    unexpected = sorted(info.unexpected_keys)
+    mismatched = sorted(f"{k} ({tuple(saved)} saved, {tuple(ours)} here)" for k, saved, ours in info.mismatched_keys)
+    failed = sorted(getattr(info, "conversion_errors", None) or ())
+    if unloaded or unexpected or mismatched or failed:
+        total = len(model.state_dict())
+        parts = [f"{len(unloaded)} of the model's {total} tensors found no weights in it ({_some(unloaded)})"
+                 if unloaded else "",
+                 f"{len(unexpected)} of its tensors fit no tensor of the model ({_some(unexpected)})" if unexpected else "",
+                 f"{len(mismatched)} differ in shape ({_some(mismatched)})" if mismatched else "",
+                 f"{len(failed)} failed to convert ({_some(failed)})" if failed else ""]
+        raise CheckpointError(
+            f"the weights in {folder} do not fit this model ({type(model).__name__}{_saved_as(folder)}): "
+            f"{'; '.join(p for p in parts if p)}. Continuing would train those tensors from their current values, "
+            "not the checkpoint's. Fix: resume with the model the checkpoint was saved from, or start afresh")
+
+
+def check_adapter_loaded(model, folder: str | os.PathLike) -> None:
+    """After transformers loaded a LoRA (PEFT) checkpoint into ``model``: its active adapter holds exactly the saved
+    tensors; :class:`CheckpointError` naming those that did not load (PEFT only warns, and training would continue
+    with them freshly initialised). A no-op for a model without adapters or a folder without an adapter file."""
+    import torch
+
+    folder = Path(folder)
+    files = [folder / n for n in _ADAPTER if (folder / n).is_file()]
+    if not files or not is_peft_model(model):
+        return
+    from peft.utils import get_peft_model_state_dict
+
+    if files[0].suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        saved = load_file(files[0])
+    else:
+        saved = torch.load(files[0], map_location="cpu", weights_only=True)
+    ours = get_peft_model_state_dict(model, adapter_name=model.active_adapters[0])
+    unloaded = sorted(ours.keys() - saved.keys())
+    unexpected = sorted(saved.keys() - ours.keys())
+    differ = sorted(k for k in ours.keys() & saved.keys()
+                    if not torch.equal(ours[k].detach().cpu(), saved[k].to(ours[k].dtype)))
+    if unloaded or unexpected or differ:
+        parts = [f"{len(unloaded)} of the adapter's {len(ours)} tensors are not in it ({_some(unloaded)})"
+                 if unloaded else "",
+                 f"{len(unexpected)} of its tensors fit no adapter tensor ({_some(unexpected)})" if unexpected else "",
+                 f"{len(differ)} did not load ({_some(differ)})" if differ else ""]
+        raise CheckpointError(
+            f"the LoRA adapter in {folder} does not fit this model's adapter: {'; '.join(p for p in parts if p)}. "
+            "Fix: resume with the LoRA settings (peft_config, target modules) and model it was saved with, or start "
+            "afresh")
+
+
+def is_peft_model(model) -> bool:
+    """Whether ``model`` is a PEFT wrapper (its checkpoints hold an adapter, loaded by PEFT)."""
+    from peft import PeftMixedModel, PeftModel
+
+    return isinstance(model, (PeftModel, PeftMixedModel))
+
+
+_UNSET = object()
+
+
+class _saved_tensors:
+    """The tensors of a checkpoint's whole-model weights, file or shards, as a dict: safetensors read lazily (slices
+    that ``from_pretrained``'s loader materialises one by one), ``.bin`` files memory-mapped."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.handles = folder, []
+
+    def __enter__(self) -> dict:
+        import torch
+        from safetensors import safe_open
+
+        index = next((self.folder / n for n in _WEIGHTS if n.endswith(".index.json") and (self.folder / n).is_file()),
+                     None)
+        if index is not None:
+            files = [self.folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        else:
+            files = [next(self.folder / n for n in _WEIGHTS if (self.folder / n).is_file())]
+        tensors = {}
+        for file in files:
+            if file.suffix == ".safetensors":
+                handle = safe_open(str(file), framework="pt", device="cpu")
+                self.handles.append(handle)
+                tensors.update({k: handle.get_slice(k) for k in handle.keys()})
+            else:
+                tensors.update(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+        return tensors
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.__exit__(None, None, None)
+
+
+def _some(names: list[str], n: int = 3) -> str:
+    """'a, b, c and 4 more'
+
+    >>> _some(["a", "b", "c", "d", "e"])
+    'a, b, c and 2 more'
+    """
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _saved_as(folder: Path) -> str:
+    """'; saved from Qwen2_5_VLForConditionalGeneration' when the checkpoint's config.json names its class."""
+    try:
+        saved = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f"; the checkpoint was saved from {', '.join(saved)}" if saved else ""
+
+
 # --------------------------------------------------------------------------------------------------- saving
 def clear_marker(folder: str | os.PathLike) -> None:
     """Before a save into ``folder`` starts: an existing marker would vouch for files about to be replaced."""
@@ -297,6 +506,7 @@ def _free_bytes(path: Path) -> int | None:
     return None
 
 
-__all__ = ["MARKER", "CheckpointError", "CheckpointSaveError", "Problem", "checkpoints_newest_first", "clear_marker",
-           "cut_file", "describe", "mark_complete", "recorded_logs", "remove_partial", "resolve_resume",
-           "resume_problems", "save_failure"]
+__all__ = ["MARKER", "CheckpointError", "CheckpointSaveError", "Problem", "check_adapter_loaded",
+           "checkpoints_newest_first", "clear_marker", "cut_file", "describe", "holds_full_weights", "is_peft_model",
+           "load_full_weights", "mark_complete", "recorded_logs", "remove_partial", "resolve_resume", "resume_problems",
+           "save_failure"]

@@ -12,20 +12,26 @@ from transformers.utils import logging
 from trl import GRPOConfig
 
 from .answer_format import DEFAULT_ANSWER_PATTERN, compile_answer_pattern
+from .rewards.registry import DEFAULT_REWARDS
 
 logger = logging.get_logger(__name__)
 
 
 def _reward_names_help() -> str:
     # Generated from the registry so the CLI help never drifts from what exists.
-    from .rewards import DEFAULT_REWARD_WEIGHTS, DEFAULT_REWARDS, reward_help
+    from .rewards import DEFAULT_REWARD_WEIGHTS, reward_help
 
     return (
-        "Reward functions by name (default: "
-        + " ".join(DEFAULT_REWARDS)
-        + f" with reward_weights {' '.join(f'{w:g}' for w in DEFAULT_REWARD_WEIGHTS)}), or custom ones by import "
-        "path 'package.module:function'. Available:\n" + reward_help()
+        "The run's rewards unless the trainer is given its own (registry names or import paths "
+        "'package.module:function'; None: none, as with GRPOConfig); the default stack is weighted "
+        f"{' '.join(f'{w:g}' for w in DEFAULT_REWARD_WEIGHTS)} when reward_weights is unset. Available:\n"
+        + reward_help()
     )
+
+
+def _grpo_help(name: str, ours: str) -> str:
+    """The help of a GRPOConfig field whose default trl_mdi sets: why, then TRL's own text (never copied)."""
+    return f"{ours} {GRPOConfig.__dataclass_fields__[name].metadata.get('help', '')}".strip()
 
 
 @dataclass
@@ -120,7 +126,28 @@ class MDIGRPOConfig(GRPOConfig):
             `blur` and noise keep or mimic a colour). When TPRL's perturbation signal
             uses the same kind (`perception_perturbation`), one forward serves both.
 
-        > Online group filtering (TPRL brief's online_filtering / filter_key / filter_low / filter_high)
+        > Faults (resume, preemption)
+
+        allow_partial_resume (`bool`, *optional*, defaults to `False`):
+            Resume from a checkpoint that lacks only `trainer_state.json`, `optimizer.pt` or `scheduler.pt` (that
+            state restarts fresh, with a warning); otherwise such a checkpoint is refused before the weights load.
+        save_on_sigterm (`bool`, *optional*, defaults to `False`):
+            On SIGTERM, the processes agree at the end of the step in progress to save a whole checkpoint together,
+            then stop (exit status 143, `trl_mdi.preemption.Preempted`). The scheduler must wait at least one step
+            and one save between SIGTERM and SIGKILL (SLURM: `--signal=TERM@<seconds>`; `accelerate launch` with
+            several processes: `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, 30 s by default). Off: SIGTERM stops the run at
+            once, the logs' last lines saying so.
+
+        > vLLM server mode (TRL's `vllm_mode="server"`)
+
+        vllm_server_request_timeout (`float`, *optional*, defaults to `600.0`):
+            Seconds each request to the vLLM server (image features, a generation, a weight sync) may wait for its
+            answer; then the run stops with an error naming the server and the request, instead of waiting forever
+            (TRL's client sets no timeout). A timed-out request is not retried: the server may still be working on
+            it. `None`: no limit. Before the weights load, the main process waits up to TRL's `vllm_server_timeout`
+            for the server to answer, and stops with the command that starts one if none does.
+
+        > Online group filtering (online_filtering / filter_key / filter_low / filter_high)
 
         online_filtering (`bool`, *optional*, defaults to `False`):
             Drop from the update every group whose mean of `filter_key` lies outside `[filter_low, filter_high]`
@@ -128,8 +155,8 @@ class MDIGRPOConfig(GRPOConfig):
             loss mask, and the DAPO normaliser counts only the kept groups' tokens, as if the dropped groups had
             not been sampled. The batch shape stays the same (every process keeps its rows, ZeRO-3 stays in step).
         filter_key (`str`, *optional*, defaults to `"mc_idx"`):
-            The reward whose group mean is tested: a reward name (`mc_idx` or `mc_idx_reward`) or `reward` for the
-            weighted total.
+            The reward whose group mean is tested: a reward's name (`mc_idx`, as in `rewards/mc_idx/mean`) or
+            `reward` for the weighted total.
         filter_low (`float`, *optional*, defaults to `0.01`), filter_high (`float`, *optional*, defaults to `0.99`):
             Groups with a mean inside this closed range are kept.
 
@@ -160,11 +187,44 @@ class MDIGRPOConfig(GRPOConfig):
             The final line `think_format` pays for (a regex fully matching that line, with a group `letter`); the
             default matches the `Answer: X` that the default system prompt asks for (`trl_mdi.answer_format`).
             Change both together: a custom system prompt with the default pattern gets a warning.
-        reward_funcs (`list[str]`, *optional*):
-            Reward function names from the registry (`trl_mdi.rewards`) or import paths `pkg.module:function`, used
-            when the trainer is built without `reward_funcs`. Defaults to `mc_idx think_format mdi_balance` with
-            `reward_weights` 4 1 1 when neither is given.
+        reward_funcs (`list[str]` or `None`, *optional*, defaults to `["mc_idx", "think_format", "mdi_balance"]`):
+            The run's rewards when the trainer is built without its `reward_funcs` argument (that argument, when
+            given, wins): registry names (`trl_mdi.rewards`) or import paths `pkg.module:function`. The default is
+            the 4:1:1 stack: with `reward_weights` unset, the default stack's names are weighted 4 1 1 (any other
+            list gets TRL's 1 each). `None`: no rewards from the config, as with a plain `GRPOConfig` (which has no
+            such field): GRPOTrainer's own behaviour (an `environment_factory`'s `get_reward`, else TRL's "No reward
+            source" error). `reward_weights` pairs with the rewards the run uses, so its count is checked when the
+            trainer is built (and by the entry point before any weight loads).
+
+        > GRPO settings whose default differs from `GRPOConfig`'s (DAPO's recommendations; a value you give wins)
+
+        loss_type (`str`, *optional*, defaults to `"dapo"`):
+            As in `GRPOConfig` (its default too in TRL 1.16): pinned here so that a TRL release cannot change it.
+        epsilon_high (`float` or `None`, *optional*, defaults to `0.28`):
+            DAPO's clip-higher upper bound (`GRPOConfig`: `None`, the same as `epsilon`). With
+            `loss_type="cispo"` it is the clip of the importance weights, for which ScaleRL recommends `5.0`.
+        mask_truncated_completions (`bool`, *optional*, defaults to `True`):
+            A completion cut off at `max_completion_length` has no final answer: keep it out of the loss
+            (`GRPOConfig`: `False`).
     """
+
+    # GRPO settings with trl_mdi's defaults: DAPO's token-level loss, clip-higher and overlong filtering (Yu et al.,
+    # "DAPO", arXiv 2503.14476). Redeclared fields keep GRPOConfig's place and help text; MDIGRPOConfig() in Python
+    # and the entry point get the same run.
+    loss_type: str = field(
+        default="dapo",
+        metadata={"help": _grpo_help("loss_type", "Pinned by trl_mdi, so that a TRL release cannot change it.")},
+    )
+    epsilon_high: float | None = field(
+        default=0.28,
+        metadata={"help": _grpo_help("epsilon_high", "DAPO's clip-higher upper bound (with loss_type cispo it clips the "
+                                     "importance weights instead: ScaleRL recommends 5.0).")},
+    )
+    mask_truncated_completions: bool = field(
+        default=True,
+        metadata={"help": _grpo_help("mask_truncated_completions", "A completion cut off at max_completion_length has no "
+                                     "final answer: keep it out of the loss.")},
+    )
 
     compute_attention_metrics: bool | None = field(
         default=None,
@@ -262,11 +322,24 @@ class MDIGRPOConfig(GRPOConfig):
         metadata={"help": "An image that cannot be decoded mid-run: 'skip' (its rollouts leave the update, counted in "
                   "data/bad_images) or 'error' (every process stops with an error naming the rows)."},
     )
+    vllm_server_request_timeout: float | None = field(
+        default=600.0,
+        metadata={"help": "vllm_mode='server': seconds each request to the vLLM server may wait for its answer before "
+                  "the run stops with an error naming the server (None: wait forever, as TRL does). The wait for "
+                  "the server to come up at start is TRL's vllm_server_timeout."},
+    )
     allow_partial_resume: bool = field(
         default=False,
         metadata={"help": "Resume from a checkpoint that lacks trainer_state.json, optimizer.pt or scheduler.pt (each "
                   "then restarts fresh, with a warning). Off: such a checkpoint is refused before the weights load, "
                   "naming what is missing. Weights and cut files are never accepted."},
+    )
+    save_on_sigterm: bool = field(
+        default=False,
+        metadata={"help": "On SIGTERM (SLURM's --signal or time limit, a Kubernetes eviction), finish the optimizer "
+                  "step in progress, save a whole checkpoint on every process, then stop (exit status 143); the time "
+                  "limit must leave room for one step and one save (docs/training.md, Preemption). Off: SIGTERM "
+                  "stops the run at once, with the logs' Run stopped line and no checkpoint."},
     )
     online_filtering: bool = field(
         default=False, metadata={"help": "Drop groups whose mean filter_key reward is outside [filter_low, filter_high]."}
@@ -302,7 +375,7 @@ class MDIGRPOConfig(GRPOConfig):
                   "answer); the default matches the 'Answer: X' the default system prompt asks for."},
     )
     reward_funcs: list[str] | None = field(
-        default=None,
+        default_factory=lambda: list(DEFAULT_REWARDS),
         metadata={"help": _reward_names_help()},  # generated from the registry: cannot drift from it
     )
 
@@ -342,7 +415,9 @@ class MDIGRPOConfig(GRPOConfig):
     @classmethod
     def from_grpo_config(cls, args: GRPOConfig) -> MDIGRPOConfig:
         """An MDIGRPOConfig with every field of ``args`` (a plain ``trl.GRPOConfig``) and the added fields at their
-        defaults, built through the constructor so the added fields are validated like any other.
+        defaults, built through the constructor so the added fields are validated like any other. ``reward_funcs``,
+        which a GRPOConfig lacks, is None (no rewards from the config): the run takes its rewards as GRPOTrainer does.
+        Every GRPOConfig field keeps the value ``args`` holds, those whose default trl_mdi sets included.
 
         ``generation_batch_size`` is left for ``GRPOConfig.__post_init__`` to derive again from
         ``steps_per_generation`` (it refuses both set); it derives the value ``args`` holds.
@@ -356,10 +431,22 @@ class MDIGRPOConfig(GRPOConfig):
             )
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
         values["generation_batch_size"] = None
-        new = cls(**values)
+        new = cls(**values, reward_funcs=None)
         logger.info("MDIGRPOTrainer: upgraded the %s to an MDIGRPOConfig (added fields at their defaults)",
                     type(args).__name__)
         return new
+
+
+def redeclared_grpo_fields() -> list[dataclasses.Field]:
+    """The ``GRPOConfig`` fields ``MDIGRPOConfig`` declares again with its own default (the recommended GRPO
+    settings), in declaration order.
+
+    >>> [(f.name, f.default) for f in redeclared_grpo_fields()]
+    [('epsilon_high', 0.28), ('loss_type', 'dapo'), ('mask_truncated_completions', True)]
+    """
+    own = MDIGRPOConfig.__dict__.get("__annotations__", {})
+    base = {f.name for f in dataclasses.fields(GRPOConfig)}
+    return [f for f in dataclasses.fields(MDIGRPOConfig) if f.name in own and f.name in base]
 
 
 TEXT_KEY_CHOICES = ("all", "content")
@@ -429,6 +516,8 @@ FIELD_RULES: tuple[NumberRule, ...] = (
     NumberRule("max_grad_norm", float, 0, example="1.0"),
     NumberRule("warmup_ratio", float, 0, 1, optional=True, example="0.1"),
     NumberRule("mdi_balance_ratio", float, 1, low_open=True, example="2.0", why="balance uses log R"),
+    NumberRule("vllm_server_request_timeout", float, 0, low_open=True, optional=True, example="600",
+               why="seconds a request to the vLLM server may wait (None: no limit)"),
     NumberRule("filter_low", float, example="0.01"),
     NumberRule("filter_high", float, example="0.99"),
 )
@@ -545,6 +634,40 @@ def output_dir_problem(path) -> str | None:
     return None
 
 
+_MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_config.json")
+
+
+def output_dir_model_problem(output_dir, model) -> str | None:
+    """Why the run's saves into ``output_dir`` would destroy a model (None: they would not), checked before anything
+    loads. ``model``: the path or Hub id the run loads, or a loaded model (its config's ``_name_or_path``).
+
+    The final ``save_model`` writes ``config.json`` and the weights into ``output_dir`` itself, so ``output_dir`` may
+    not be the model's folder or lie inside it, nor hold a model no trainer saved there (weights or a config without
+    the ``training_args.bin`` a trainer's save writes beside them: a downloaded or hand-made model). A trainer's
+    earlier output there is the run's own to replace, as in transformers.
+    """
+    if output_dir is None:
+        return None
+    out = os.path.realpath(os.path.expanduser(str(output_dir)))
+    source = model if isinstance(model, (str, os.PathLike)) else getattr(getattr(model, "config", None),
+                                                                         "_name_or_path", None)
+    if source and os.path.isdir(os.path.expanduser(str(source))):
+        folder = os.path.realpath(os.path.expanduser(str(source)))
+        if out == folder or out.startswith(folder.rstrip(os.sep) + os.sep):
+            where = "is the model's own folder" if out == folder else f"lies inside the model's folder {folder!r}"
+            return (f"output_dir {str(output_dir)!r} {where}: the run's saves would overwrite or mix with the model it "
+                    "trains from (model.safetensors, config.json). Valid example: --output_dir runs/grpo (a folder "
+                    "outside the model's)")
+    if os.path.isdir(out) and not os.path.exists(os.path.join(out, "training_args.bin")):
+        found = [f for f in _MODEL_FILES if os.path.isfile(os.path.join(out, f))]
+        if found:
+            return (f"output_dir {str(output_dir)!r} holds a model no training run saved there ({', '.join(found)}, "
+                    "and no training_args.bin): the run's final save would overwrite it. Valid example: --output_dir "
+                    "runs/grpo (an empty or new folder); move that model elsewhere to train from it")
+    return None
+
+
 def check_field_values(args) -> None:
     """Check the types and ranges of the numeric fields (``FIELD_RULES``), ``reward_weights`` and ``output_dir``,
     converting the values in place (a YAML int for a float field, a numeric string); ValueError otherwise, one line
@@ -617,8 +740,9 @@ def validate_added_fields(args: MDIGRPOConfig) -> None:
     if args.reward_funcs is not None:
         from .rewards import resolve_rewards
 
-        # Resolve now so that unknown names, failing imports and weight-count mismatches fail at construction.
-        resolve_rewards(list(args.reward_funcs), args.reward_weights)
+        # Resolve now so that unknown names and failing imports fail at construction. The weights pair with the
+        # rewards the run uses, which the trainer's reward_funcs argument may replace: their count is the plan's check.
+        resolve_rewards(list(args.reward_funcs))
     if (getattr(args, "use_vllm", False) and getattr(args, "vllm_structured_outputs_regex", None)
             and getattr(args, "vllm_importance_sampling_correction", False)):
         # TRL's setting, so a warning and not an error: with a policy that already writes the pattern the two

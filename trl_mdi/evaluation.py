@@ -26,7 +26,7 @@ class EvalResult:
     accuracy: float
     format_rate: float  # fraction of completions the lenient think format accepts (any text after </think>)
     answered_rate: float  # fraction with a parseable, unhedged letter
-    clean_rate: float  # fraction in the asked format (think_format_reward's rule), ended at end of sequence
+    clean_rate: float  # fraction in the asked format (think_format's rule), ended at end of sequence
     letters: dict[str, int]  # parsed letter -> count ("" = none)
     completions: list[str]
     seconds: float = 0.0
@@ -61,7 +61,7 @@ def score_completions(completions: Sequence[Any], labels: Sequence[int], num_cho
     (0.333, 0.333, 0.333, {'A': 1, 'C': 1, '': 1})
     """
     from .answer_format import clean_format
-    from .rewards import parse_mc_answer, think_format_lenient_reward
+    from .rewards import parse_mc_answer, think_format_lenient
 
     if len(completions) != len(labels):
         raise ValueError(f"{len(completions)} completions but {len(labels)} labels")
@@ -74,7 +74,7 @@ def score_completions(completions: Sequence[Any], labels: Sequence[int], num_cho
     texts = [completion_text(c) for c in completions]
     parsed = [parse_mc_answer(t, n)[0] for t, n in zip(texts, counts)]
     correct = sum(p is not None and p == LETTERS[int(y)] for p, y in zip(parsed, labels))
-    fmt = think_format_lenient_reward(texts)
+    fmt = think_format_lenient(texts)
     ended = [True] * len(texts) if ended is None else list(ended)
     clean = sum(bool(e) and clean_format(t, choices=[None] * n) for t, e, n in zip(texts, ended, counts))
     return EvalResult(
@@ -110,15 +110,17 @@ def evaluate_accuracy(model, processor, ds, *, batch_size: int = 50, max_new_tok
     model.eval()
     tok = getattr(processor, "tokenizer", processor)
     eos = eos_token_ids(model, tok)
+    facts = model_facts(model.config)
     texts: list[str] = []
     ended: list[bool] = []
     mdi: dict[str, list[float]] = {}
     try:
         for lo in range(0, len(ds), batch_size):
             batch = ds[lo : lo + batch_size]
-            prompt_ids, fields = encode_prompts(processor, batch["prompt"], [[img] for img in batch["image"]])
+            prompt_ids, fields = encode_prompts(processor, batch["prompt"], [[img] for img in batch["image"]],
+                                                facts=facts)
             prompt = policy_batch(prompt_ids, [[] for _ in prompt_ids], pad_token_id=tok.pad_token_id,
-                                  multimodal=fields, device=model.device)
+                                  multimodal=fields, device=model.device, facts=facts)
             out = model.generate(**prompt.model_inputs(), max_new_tokens=max_new_tokens, do_sample=False,
                                  suppress_tokens=list(model_facts(model.config).image_token_ids),
                                  pad_token_id=tok.pad_token_id, eos_token_id=eos, temperature=None, top_p=None,
@@ -131,7 +133,7 @@ def evaluate_accuracy(model, processor, ds, *, batch_size: int = 50, max_new_tok
                 # trainer measures rollouts; text = every prompt token that is no image token.
                 answer = policy_batch(prompt.input_ids, new, prompt_mask=prompt.attention_mask,
                                       completion_mask=completion_mask_until_eos(new, eos), multimodal=fields,
-                                      pad_token_id=tok.pad_token_id, device=model.device)
+                                      pad_token_id=tok.pad_token_id, device=model.device, facts=facts)
                 result = measure_modality_attention(model, **answer.probe_inputs())
                 for name, m in result.segment_metrics(segments).items():
                     mdi.setdefault(name, []).extend(m["mdi"].tolist())

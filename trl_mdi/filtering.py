@@ -11,15 +11,16 @@ Gather = Callable[[torch.Tensor], torch.Tensor]
 
 
 def filter_column(key: str, names: list[str]) -> int | None:
-    """Index of the reward ``key`` names among ``names`` (TRL's ``mc_idx_reward`` or the registry's ``mc_idx``); None
-    for ``reward``, the weighted total. ValueError naming the rewards when ``key`` matches none.
+    """Index of the reward named ``key`` among ``names`` (the names TRL logs, ``rewards/<name>/mean``: a registry
+    reward's is its registry name); None for ``reward``, the weighted total. ValueError naming the rewards when
+    ``key`` matches none.
 
-    >>> filter_column("mc_idx", ["mc_idx_reward", "think_format_reward"]), filter_column("reward", [])
+    >>> filter_column("mc_idx", ["mc_idx", "think_format"]), filter_column("reward", [])
     (0, None)
     """
     if key == "reward":
         return None
-    matches = [i for i, n in enumerate(names) if n in (key, f"{key}_reward")]
+    matches = [i for i, n in enumerate(names) if n == key]
     if not matches:
         raise ValueError(f"filter_key {key!r} is not one of the rewards {list(names)} (or 'reward' for the weighted "
                          "total)")
@@ -30,11 +31,10 @@ def group_filter_keep(rewards_per_func: torch.Tensor, weights: torch.Tensor, nam
                       low: float, high: float, num_generations: int) -> torch.Tensor:
     """(N,) bool: rows whose group's mean of reward ``key`` lies in ``[low, high]`` (NaN rewards ignored).
 
-    ``key`` is a reward name as TRL logs it (``mc_idx_reward``), the registry name (``mc_idx``), or ``reward`` for
-    the weighted total. A group whose values are all NaN is dropped (nothing to learn from it).
+    ``key`` is a reward's name (``mc_idx``) or ``reward`` for the weighted total. A group whose values are all NaN is dropped (nothing to learn from it).
 
     >>> r = torch.tensor([[1.], [1.], [0.], [1.], [0.], [0.]])
-    >>> group_filter_keep(r, torch.ones(1), ["mc_idx_reward"], "mc_idx", 0.01, 0.99, 2).tolist()
+    >>> group_filter_keep(r, torch.ones(1), ["mc_idx"], "mc_idx", 0.01, 0.99, 2).tolist()
     [False, False, True, True, False, False]
     """
     column = filter_column(key, names)

@@ -1,14 +1,16 @@
 """Everything MDIGRPOTrainer decides at construction, in one frozen record printed at start: the run plan.
 
-Two phases, because the facts arrive in two steps:
-
-1. :func:`plan_run`, before any weight loads: from the model's config (``ModelFacts``), the arguments and the
-   rewards: the reward stack and its weights, attention metrics on or off and why, the layer segments, the token
-   layers of the attention perception signal, what reads attention before the loss. The entry point's
-   ``--dry_run`` prints this phase with the same function, so what the dry run says is what the run does.
-2. :meth:`RunPlan.with_model`, once ``GRPOTrainer.__init__`` has loaded the model and processor: the attention
-   implementation, where the probe measures (:class:`ProbePlacement`), whether the chat template prefills
-   ``<think>``, whether image-less processes run a dummy vision pass; and so the forwards the trainer adds.
+:func:`plan_run` is the run's one pre-weight phase. The entry point (so that ``--dry_run`` prints it) and
+``MDIGRPOTrainer.__init__`` (unless handed the entry point's plan) call it with the same inputs: the model (an id,
+a path or a loaded object), the processor, the rewards, the config and the data's columns. It decides the reward
+stack and its weights, attention metrics on or off and why, the layer segments, the token layers of the attention
+perception signal, what reads attention before the loss, whether the chat template prefills ``<think>``, and what
+only the model's modules tell: the attention implementation, where the probe measures (:class:`ProbePlacement`),
+whether image-less processes run a dummy vision pass, and so the forwards the trainer adds. The modules are read
+off the model's class built on the meta device from its config (no weight is read; a loaded model is read as it
+is). A line that cannot be decided so (a custom class that cannot be built without its weights) says so, and the
+trainer completes it once the weights load (:meth:`RunPlan.with_model`), which is also where it checks the loaded
+model against the plan.
 
 Each decision reads explicit inputs and either returns a value or raises one clear error, so that a TRL script
 that works with ``GRPOTrainer`` works unchanged and only a request that cannot be met stops the run. The user's
@@ -26,17 +28,35 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.utils import logging
 
 from .answer_format import template_prefills_think
 from .attention import metrics as M
-from .attention.model_facts import ModelFacts, image_token_problem, load_model_config, model_facts
-from .attention.probe import NATIVE_IMPLEMENTATIONS
+from .attention.model_facts import (
+    ModelFacts,
+    attention_implementation,
+    check_zero3_loading,
+    check_zero3_training,
+    image_token_problem,
+    load_model_config,
+    model_facts,
+    model_skeleton,
+)
+from .attention.probe import NATIVE_IMPLEMENTATIONS, probe_support
 from .data.columns import DatasetError
 from .filtering import filter_column
-from .rewards import default_reward_stack, resolve_reward_funcs, reward_name
+from .rewards import (
+    DEFAULT_REWARDS,
+    bind_think_format,
+    default_reward_stack,
+    resolve_reward_funcs,
+    reward_name,
+)
 from .rewards.inputs import check_reward_inputs
 from .signals import reads_attention, reads_counterfactual
+from .vision_pass import vision_pass_problem
+from .vllm_prompts import check_vllm_prompts
 
 logger = logging.get_logger(__name__)
 
@@ -48,6 +68,20 @@ class ProbePlacement(str, enum.Enum):
     TRL_FORWARD = "trl_forward"  # inside TRL's no-grad old-log-prob forward: no extra forward
     EXTRA_FORWARD = "extra_forward"  # one extra no-grad forward before the rewards
     TRAINING_FORWARD = "training_forward"  # inside the grad-enabled training forward, slice by slice: no extra forward
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RewardsFrom(str, enum.Enum):
+    """Where a run's rewards come from. The trainer's ``reward_funcs`` argument wins; without it, the config's
+    ``reward_funcs`` field (``MDIGRPOConfig``'s default: the 4:1:1 stack); a config without rewards (a plain
+    ``GRPOConfig``, upgraded, or ``reward_funcs=None``) leaves them to GRPOTrainer."""
+
+    ARGUMENT = "the trainer's reward_funcs"
+    CONFIG = "the config's reward_funcs"
+    DEFAULT_STACK = "the default stack"  # the config's reward_funcs are the default stack's names
+    NONE = "none given (GRPOTrainer decides)"  # its own error, or an environment_factory's get_reward
 
     def __str__(self) -> str:
         return self.value
@@ -78,15 +112,16 @@ class RewardInputs:
 
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
-    """What a run does, decided once. Phase 1 fields come from :func:`plan_run`; phase 2 (``placement`` and the
-    fields after it) from :meth:`with_model`, None until then."""
+    """What a run does, decided once, before the weights load (:func:`plan_run`). The fields from ``placement`` on
+    are read off the model's modules; they stay None (``modules_why`` says why) only when the model's class cannot
+    be built without its weights, until :meth:`with_model` reads the loaded model."""
 
     model_name: str
     facts: ModelFacts
     reward_funcs: tuple  # what super().__init__ gets: callables (think_format bound to the answer pattern) and ids
     reward_names: tuple[str, ...]
     reward_weights: tuple[float, ...] | None
-    rewards_from: str  # "yours", "MDIGRPOConfig.reward_funcs", "default stack", "none (TRL decides)"
+    rewards_from: RewardsFrom
     attention_metrics: bool
     attention_why: str
     segment_layers: dict[str, tuple[int, ...]]  # segment -> measured layers ("all" last); {} with metrics off
@@ -98,13 +133,16 @@ class RunPlan:
     counterfactual_why: str
     perturbed_forward: bool  # VPPO's perturbed-image forward runs (perturbation signal used or compared)
     shared_counterfactual: bool  # the perturbed forward is the counterfactual forward (same kind): one serves both
-    think_prefilled: bool | None = None  # the chat template opens <think> (None: no processor given to plan_run)
-    # Phase 2: once the model is loaded.
+    think_prefilled: bool  # the chat template opens <think> in the prompt
+    trl_runs_policy_forward: bool  # TRL runs its own no-grad old-log-prob forward per generation batch
+    num_processes: int
+    # Read off the model's modules (its class built without weights, or the loaded model).
     placement: ProbePlacement | None = None
     placement_why: str = ""
     attn_implementation: str | None = None
-    trl_runs_policy_forward: bool | None = None
     vision_pass: bool | None = None
+    vision_pass_why: str = ""
+    modules_why: str = ""  # why the fields above wait for the loaded model ("" once read)
 
     @property
     def segments(self) -> tuple[str, ...]:
@@ -112,26 +150,31 @@ class RunPlan:
         return tuple(n for n in self.segment_layers if n != "all")
 
     @property
-    def loaded(self) -> bool:
+    def complete(self) -> bool:
+        """Whether every line is decided (False only while the modules wait for the loaded model)."""
         return self.placement is not None
 
-    def with_model(self, *, attn_implementation: str | None, trl_runs_policy_forward: bool, vision_pass: bool,
-                   probe_unsupported: str | None = None) -> RunPlan:
-        """Phase 2: the decisions that need the loaded model and processor. ``probe_unsupported``: why the probe
-        cannot measure this model (``trl_mdi.attention.probe.probe_support``), None when it can."""
+    def with_model(self, model, processing_class) -> RunPlan:
+        """The decisions read off the model's modules: ``model`` is the class built without weights
+        (``model_skeleton``) or the loaded model. Its attention implementation and whether the probe can measure it
+        (a model with its own softmax cannot: attention metrics then go, as on a text-only model), where the probe
+        measures, and whether the dummy vision pass can hook it."""
         plan = self
-        if probe_unsupported and self.attention_metrics:
-            plan = self.without_attention(probe_unsupported)
+        problem = probe_support(model) if self.attention_metrics else None
+        if problem:
+            plan = self.without_attention(problem)
+        attn_implementation = attention_implementation(model)
         placement, why = probe_placement(plan.measures_policy, plan.attention_metrics, plan.read_before_loss,
-                                         attn_implementation, trl_runs_policy_forward)
+                                         attn_implementation, plan.trl_runs_policy_forward)
+        vision, vision_why = vision_pass_plan(model, processing_class, plan.num_processes, plan.facts.is_vlm)
         return dataclasses.replace(plan, placement=placement, placement_why=why,
-                                   attn_implementation=attn_implementation,
-                                   trl_runs_policy_forward=trl_runs_policy_forward, vision_pass=vision_pass)
+                                   attn_implementation=attn_implementation, vision_pass=vision,
+                                   vision_pass_why=vision_why, modules_why="")
 
     def without_attention(self, reason: str) -> RunPlan:
-        """The plan with attention metrics off because the loaded model's attention cannot be measured: one warning
-        that says why, as for a text-only model; an explicit request for attention is an error naming the reason.
-        The default stack loses ``mdi_balance`` (it would score None on every rollout)."""
+        """The plan with attention metrics off because the model's attention cannot be measured: one warning that
+        says why, as for a text-only model; an explicit request for attention is an error naming the reason. The
+        default stack loses ``mdi_balance`` (it would score None on every rollout)."""
         requests = [r for r in self.attention_requests]
         if requests:
             raise ValueError(f"{reason}, but {'; '.join(requests)} need(s) its attention. Drop those settings (or use "
@@ -139,8 +182,8 @@ class RunPlan:
         logger.warning("MDIGRPOTrainer: %s: attention metrics are off; the trainer behaves as GRPOTrainer", reason)
         names, weights = list(self.reward_names), self.reward_weights
         funcs = list(self.reward_funcs)
-        if self.rewards_from == "the default stack" and "mdi_balance_reward" in names:
-            i = names.index("mdi_balance_reward")
+        if self.rewards_from is RewardsFrom.DEFAULT_STACK and "mdi_balance" in names:
+            i = names.index("mdi_balance")
             del names[i], funcs[i]
             weights = tuple(w for j, w in enumerate(weights) if j != i) if weights is not None else None
         # The one attention reader that can be left is the default stack's mdi_balance (a reward the user named that
@@ -169,7 +212,8 @@ class RunPlan:
 
     @property
     def extra_forwards(self) -> tuple[str, ...]:
-        """The no-grad forwards the trainer adds per generation batch, each with its reason (phase 2 for the first)."""
+        """The no-grad forwards the trainer adds per generation batch, each with its reason (the first needs the
+        placement)."""
         out = []
         if self.placement is ProbePlacement.EXTRA_FORWARD:
             probe = " with the attention probe" if self.attention_metrics else ""
@@ -183,7 +227,7 @@ class RunPlan:
         return tuple(out)
 
     def describe(self) -> str:
-        """The plan as printed at start (and by the entry point's ``--dry_run``, phase 1 only)."""
+        """The plan as printed at start, by the entry point (``--dry_run`` included) and the trainer alike."""
         weights = self.reward_weights or (1.0,) * len(self.reward_names)
         rewards = ", ".join(f"{n} x{w:g}" for n, w in zip(self.reward_names, weights)) or "none"
         lines = [
@@ -198,65 +242,70 @@ class RunPlan:
             lines.append(("read before the loss by", "; ".join(self.read_before_loss)))
         if self.token_layers:
             lines.append(("per-token image mass layers", ", ".join(map(str, self.token_layers))))
-        if self.think_prefilled is not None:
-            lines.append(("chat template prefills <think>", "yes" if self.think_prefilled else "no"))
-        if self.loaded:
+        lines.append(("chat template prefills <think>", "yes" if self.think_prefilled else "no"))
+        if self.complete:
             lines += [
                 ("attention implementation", str(self.attn_implementation)),
                 ("probe placement", f"{self.placement} ({self.placement_why})"),
                 ("extra forwards per batch", "; ".join(self.extra_forwards) or "none"),
-                ("dummy vision pass", "on (image-less processes run the tower times zero)" if self.vision_pass
-                 else "off"),
+                ("dummy vision pass", f"{'on' if self.vision_pass else 'off'} ({self.vision_pass_why})"),
             ]
-        elif self.extra_forwards:
-            lines.append(("extra forwards per batch", "; ".join(self.extra_forwards) + " (and where the probe "
-                          "measures, decided once the model is loaded)"))
+        else:
+            waiting = f"decided once the weights load ({self.modules_why})"
+            lines += [("attention implementation", waiting), ("probe placement", waiting),
+                      ("extra forwards per batch", "; ".join(self.extra_forwards + ("where the probe measures: "
+                                                                                   + waiting,))),
+                      ("dummy vision pass", waiting)]
         width = max(len(k) for k, _ in lines)
-        phase = "" if self.loaded else " (before loading the model)"
-        return "\n".join([f"MDIGRPOTrainer run plan{phase}:"] + [f"  {k:<{width}}  {v}" for k, v in lines])
+        return "\n".join(["MDIGRPOTrainer run plan:"] + [f"  {k:<{width}}  {v}" for k, v in lines])
 
 
-# ------------------------------------------------------------------------------------------------ phase 1
-def plan_run(model: Any, reward_funcs: Any, args, *, defaults_chosen: bool, columns: dict[str, list[str] | None],
-             environment_rewards: bool = False, processing_class=None) -> RunPlan:
-    """Phase 1 of the plan, before any weight loads.
+# ------------------------------------------------------------------------------------------------ the plan
+def plan_run(model: Any, processing_class, reward_funcs: Any, args, columns: dict[str, list[str] | None], *,
+             model_config=None) -> RunPlan:
+    """The run plan, decided before any weight loads: the run's one pre-weight phase, which the entry point and
+    ``MDIGRPOTrainer.__init__`` both call (the trainer only when not handed the entry point's plan).
 
-    ``reward_funcs`` is what the caller passed (None, one reward or a list); ``defaults_chosen`` says whether the
-    user chose this trainer's defaults (an ``MDIGRPOConfig``, or the entry point): only then does the 4:1:1 stack
-    stand in for missing rewards. ``environment_rewards``: an ``environment_factory`` owns the reward
-    (``get_reward``), so nothing stands in. ``columns``: split -> column names (None when unknown).
-    ``processing_class``: the processor, when the caller has it (it knows the image token of a custom VLM whose
-    config names none).
-
-    The model's config is read as TRL will read it (``trust_remote_code`` from the config, ``model_init_kwargs``
-    first), so a model with custom code raises transformers' own error without it and loads with it.
+    ``model``: an id, a path or a loaded model, as the trainer takes it. ``processing_class``: the processor the
+    trainer will use (its chat template, its image token where the config names none). ``reward_funcs``: the
+    trainer's argument (None, one reward or a list), which wins over ``args.reward_funcs`` (:class:`RewardsFrom`).
+    ``args``: an :class:`~trl_mdi.MDIGRPOConfig` (a plain GRPOConfig upgraded first). ``columns``: split -> column
+    names (None when unknown). ``model_config``: the model's config when the caller has read it (the entry point's
+    model check); else it is read here as TRL will read it (``trust_remote_code`` from the config,
+    ``model_init_kwargs`` first), so a model with custom code raises transformers' own error without it.
     """
-    config = load_model_config(model, args.model_init_kwargs, trust_remote_code=args.trust_remote_code)
+    config = model_config if model_config is not None else load_model_config(
+        model, args.model_init_kwargs, trust_remote_code=args.trust_remote_code)
     problem = image_token_problem(config, processing_class)
     if problem:
         raise ValueError(problem)
     facts = model_facts(config, processing_class)
-    prefilled = (template_prefills_think(processing_class, args.chat_template_kwargs)
-                 if processing_class is not None else None)
+    check_zero3_loading(model, facts.model_type, is_deepspeed_zero3_enabled())
+    check_zero3_training(facts.model_type, is_deepspeed_zero3_enabled())
+    check_vllm_prompts(args, processing_class, facts)  # before vLLM's engine starts
+    prefilled = template_prefills_think(processing_class, args.chat_template_kwargs)
     if reward_funcs is not None and not isinstance(reward_funcs, (list, tuple)):
         reward_funcs = [reward_funcs]
-    named = list(reward_funcs) if reward_funcs else (list(args.reward_funcs) if args.reward_funcs else None)
-    source = "yours" if reward_funcs else "MDIGRPOConfig.reward_funcs" if named else None
-    if named is None and (not defaults_chosen or environment_rewards):
-        # GRPOTrainer's own behaviour: no reward source is its error; an environment's get_reward is its reward.
-        names, weights, funcs, source = [], args.reward_weights, [], "none given (GRPOTrainer decides)"
+    if reward_funcs:
+        named, source = list(reward_funcs), RewardsFrom.ARGUMENT
+    elif args.reward_funcs:
+        named = list(args.reward_funcs)
+        source = RewardsFrom.DEFAULT_STACK if named == list(DEFAULT_REWARDS) else RewardsFrom.CONFIG
     else:
-        names, weights = reward_stack_for_model(named, args.reward_weights, facts)
-        source = source or "the default stack"
+        named, source = [], RewardsFrom.NONE
+    if source is RewardsFrom.NONE:
+        # GRPOTrainer's own behaviour: no reward source is its error; an environment's get_reward is its reward.
+        names, weights, funcs = [], args.reward_weights, []
+    else:
+        names, weights = reward_stack_for_model(named, args.reward_weights, facts,
+                                                default_stack=source is RewardsFrom.DEFAULT_STACK)
         funcs = resolve_reward_funcs(list(names), weights)
-        from .rewards import bind_think_format
-
-        # think_format pays for the format the prompt asks: bind this run's pattern and, when the processor is known,
-        # whether its template opens <think> itself (a fresh instance per trainer, bound once).
-        funcs = bind_think_format(funcs, answer_pattern=args.answer_pattern,
-                                  **({"think_prefilled": prefilled} if prefilled is not None else {}))
+        # think_format pays for the format the prompt asks: bind this run's pattern and whether its template opens
+        # <think> itself (a fresh instance per trainer, bound once).
+        funcs = bind_think_format(funcs, answer_pattern=args.answer_pattern, think_prefilled=prefilled)
+    user_named = source in (RewardsFrom.ARGUMENT, RewardsFrom.CONFIG)
     rewards = tuple(RewardInputs.of(f) for f in funcs)  # every reward's signature, inspected here once
-    attention, why = attention_metrics(args, facts, rewards, user_named_rewards=named is not None)
+    attention, why = attention_metrics(args, facts, rewards, user_named_rewards=user_named)
     segments = model_segments(args, facts, attention)
     try:
         check_reward_inputs(funcs, columns, attention=attention, segments=[n for n in segments if n != "all"],
@@ -265,7 +314,7 @@ def plan_run(model: Any, reward_funcs: Any, args, *, defaults_chosen: bool, colu
     except ValueError as e:  # the data cannot feed this plan: the data's error, said before any weight loads
         raise DatasetError(str(e)) from None
     counterfactual, counterfactual_why = counterfactual_plan(args, facts, rewards)
-    return RunPlan(
+    plan = RunPlan(
         model_name=model if isinstance(model, str) else str(getattr(getattr(model, "config", None), "_name_or_path",
                                                                     type(model).__name__)),
         facts=facts,
@@ -279,13 +328,21 @@ def plan_run(model: Any, reward_funcs: Any, args, *, defaults_chosen: bool, colu
         token_layers=token_layers(args, facts, attention, counterfactual),
         attention_readers=tuple(attention_readers(args, rewards)) if attention else (),
         other_readers=tuple(other_readers(args, rewards)),
-        attention_requests=tuple(attention_requests(args, rewards, user_named_rewards=named is not None)),
+        attention_requests=tuple(attention_requests(args, rewards, user_named_rewards=user_named)),
         counterfactual=counterfactual,
         counterfactual_why=counterfactual_why,
         perturbed_forward=bool(args.uses_perturbed_forward),
         shared_counterfactual=counterfactual and args.shares_counterfactual_forward,
         think_prefilled=prefilled,
+        trl_runs_policy_forward=trl_runs_policy_forward(args),
+        num_processes=args.world_size,
     )
+    try:
+        skeleton = model_skeleton(model, config, args.model_init_kwargs, trust_remote_code=args.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - a class that needs its weights to be built: those lines wait for them
+        return dataclasses.replace(plan, modules_why=f"{type(e).__name__} building the model's class without "
+                                                     f"weights: {' '.join(str(e).split())[:200]}")
+    return plan.with_model(skeleton, processing_class)
 
 
 def load_processing_class(model: Any, args):
@@ -311,20 +368,21 @@ def effective_config(args, plan: RunPlan):
     return out
 
 
-def reward_stack_for_model(named: Sequence | None, weights: Sequence[float] | None,
-                           facts: ModelFacts) -> tuple[list, list[float] | None]:
-    """The rewards and weights a run uses (``default_reward_stack``), minus ``mdi_balance`` on a text-only model.
+def reward_stack_for_model(named: Sequence, weights: Sequence[float] | None, facts: ModelFacts, *,
+                           default_stack: bool) -> tuple[list, list[float] | None]:
+    """The rewards and weights a run uses (``default_reward_stack``: the default stack's names without weights get
+    4 1 1), minus ``mdi_balance`` on a text-only model when they are the default stack (``default_stack``).
 
     Only the default stack is changed, with one warning: a text-only model has no MDI, and the 4:1:1 stack's
     balance term would be None for every rollout. Rewards the user named are never dropped.
 
     >>> from trl_mdi.attention.model_facts import ModelFacts
     >>> text = ModelFacts("qwen2", (), 2, (0, 1), None, None)
-    >>> reward_stack_for_model(None, None, text)
+    >>> reward_stack_for_model(["mc_idx", "think_format", "mdi_balance"], None, text, default_stack=True)
     (['mc_idx', 'think_format'], [4.0, 1.0])
     """
     names, weights = default_reward_stack(named, weights)
-    if named is None and not facts.is_vlm and "mdi_balance" in names:
+    if default_stack and not facts.is_vlm and "mdi_balance" in names:
         logger.warning("MDIGRPOTrainer: %s is a text-only model (no image token): the default reward stack leaves "
                        "out mdi_balance", facts.model_type)
         keep = [i for i, n in enumerate(names) if n != "mdi_balance"]
@@ -502,11 +560,26 @@ def check_world_size(num_processes: int, distributed: bool = True, world: int | 
         )
 
 
-def trl_runs_policy_forward(args, num_iterations: int, use_vllm: bool, vllm_importance_sampling: bool) -> bool:
-    """Whether TRL 1.16 runs a no-grad policy forward (old log-probs) per generation batch (its own condition;
-    tests/test_trl_contract.py pins it)."""
-    generate_every = args.steps_per_generation * num_iterations
-    return args.gradient_accumulation_steps % generate_every != 0 or bool(use_vllm and vllm_importance_sampling)
+def trl_runs_policy_forward(args) -> bool:
+    """Whether TRL 1.16 runs a no-grad policy forward (old log-probs) per generation batch: its own condition, on the
+    values it copies from the config (tests/test_trl_contract.py pins both)."""
+    generate_every = args.steps_per_generation * args.num_iterations
+    return args.gradient_accumulation_steps % generate_every != 0 or bool(
+        args.use_vllm and args.vllm_importance_sampling_correction)
+
+
+def vision_pass_plan(model, processing_class, num_processes: int, is_vlm: bool) -> tuple[bool, str]:
+    """Whether image-less processes run the dummy vision pass (``trl_mdi.vision_pass``), and why: a vision-language
+    model trained on several processes whose modules can take it (``vision_pass_problem``)."""
+    if not is_vlm:
+        return False, "a text-only model"
+    if num_processes < 2:
+        return False, "one process"
+    problem = vision_pass_problem(model, processing_class)
+    if problem:
+        return False, (f"{problem}; under ZeRO-3 a batch with images on some processes only stops with an error "
+                       "instead")
+    return True, "image-less processes run the tower times zero"
 
 
 def describe_segments(segments: dict[str, list[int]]) -> str:

@@ -247,7 +247,7 @@ SIGNALS: tuple[Signal, ...] = (
            reward=True, metric=True, label="AEI text {segment}", direction=HIGH),
     Signal("aei_image_{segment}", "AEI of image keys in one layer segment", lambda x: x.segment["aei_image"],
            reward=True, metric=True, label="AEI vision {segment}", direction=LOW),
-    Signal("mdi_balance", "the brief's balance, clip(1 - |log MDI| / log R, 0, 1): 1 at MDI = 1, 0 outside (1/R, R)",
+    Signal("mdi_balance", "balance, clip(1 - |log MDI| / log R, 0, 1): 1 at MDI = 1, 0 outside (1/R, R)",
            lambda x: M.mdi_balance(x.segment["mdi"], x.balance_ratio), reward=True, metric=True, log="balance"),
     Signal("image_mass", "attention mass of the generated tokens on image keys (mean over heads, tokens, layers)",
            lambda x: _layer_mean(x, "image"), metric=True, direction=LOW),
@@ -698,7 +698,7 @@ def split_groups(x: torch.Tensor, num_generations: int) -> torch.Tensor:
 def group_relative_mdi_score(mdi: torch.Tensor, num_generations: int) -> torch.Tensor:
     """Rank-based MDI balance within each group of rollouts of the same prompt, in [-1, 1].
 
-    Why: the brief's reward ``2 * clip(1 - |log MDI| / log R, 0, 1) - 1`` is the same -1 for every
+    Why: the balance reward ``2 * clip(1 - |log MDI| / log R, 0, 1) - 1`` is the same -1 for every
     MDI outside (1/R, R). Typical MDI is 5-17, so usually the whole group sits outside, the reward is
     constant within the group and its GRPO advantage is zero: no signal. Ranking |log MDI| inside the
     group always separates rollouts, whatever the absolute level.

@@ -13,8 +13,9 @@ interception):
 4. **Reliance signals** (``trl_mdi.counterfactual``, docs/reliance.md): when asked, one more no-grad forward of the
    same rollouts with a counterfactual image gives ``visual_gain``, ``answer_visual_gain``, ``blind_agrees``:
    whether the answer would have been the same without the image; logged as ``reliance/*``, readable by rewards.
-5. **Rewards by name** (``trl_mdi.rewards``): registry names or import paths; the 4:1:1 stack when the user chose
-   this trainer's defaults; every reward's inputs checked at construction; each reward's None ("not applicable")
+5. **Rewards by name** (``trl_mdi.rewards``): registry names or import paths; without a ``reward_funcs`` argument,
+   the config's ``reward_funcs`` (``MDIGRPOConfig``'s default: the 4:1:1 stack; a plain ``GRPOConfig`` has none,
+   so GRPOTrainer decides); every reward's inputs checked at construction; each reward's None ("not applicable")
    and NaN (a failure) counted apart before TRL merges them (``rewards/<name>/none_frac``, ``nan_frac``; a NaN
    warned about once per reward).
 6. **TPRL** (``trl_mdi.tprl``): token masks into TRL's loss mask, trajectory multipliers into the advantages, from a
@@ -30,8 +31,11 @@ interception):
     weight sync.
 11. **Nothing lost under faults**: one run per ``output_dir`` (``trl_mdi.run_lock``, taken before the weights load);
     checkpoints whole or refused (``trl_mdi.checkpoints``: a failed save removes its folder and names the cause, a
-    resume checks the checkpoint first and ``true`` picks the newest whole one); a resumed run continues its own
-    Markdown logs, and a crash writes its last line there (``train``).
+    resume checks the checkpoint first and ``true`` picks the newest whole one); a resume restores every saved
+    tensor, converted as ``from_pretrained`` converts it, or refuses (``_load_from_checkpoint``,
+    ``_load_best_model``: transformers' own load skips the conversion); a resumed run continues its own Markdown
+    logs, and a crash or SIGTERM writes its last line there (``train``; with ``save_on_sigterm`` the processes agree
+    to save a whole checkpoint first, ``trl_mdi.preemption``).
 
 TRL offers no channel between its stages (its old-log-prob forward, ``_calculate_rewards``, the advantages), so the
 trainer holds exactly two per-batch records, each set and cleared in ``try/finally``: ``_record`` while a generation
@@ -53,7 +57,6 @@ from typing import Any
 
 import torch
 from accelerate.utils import DistributedType, gather_object
-from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
@@ -63,38 +66,48 @@ from . import checkpoints
 from . import signals as S
 from .answer_tokens import answer_tokens
 from .attention import ModalityAttention, probe_attention, trailing_completion_layout
-from .attention.model_facts import (
-    check_zero3_loading,
-    load_model_config,
-    processor_for_trl,
-    typed_system_problem,
-    unwrap_model,
-)
+from .attention.model_facts import load_model_config, processor_for_trl, typed_system_problem, unwrap_model
 from .attention.model_parts import choice_logits, hidden_states_at
-from .attention.probe import probe_support
 from .batch import (
     check_counterfactual_encodes,
+    completion_token_types,
     encode_prompts,
+    merge_prompt_encodings,
     pad_rows,
     policy_batch,
     rng_untouched,
     tile_counts,
 )
-from .config import MDIGRPOConfig
+from .config import MDIGRPOConfig, output_dir_model_problem
 from .counterfactual import NO_IMAGE, counterfactual_prompts
 from .data.columns import check_choices
-from .data.images import check_images_per_row, decode_row_images, lazy_images, report_bad_images, row_images
+from .data.images import (
+    ProcessorImageCheck,
+    check_images_per_row,
+    decode_row_images,
+    lazy_images,
+    report_bad_images,
+    row_images,
+)
 from .diagnostics import (
     BatchLog,
     ConsoleSummaryCallback,
     LiveDiagnostics,
+    escape_inline,
     image_evidence,
     perception_strips,
     write_batch,
 )
-from .diagnostics.completions_table import CompletionColumns, TableBatch, table_columns, table_prompts
+from .diagnostics.completions_table import (
+    CompletionColumns,
+    TableBatch,
+    column_names,
+    table_columns,
+    table_prompts,
+)
 from .diagnostics.writers import marked_completion
 from .filtering import apply_group_filter, group_filter_keep
+from .preemption import Preempted, PreemptionCallback, any_process, preempted_message, watch_sigterm
 from .rewards import RewardTally, ThinkFormatReward, outcome_metrics, zero_spread_fraction
 from .rewards.inputs import dataset_columns
 from .run_lock import lock_output_dir
@@ -106,17 +119,16 @@ from .run_plan import (
     effective_config,
     load_processing_class,
     plan_run,
-    trl_runs_policy_forward,
 )
 from .tprl import apply_tprl, fit_width, perturbation_signal, signal_rank_corr
 from .vision_pass import drop_empty_image_inputs, images_on_some_processes_only, vision_pass_for_run
 from .vllm_prompts import (
-    check_vllm_prompts,
     colocated_vlm,
     drop_stale_image_features,
     engine_prompt_ids,
     suppress_image_tokens,
 )
+from .vllm_server import bound_requests, check_server_images, server_mode, server_url, wait_for_server
 
 logger = logging.get_logger(__name__)
 
@@ -283,16 +295,19 @@ class MDIGRPOTrainer(GRPOTrainer):
     }
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
-                 eval_dataset=None, **kwargs):
-        # Decide, then build TRL: the processor is loaded here as TRL would load it, so that the plan reads its chat
-        # template, and TRL gets the decided reward list and config.
-        defaults_chosen = isinstance(args, MDIGRPOConfig)  # only then may the default reward stack stand in
-        if args is None:
+                 eval_dataset=None, *, run_plan: RunPlan | None = None, **kwargs):
+        """``run_plan``: a plan already made by :func:`trl_mdi.run_plan.plan_run` for this model, processor, config
+        and data (the entry point's, which it printed): the trainer follows it instead of deciding again. The
+        rewards are then the plan's (``reward_funcs`` must be None) and ``processing_class`` the one it read."""
+        if args is None:  # as GRPOTrainer: its defaults, no rewards from the config
             name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
-            args = MDIGRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
+            args = GRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
         config = MDIGRPOConfig.from_grpo_config(args)
         # One run per output_dir, before any weight loads: the main process locks it for the trainer's lifetime (the
         # OS drops the lock if the process dies).
+        problem = output_dir_model_problem(config.output_dir, model)  # the model folder is not ours to overwrite
+        if problem:
+            raise ValueError(problem)
         self.run_lock = lock_output_dir(config.output_dir) if config.process_index == 0 else None
         if self.run_lock is not None:
             weakref.finalize(self, self.run_lock.release)
@@ -300,20 +315,26 @@ class MDIGRPOTrainer(GRPOTrainer):
         for split, ds in [("train_dataset", train_dataset), *evals]:
             if ds is not None:
                 check_choices(ds, split)  # too many choices, a label outside them...: the data's error, now
-        if kwargs.get("processing_class") is None:
-            # A model whose config cannot be read fails here with transformers' own error, as it would in plan_run.
-            load_model_config(model, config.model_init_kwargs, trust_remote_code=config.trust_remote_code)
-            kwargs["processing_class"] = load_processing_class(model, config)
+        if run_plan is not None:
+            if reward_funcs is not None or kwargs.get("processing_class") is None:
+                raise ValueError("run_plan: a plan already decided the rewards with one processor; pass that "
+                                 "processing_class and no reward_funcs (or no run_plan, and the trainer decides)")
+            plan = run_plan
+        else:
+            # Decide, then build TRL: the processor is loaded here as TRL would load it, so that the plan reads its
+            # chat template. A model whose config cannot be read fails here with transformers' own error.
+            model_config = load_model_config(model, config.model_init_kwargs, trust_remote_code=config.trust_remote_code)
+            if kwargs.get("processing_class") is None:
+                kwargs["processing_class"] = load_processing_class(model, config)
+            plan = plan_run(model, kwargs["processing_class"], reward_funcs, config,
+                            dataset_columns(train_dataset, eval_dataset), model_config=model_config)
         kwargs["processing_class"] = processor_for_trl(kwargs["processing_class"])  # Mistral 3: text as lists
-        plan = plan_run(model, reward_funcs, config, defaults_chosen=defaults_chosen,
-                        columns=dataset_columns(train_dataset, eval_dataset),
-                        environment_rewards=kwargs.get("environment_factory") is not None,
-                        processing_class=kwargs["processing_class"])
         config = effective_config(config, plan)
-        check_vllm_prompts(config, kwargs["processing_class"], plan.facts)  # before vLLM's engine starts
+        check_server_images(config, kwargs["processing_class"], plan.facts)
+        if server_mode(config) and config.process_index == 0:  # TRL's own wait can hang on a silent server
+            wait_for_server(server_url(config), config.vllm_server_timeout, model=plan.model_name)
         if (problem := typed_system_problem(kwargs["processing_class"])) and _first_prompt_has_system(train_dataset):
             logger.warning(f"The training prompts have a system turn, but the processor's {problem}.")
-        check_zero3_loading(model, plan.facts.model_type, is_deepspeed_zero3_enabled())  # before TRL loads weights
         self._record: BatchRecord | None = None
         self._pending: PendingMeasurement | None = None
         self._nan_warned: set[str] = set()  # rewards already warned about returning NaN: once per reward and run
@@ -321,7 +342,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         # hold one generation batch of rows).
         self.completion_columns = CompletionColumns(config.generation_batch_size) if config.log_completions else None
         # The format check the rewards, the clean-format metric and the logs share (one definition everywhere).
-        self.answer_format = ThinkFormatReward(config.answer_pattern, think_prefilled=bool(plan.think_prefilled))
+        self.answer_format = ThinkFormatReward(config.answer_pattern, think_prefilled=plan.think_prefilled)
         # Built before the weights load: a log path that cannot be written fails before any model work.
         self.live_logs = (
             LiveDiagnostics(config, is_main_process=config.process_index == 0, reward_names=list(plan.reward_names),
@@ -345,12 +366,21 @@ class MDIGRPOTrainer(GRPOTrainer):
             logger.info(self.run_plan.describe())
 
     def _plan_with_loaded_model(self, plan: RunPlan) -> RunPlan:
-        """Phase 2 of the plan, and the only changes made after ``super().__init__``: they need what TRL has just
-        loaded. The model's attention implementation and whether the probe can measure it (a model with its own
-        softmax cannot be); the dummy vision pass and the empty-image guard installed on the loaded model; whether the
-        processor encodes the counterfactual image. Should the probe turn out unable to measure the model, the
-        default stack's mdi_balance leaves TRL's four parallel reward lists (tests/test_trl_contract.py pins them)
-        and attention-only settings are switched off in the trainer's copy of the config and the live logs."""
+        """The only changes made after ``super().__init__``: they need what TRL has just loaded. The plan is read
+        again off the loaded model (``RunPlan.with_model``): the lines that waited for the weights are decided, and a
+        model that turns out otherwise than its class built without weights (another attention implementation, an
+        attention the probe cannot measure) revises the plan with a warning rather than run on a wrong one. Should
+        the probe turn out unable to measure the model, the default stack's mdi_balance leaves TRL's four parallel
+        reward lists (tests/test_trl_contract.py pins them) and attention-only settings are switched off in the
+        trainer's copy of the config and the live logs. Then the hooks the plan asks for are installed: the guard
+        for empty image inputs, the dummy vision pass, vLLM's bias against image tokens, and (vLLM server mode) a time
+        limit on every request of TRL's client (``trl_mdi.vllm_server``)."""
+        loaded = plan.with_model(self.model, self.processing_class)
+        if loaded == plan:
+            loaded = plan  # the plan as decided (and printed) before the weights loaded
+        elif plan.complete:
+            logger.warning("MDIGRPOTrainer: the loaded model differs from its class built without weights; the run "
+                           "follows the plan read off the loaded model:\n%s", loaded.describe())
         # Mixed data: a slice of text-only rows is a text-only forward (TRL hands it empty image tensors), and under
         # ZeRO-3 / DDP image-less processes run the vision tower on a dummy, times zero.
         if plan.facts.is_vlm:
@@ -360,14 +390,11 @@ class MDIGRPOTrainer(GRPOTrainer):
             # why); its engine's own copy of the kwargs, never the user's config.
             self.vllm_generation.generation_kwargs = suppress_image_tokens(self.vllm_generation.generation_kwargs,
                                                                            plan.facts.image_token_ids)
-        self.vision_pass = vision_pass_for_run(self.model, self.processing_class, self.accelerator.num_processes,
-                                               plan.facts.is_vlm, logger.info)
-        loaded = plan.with_model(
-            attn_implementation=unwrap_model(self.model).config.get_text_config()._attn_implementation,
-            trl_runs_policy_forward=trl_runs_policy_forward(self.args, self.num_iterations, self.use_vllm,
-                                                            self.vllm_importance_sampling_correction),
-            vision_pass=self.vision_pass is not None,
-            probe_unsupported=probe_support(self.model) if plan.attention_metrics else None)
+        if server_mode(self.args) and self.accelerator.is_main_process:  # TRL's client is the main process's
+            bound_requests(self.vllm_generation.vllm_client.session, self.args.vllm_server_request_timeout,
+                           server_url(self.args))
+        self.vision_pass = (vision_pass_for_run(self.model, self.processing_class, self.accelerator.num_processes,
+                                                plan.facts.is_vlm, logger.info) if loaded.vision_pass else None)
         if loaded.counterfactual:
             check_counterfactual_encodes(self.processing_class, self.args.counterfactual_image,
                                          self.chat_template_kwargs, self.chat_template)
@@ -388,20 +415,90 @@ class MDIGRPOTrainer(GRPOTrainer):
         """``Trainer.train``, after checking the checkpoint (``trl_mdi.checkpoints.resolve_resume``: refused, before
         it loads, if it lacks what resuming needs; ``True`` / ``"true"``: the newest whole one) and pointing the live
         logs at the ones it recorded; an exception inside training writes "Run stopped" and why as the logs' last
-        lines, then propagates."""
+        lines, then propagates. SIGTERM (``trl_mdi.preemption``) raises :class:`~trl_mdi.preemption.Preempted` at
+        once, or with ``save_on_sigterm`` after the step in progress and a whole checkpoint saved by every
+        process."""
         checkpoint, notes = checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir,
                                                        allow_partial=self.args.allow_partial_resume)
         for note in notes:
             logger.warning(note)
         if checkpoint is not None and self.live_logs is not None:
             self.live_logs.continue_logs(checkpoints.recorded_logs(checkpoint))
-        try:
-            return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
-        except BaseException as e:
-            if self.live_logs is not None:
-                self.live_logs.stopped(self.state.global_step, e)
-                self.live_logs.close()
-            raise
+        with watch_sigterm(self.args.save_on_sigterm, lambda: self.state.global_step) as sigterm:
+            stop = None
+            if sigterm.installed and self.args.save_on_sigterm:
+                stop = PreemptionCallback(sigterm, lambda flag: any_process(flag, self._gather_cpu if
+                                                                            self.accelerator.num_processes > 1 else None),
+                                          self._warn_main, on_stop=self._stopped_on_sigterm)
+                self.add_callback(stop)
+            try:
+                out = super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+            except BaseException as e:
+                if self.live_logs is not None:
+                    self.live_logs.stopped(self.state.global_step, e)
+                    self.live_logs.close()
+                raise
+            finally:
+                if stop is not None:
+                    self.remove_callback(stop)
+        if stop is not None and stop.stopping is not None:
+            # End the run as SIGTERM would have (status 143), never as if training had finished (a script would go on
+            # to its final save_model / push_to_hub). No exit recorded: the Trainer skipped the save (save_strategy
+            # "best" saves only a new best).
+            exit_ = stop.exit or Preempted(f"SIGTERM during step {sigterm.step}: stopped at step {stop.stopping} without "
+                                           "a checkpoint (save_strategy 'best' saved none); resume from the last one")
+            if stop.exit is None:
+                self._warn_main(str(exit_))
+            self.accelerator.end_training()  # trackers finished, the process group destroyed
+            if self.run_lock is not None:
+                self.run_lock.release()
+            raise exit_
+        return out
+
+    def _stopped_on_sigterm(self, step: int, signal_step: int | None) -> Preempted:
+        """save_on_sigterm, once checkpoint-``step`` is saved on every process: the logs' last lines and the console
+        say so; the exception ``train`` raises once the Trainer has finished."""
+        folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        stop = Preempted(preempted_message(signal_step, step, folder), checkpoint=folder)
+        if self.live_logs is not None:
+            self.live_logs.stopped(step, stop)
+        self._warn_main(str(stop))
+        return stop
+
+    def _warn_main(self, message: str) -> None:
+        if self.accelerator.is_main_process:
+            logger.warning(message)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # transformers reloads a checkpoint's whole-model weights with load_state_dict(strict=False) and no key
+        # conversion, but save_pretrained wrote them in the Hub layout: most tensors kept their old values behind a
+        # warning (Qwen2.5-VL 68 of 69, LLaVA 1.5 all). Loaded here as from_pretrained converts them, or refused
+        # (trl_mdi.checkpoints.load_full_weights); a LoRA adapter stays transformers' (PEFT's load), then checked.
+        target = model if model is not None else self.model
+        if self._loads_whole_weights(resume_from_checkpoint, target):
+            checkpoints.load_full_weights(unwrap_model(target), resume_from_checkpoint)
+            return
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if not self.is_fsdp_enabled:
+            checkpoints.check_adapter_loaded(target, resume_from_checkpoint)
+
+    def _load_best_model(self):
+        # load_best_model_at_end: transformers' load has the same fault as a resume's (_load_from_checkpoint above).
+        best = self.state.best_model_checkpoint
+        if self._loads_whole_weights(best, self.model):
+            logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
+            checkpoints.load_full_weights(unwrap_model(self.model), best)
+            return
+        super()._load_best_model()
+        if not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            checkpoints.check_adapter_loaded(self.model, best)
+
+    def _loads_whole_weights(self, folder: str, model) -> bool:
+        """Whether the trainer loads ``folder``'s weights itself: whole-model weights into a model held whole by this
+        process. DeepSpeed resumes from its own ``global_step*/`` shards, FSDP from its own files, PEFT loads its
+        adapter: those stay transformers'."""
+        return (not (self.is_deepspeed_enabled or self.is_fsdp_enabled) and not checkpoints.is_peft_model(model)
+                and checkpoints.holds_full_weights(folder))
 
     def _save_checkpoint(self, model, trial):
         # Whole or absent (trl_mdi.checkpoints): a stale marker goes first, the marker is written once every process
@@ -456,7 +553,14 @@ class MDIGRPOTrainer(GRPOTrainer):
                 self._record = None
 
     def _tokenize_prompts(self, prompts):
-        out = super()._tokenize_prompts(prompts)
+        if self.run_plan.facts.unpadded_batch_problem and len(prompts) > 1:
+            # PaliGemma's processor cannot encode TRL's unpadded batch (ModelFacts.unpadded_batch_problem): one prompt
+            # at a time, merged as TRL merges its per-prompt encodings.
+            out = merge_prompt_encodings([super(MDIGRPOTrainer, self)._tokenize_prompts([p]) for p in prompts])
+        else:
+            out = super()._tokenize_prompts(prompts)
+        # A processor's labels (PaliGemma's) are no model input of TRL's: generation would get them as a per-token field.
+        out = (out[0], out[1], {k: v for k, v in out[2].items() if k != "labels"})
         record = self._record
         if record is not None and record.encoded is None:
             record.encoded = PromptEncoding(ids=out[0], multimodal=out[2])
@@ -484,6 +588,11 @@ class MDIGRPOTrainer(GRPOTrainer):
         return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        # TRL 1.16 extends token_type_ids with zeros over the completion; PaliGemma reads 0 as its bidirectional prefix,
+        # so the completion's types are set to what generation gave them (``ModelFacts.completion_token_type``).
+        kwargs["token_type_ids"] = completion_token_types(kwargs.get("token_type_ids"), logits_to_keep,
+                                                          self.run_plan.facts.completion_token_type)
+        kwargs.pop("labels", None)  # PaliGemma's processor returns labels, which TRL passes on and its forward refuses
         # The probe rides on the TRL forward the plan puts it in (``_rides_here``); any other call is TRL's forward
         # unchanged.
         rides = self._rides_here(model)
@@ -591,8 +700,9 @@ class MDIGRPOTrainer(GRPOTrainer):
         # join its "extra" columns here, under TRL's rows (tests/test_trl_contract.py pins _logs and log()).
         rows = self._logs["prompt"]
         if self.completion_columns is not None:
-            for name, values in self.completion_columns.columns(len(rows)).items():
-                self._logs["extra"][name] = deque(values, maxlen=rows.maxlen)
+            columns = self.completion_columns.columns(len(rows))
+            for name, shown in column_names(columns, self.reward_func_names).items():
+                self._logs["extra"][shown] = deque(columns[name], maxlen=rows.maxlen)
         prompts = (table_prompts(rows, text="wandb" in (self.args.report_to or []))
                    if self.log_completions and self.accelerator.is_main_process else None)
         if prompts is None:
@@ -602,6 +712,13 @@ class MDIGRPOTrainer(GRPOTrainer):
             super().log(logs, start_time)
         finally:
             self._logs["prompt"] = rows
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None):
+        # TRL fills its card's Markdown template with these names as they are (the heading, a link's text): the output
+        # folder's name and the dataset's go in as text (trl_mdi.diagnostics.markdown), never as markup.
+        return super().create_model_card(model_name=None if model_name is None else escape_inline(model_name),
+                                         dataset_name=None if dataset_name is None else escape_inline(dataset_name),
+                                         tags=tags)
 
     # ------------------------------------------------------------------------------------ one generation batch
     def _rides_here(self, model) -> ProbePlacement | None:
@@ -620,7 +737,8 @@ class MDIGRPOTrainer(GRPOTrainer):
         """Before TRL generates: decode the images (a bad one is reported, never fatal by default), pick the rows the
         attention maps want, start the clock."""
         record.step = self.state.global_step + 1  # the optimizer step this batch feeds
-        errors = decode_row_images(inputs)
+        # An image the processor refuses (its size or shape) is a bad image too, caught here rather than inside TRL.
+        errors = decode_row_images(inputs, check=ProcessorImageCheck(self.processing_class))
         report_bad_images(inputs, errors, self.args.on_bad_image, gather_object)
         check_images_per_row(inputs, self.run_plan.facts, gather_object)
         zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
@@ -744,11 +862,12 @@ class MDIGRPOTrainer(GRPOTrainer):
         the prompts hold no image (the counterfactual without the image)."""
         prompt_ids, fields = (encoded.ids, encoded.multimodal) if encoded is not None else encode_prompts(
             self.processing_class, prompts, chat_template_kwargs=self.chat_template_kwargs,
-            chat_template=self.chat_template)
+            chat_template=self.chat_template, facts=self.run_plan.facts)
         images = [row_images(x) for x in inputs] if with_images else []
         batch = policy_batch(prompt_ids, completion_ids_list, pad_token_id=self._tokenizer.pad_token_id,
                              multimodal=fields, num_images=[len(i) for i in images] if any(images) else None,
-                             pad_to_multiple_of=self.pad_to_multiple_of, device=self.accelerator.device)
+                             pad_to_multiple_of=self.pad_to_multiple_of, device=self.accelerator.device,
+                             facts=self.run_plan.facts)
         return dataclasses.replace(batch, num_tiles=tile_counts(self.processing_class, images, batch.multimodal))
 
     @contextlib.contextmanager

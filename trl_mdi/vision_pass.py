@@ -96,7 +96,9 @@ def _tower_on(backbone: torch.nn.Module, dummy: dict[str, torch.Tensor]) -> Any:
 
 
 def _is_decode_step(kwargs: dict) -> bool:
-    cache = kwargs.get("past_key_values")
+    # transformers 5.24 renamed the forward's cache argument ``cache`` (``past_key_values`` until 5.23, still taken
+    # with a deprecation warning until 5.40)
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
     return cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0
 
 
@@ -227,6 +229,21 @@ def zero_weighted_vision_pass(model: torch.nn.Module, dummy: dict[str, torch.Ten
         yield state
     finally:
         state.remove()
+
+
+def vision_pass_problem(model: torch.nn.Module, processing_class) -> str | None:
+    """Why this model cannot take the dummy vision pass (None: it can), read from its modules alone, so a model's
+    skeleton built without weights answers as the loaded model does: a vision backbone with ``get_image_features``
+    and a language model holding the token embedding to hook, and a processor that encodes a blank image."""
+    backbone = vision_backbone(model)
+    if backbone is None or _text_decoder(backbone) is None:
+        return (f"{type(unwrap_model(model)).__name__} has no get_image_features and language model with the token "
+                "embedding")
+    try:
+        dummy_vision_inputs(processing_class)
+    except Exception as e:  # any family-specific failure means "no dummy pass", never a failed construction
+        return f"its processor cannot encode a blank image ({type(e).__name__}: {e})"
+    return None
 
 
 def vision_pass_for_run(model, processing_class, num_processes: int, is_vlm: bool, log) -> VisionPass | None:

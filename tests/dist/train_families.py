@@ -3,7 +3,7 @@
 argv: out_jsonl model_dir [model_dir ...]. A plain trl.GRPOConfig (as a TRL user's script has it), the default
 attention settings, a zen-image-like dataset whose prompts alternate one image / no image, unshuffled, one prompt
 per process: every step rank 0 has an image and rank 1 none, so rank 1 joins the vision tower's ZeRO-3 gathers
-through the dummy vision pass. Each rank appends one JSON record per model: world view, how much of the weights it
+through the dummy vision pass (a family that takes no prompt without an image, PaliGemma, gets one on both). Each rank appends one JSON record per model: world view, how much of the weights it
 holds (ZeRO-3 sharding), its dummy passes, and (rank 0) the logged metrics. One launch for all families keeps the
 suite fast: importing trl + transformers and starting DeepSpeed cost more than the training.
 """
@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText
 from trl import GRPOConfig
 
 from trl_mdi import MDIGRPOTrainer
-from trl_mdi.attention.model_facts import ZERO3_LOADING_PROBLEMS
+from trl_mdi.attention.model_facts import ZERO3_LOADING_PROBLEMS, model_facts
 
 # Run as a script, so tests/dist/ is on sys.path and not the checkout, whose fixtures/ folder is not installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -33,8 +33,11 @@ def main():
     # them by path, naming this fix) are loaded first, before any GRPOConfig turns ZeRO-3 on, and passed as objects.
     preloaded = {d: AutoModelForImageTextToText.from_pretrained(d) for d in model_dirs
                  if AutoConfig.from_pretrained(d).model_type in ZERO3_LOADING_PROBLEMS}
-    data = zen_image_dataset(16, images_per_row=[1, 0])
+    mixed = zen_image_dataset(16, images_per_row=[1, 0])
+    # A family that takes no prompt without an image (PaliGemma) gets an image on both processes: no dummy pass.
+    with_images = zen_image_dataset(16, images_per_row=[1])
     for i, model_dir in enumerate(model_dirs):
+        data = with_images if model_facts(AutoConfig.from_pretrained(model_dir)).image_in_every_prompt else mixed
         out_dir = Path(out_path).parent / f"run{i}"
         args = GRPOConfig(output_dir=str(out_dir), bf16=False, report_to="none", per_device_train_batch_size=4,
                           num_generations=4, max_completion_length=6, max_steps=2, logging_steps=1,

@@ -1,14 +1,15 @@
 """A few MDIGRPOTrainer steps under `accelerate launch` with 2 CPU processes (DDP or ZeRO-3).
 
 argv: model_dir data_parquet out_jsonl config_json. Each rank appends one JSON record: its view of the world,
-how many no-grad policy forwards it ran per generation batch, how many rollouts it measured, and (rank 0) the
-logged metrics.
+how many no-grad policy forwards it ran per generation batch, how many rollouts it measured, the digest of the full
+parameters training started from (after a resume's checkpoint loaded), and (rank 0) the logged metrics.
 """
 
-import hashlib
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from datasets import load_dataset
@@ -17,6 +18,10 @@ from trl import GRPOTrainer
 from trl_mdi.config import MDIGRPOConfig
 from trl_mdi.data import to_conversational
 from trl_mdi.trainer import MDIGRPOTrainer
+
+# Run as a script, so tests/dist/ is on sys.path and not the checkout, whose fixtures/ folder is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from fixtures.testing import DigestAtTrainBegin, parameter_digest  # noqa: E402
 
 
 def spread_reward(completions, **kwargs):
@@ -71,6 +76,10 @@ def main():
     resume = overrides.pop("resume_from_checkpoint", None)
     slow = overrides.pop("slow_reward_seconds", 0.0)
     no_vision_pass = overrides.pop("no_vision_pass", False)
+    pid_dir = overrides.pop("pid_dir", None)
+    if pid_dir:  # lets a test signal one rank's process
+        Path(pid_dir).mkdir(parents=True, exist_ok=True)
+        (Path(pid_dir) / f"rank{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
     if limit_rows:
         ds = ds.select(range(limit_rows))
     text_only_rows = set(overrides.pop("text_only_rows", ()))
@@ -85,6 +94,9 @@ def main():
         num_generations=4, max_completion_length=6, max_steps=2, logging_steps=1, save_strategy="no", seed=0,
         learning_rate=1e-3, disable_tqdm=True, ddp_backend="gloo",
         rollout_log_path=out_dir + "/logs/rollouts.md", attention_diag_log_path=out_dir + "/logs/attention.md",
+        # Off (MDIGRPOConfig's default is on): a random tiny model never stops within 6 tokens, so every completion
+        # would leave the loss and nothing would train.
+        mask_truncated_completions=False,
     )
     kwargs.update(overrides)
     args = MDIGRPOConfig(**kwargs)
@@ -93,6 +105,7 @@ def main():
     if no_vision_pass and trainer.vision_pass is not None:
         trainer.vision_pass.remove()
         trainer.vision_pass = None
+    trainer.add_callback(at_start := DigestAtTrainBegin())
     trainer.train(resume_from_checkpoint=resume)
     acc = trainer.accelerator
     record = {
@@ -108,11 +121,9 @@ def main():
         "logs": [h for h in trainer.state.log_history if "loss" in h] if acc.is_main_process else [],
     }
     record["dummy_vision_passes"] = trainer.vision_pass.count if trainer.vision_pass is not None else None
-    digest = hashlib.sha256()
-    for name, p in sorted(acc.unwrap_model(trainer.model).named_parameters()):
-        digest.update(name.encode() + p.detach().cpu().float().numpy().tobytes())
-    record["param_digest"] = digest.hexdigest()
+    record["param_digest"] = parameter_digest(acc.unwrap_model(trainer.model))
     record["global_step"] = trainer.state.global_step
+    record["start_digest"] = at_start.value  # the full parameters training started from: a resume's checkpoint's
     ds_params = [p for p in trainer.model.parameters() if hasattr(p, "ds_numel")]
     if ds_params:
         record["local_param_fraction"] = sum(p.ds_tensor.numel() for p in ds_params) / sum(p.ds_numel for p in ds_params)

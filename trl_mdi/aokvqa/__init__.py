@@ -24,9 +24,12 @@ Design choices, and why:
 3. Nothing in ``out_dir`` changes until every split has been converted: each output is written to a
    hidden temporary file in ``out_dir`` and moved into place with ``os.replace`` at the end. A crash or a
    validation error (empty result, too large a subset) leaves the previous outputs untouched and never a
-   half-written parquet under a final name.
+   half-written parquet under a final name. The prep never writes into its source (``out_dir`` may not be the
+   source folder, lie inside it, or hold a source file under an output's name), and it marks its outputs
+   (``.trl_mdi_prep.json``): ``overwrite`` replaces those and refuses any other file of the same name.
 4. Images that are already RGB keep their original bytes (no JPEG re-compression); other modes are
-   converted (RGBA / LA / palette-with-transparency composited on white) and re-encoded, as JPEG
+   converted (RGBA / LA / palette-with-transparency composited on white, 16-bit and other high-depth
+   modes scaled to 8 bits: ``trl_mdi.data.pixels``) and re-encoded, as JPEG
    (quality 95) when the source was JPEG and lossless PNG otherwise.
 5. Duplicate question ids inside a split keep their first row; the rest are skipped and counted, which also
    makes a directory holding two copies of the same split harmless.
@@ -37,6 +40,7 @@ input), `output` (atomic files and the reports); ``prepare_aokvqa``, here, wires
 
 from __future__ import annotations
 
+import glob
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -46,10 +50,13 @@ import pyarrow.parquet as pq
 
 from .convert import ImageDecodeError, convert_row, image_value_bytes, to_rgb_image_bytes
 from .output import (
+    OUTPUT_MARKER,
     PrepReport,
     SplitReport,
     commit,
     fsync,
+    is_output_name,
+    marked_outputs,
     remove_quietly,
     sample_name,
     temp_path,
@@ -105,24 +112,38 @@ __all__ = [
     # sources
     "SplitSource", "split_of_filename", "open_source", "check_columns",
     # output
-    "write_parquet_atomic", "SplitReport", "PrepReport",
+    "write_parquet_atomic", "SplitReport", "PrepReport", "OUTPUT_MARKER", "marked_outputs",
     # here
     "read_question_ids", "prepare_aokvqa",
 ]  # fmt: skip
 
 def read_question_ids(path: str) -> list[str]:
-    """Question ids from a text file, one per line; blank lines and ``#`` comments are ignored."""
-    with open(path, encoding="utf-8") as fh:
-        ids = [line.split("#", 1)[0].strip() for line in fh]
+    """Question ids from a text file, one per line; blank lines and ``#`` comments are ignored. DataPrepError (one
+    line) for a file that cannot be read or is not UTF-8 text (a parquet or an image given by mistake)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            ids = [line.split("#", 1)[0].strip() for line in fh]
+    except UnicodeDecodeError as e:
+        raise DataPrepError(f"question_id_file {path!r} is not a text file (byte {e.object[e.start:e.start + 1].hex()} "
+                            f"at offset {e.start} is not UTF-8): give a text file of question ids, one per line") from None
+    except OSError as e:
+        raise DataPrepError(f"cannot read question_id_file {path!r}: {e.strerror or e}") from None
     ids = list(dict.fromkeys(i for i in ids if i))
     if not ids:
         raise DataPrepError(f"question_id_file {path!r} holds no ids")
     return ids
 
 
-def _check_out_dir(out_dir: str, overwrite: bool) -> None:
+def _check_out_dir(out_dir: str, overwrite: bool, dataset_path: str, writes: Sequence[str] = ()) -> None:
+    """Refuse, before anything is read or written, an ``out_dir`` that is a file, that is or lies inside the source,
+    that holds a source file the outputs would replace, or that is not empty (without ``overwrite``); with
+    ``overwrite``, one holding a file this run would replace (``writes``) that the prep's marker does not list as its
+    own earlier output."""
     if os.path.isfile(out_dir):
         raise OutDirNotEmptyError(f"out_dir {out_dir!r} is a file")
+    source = _source_problem(dataset_path, out_dir)
+    if source:
+        raise OutDirNotEmptyError(source)
     if not os.path.isdir(out_dir):
         return
     entries = sorted(os.listdir(out_dir))
@@ -132,6 +153,35 @@ def _check_out_dir(out_dir: str, overwrite: bool) -> None:
             f"out_dir {out_dir!r} already contains {len(entries)} entries ({shown}); "
             "pass --overwrite (overwrite=True) to replace this script's outputs there"
         )
+    foreign = sorted(set(writes) & set(entries) - marked_outputs(out_dir))
+    if foreign:
+        raise OutDirNotEmptyError(
+            f"out_dir {out_dir!r} holds {', '.join(foreign)}, which this script did not write there (its marker "
+            f"{OUTPUT_MARKER} does not list {'them' if len(foreign) > 1 else 'it'}): --overwrite replaces only the script's "
+            "own earlier outputs. Move those files away (an output of this script from before it marked its outputs: "
+            "delete it), or choose another --out_dir"
+        )
+
+
+def _source_problem(dataset_path: str, out_dir: str) -> str | None:
+    """Why writing into ``out_dir`` would write into the source (None: it would not): ``out_dir`` is the source
+    folder or lies inside it (the next read of the source would take the outputs for source splits), or a source file
+    sits in ``out_dir`` under a name the prep writes."""
+    out = os.path.realpath(out_dir)
+    if os.path.isdir(dataset_path):
+        src = os.path.realpath(dataset_path)
+        if out == src or out.startswith(src.rstrip(os.sep) + os.sep):
+            where = "is the source folder" if out == src else f"lies inside the source folder {dataset_path!r}"
+            return (f"out_dir {out_dir!r} {where}: the prep never writes into its source. Choose an --out_dir "
+                    "outside it, e.g. a sibling folder")
+        return None
+    files = [dataset_path] if os.path.isfile(dataset_path) else glob.glob(dataset_path, recursive=True) \
+        if glob.has_magic(dataset_path) else []
+    hit = [f for f in files if os.path.dirname(os.path.realpath(f)) == out and is_output_name(os.path.basename(f))]
+    if hit:
+        return (f"out_dir {out_dir!r} holds the source file(s) {', '.join(map(repr, hit))}, which the outputs would "
+                "replace: the prep never writes into its source. Choose another --out_dir")
+    return None
 
 
 def _normalise_splits(splits: Iterable[str]) -> list[str]:
@@ -217,13 +267,14 @@ def prepare_aokvqa(
 
     Args:
         dataset_path: Hub name (e.g. ``HuggingFaceM4/A-OKVQA``), local directory, parquet file or glob.
-        out_dir: output directory; created if missing; must be empty unless ``overwrite``.
+        out_dir: output directory; created if missing; must be empty unless ``overwrite``, and outside the source.
         splits: splits to convert (``"val"`` means ``"validation"``; comma-separated items are split).
         question_id_file: keep only the ids listed there (one per line); ids not found are reported.
         subset_size: also write ``sample_<N>.parquet``, N rows drawn from the converted train split.
         seed: seed of that draw (the same seed and input give byte-identical files).
-        overwrite: allow a non-empty ``out_dir``; earlier outputs of this function there are replaced
-            (and stale ones such as an old ``sample_<M>.parquet`` removed); other files are left alone.
+        overwrite: allow a non-empty ``out_dir``; earlier outputs of this function there (those its marker
+            lists) are replaced (and stale ones such as an old ``sample_<M>.parquet`` removed); other files are left
+            alone, and one this run would replace that the marker does not list is an error.
         batch_size: rows per read batch and per written row group.
         log: where progress and the final summary go (``print`` by default).
 
@@ -237,7 +288,9 @@ def prepare_aokvqa(
             raise DataPrepError(f"subset_size must be positive, got {subset_size}")
         if "train" not in split_names:
             raise DataPrepError("subset_size samples from the train split: add 'train' to splits")
-    _check_out_dir(out_dir, overwrite)
+    writes = [f"{name}.parquet" for name in split_names]
+    writes += [f"{sample_name(subset_size)}.parquet"] if subset_size is not None else []
+    _check_out_dir(out_dir, overwrite, dataset_path, writes)
     wanted = read_question_ids(question_id_file) if question_id_file else None
 
     sources = open_source(dataset_path, log)
@@ -276,7 +329,7 @@ def prepare_aokvqa(
             write_sample(temps["train"], temps[name], subset_size, seed, batch_size)
         for path in temps.values():
             fsync(path)
-        files = commit(out_dir, temps)
+        files = commit(out_dir, temps, source=dataset_path)
     except BaseException:
         for path in temps.values():
             remove_quietly(path)

@@ -10,6 +10,7 @@ from typing import Any
 
 from PIL import Image as PILImage
 
+from ..data.pixels import to_rgb
 from .schema import (
     IMAGE_COLUMN,
     IMAGES_COLUMN,
@@ -69,7 +70,8 @@ def to_rgb_image_bytes(data: bytes) -> bytes:
     """Validate encoded image bytes and return bytes that decode to an RGB image.
 
     RGB images come back unchanged. Grayscale, CMYK, palette, RGBA and the like are converted
-    (transparency composited on white) and re-encoded. Raises ImageDecodeError for anything PIL cannot
+    (transparency composited on white; 16-bit and other high-depth modes scaled to 8 bits:
+    ``trl_mdi.data.pixels.to_rgb``) and re-encoded. Raises ImageDecodeError for anything PIL cannot
     fully decode (truncated files, non-images, decompression bombs).
     """
     try:
@@ -79,7 +81,7 @@ def to_rgb_image_bytes(data: bytes) -> bytes:
             if img.mode == "RGB":
                 return data
             source_format = img.format
-            rgb = _composite_to_rgb(img)
+            rgb = to_rgb(img)
         buf = io.BytesIO()
         if source_format == "JPEG":
             rgb.save(buf, format="JPEG", quality=95)
@@ -88,19 +90,6 @@ def to_rgb_image_bytes(data: bytes) -> bytes:
         return buf.getvalue()
     except Exception as exc:  # PIL raises many types (OSError, SyntaxError, DecompressionBombError, ...)
         raise ImageDecodeError(f"{type(exc).__name__}: {exc}") from exc
-
-
-def _composite_to_rgb(img: PILImage.Image) -> PILImage.Image:
-    has_alpha = img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (
-        img.mode == "P" and "transparency" in img.info
-    )
-    if not has_alpha:
-        return img.convert("RGB")
-    rgba = img.convert("RGBA")
-    # White, not black: transparent regions of icons and scans are meant to be seen on paper.
-    background = PILImage.new("RGB", rgba.size, (255, 255, 255))
-    background.paste(rgba, mask=rgba.getchannel("A"))
-    return background
 
 
 # ------------------------------------------------------------------------------------------ row check

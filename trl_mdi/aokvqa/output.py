@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 import random
 import re
@@ -18,6 +19,9 @@ from .schema import SKIP_MISSING_LABEL, SKIP_NOT_IN_ID_FILE
 
 _OUTPUT_NAME_RE = re.compile(r"^(train|validation|test|sample_\d+)\.parquet$")
 _TEMP_PREFIX = ".prep-"
+OUTPUT_MARKER = ".trl_mdi_prep.json"
+"""The file the prep leaves in ``out_dir`` listing the outputs it wrote there: ``--overwrite`` replaces or removes
+those and no other file (a ``train.parquet`` it did not write is refused, never replaced)."""
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -80,20 +84,48 @@ def write_sample(train_path: str, out_path: str, n: int, seed: int, batch_size: 
             start = end
 
 
-def commit(out_dir: str, temps: dict[str, str]) -> dict[str, str]:
+def is_output_name(name: str) -> bool:
+    """Whether ``name`` is a file name the prep writes (``train.parquet``, ``sample_200.parquet``, ...)."""
+    return bool(_OUTPUT_NAME_RE.match(name))
+
+
+def marked_outputs(out_dir: str) -> set[str]:
+    """The outputs the prep's marker in ``out_dir`` lists (its earlier outputs there); empty without a marker."""
+    try:
+        with open(os.path.join(out_dir, OUTPUT_MARKER), encoding="utf-8") as fh:
+            files = json.load(fh).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        return set()
+    return {f for f in files if isinstance(f, str) and is_output_name(f)}
+
+
+def _write_marker(out_dir: str, names: set[str], source: str) -> None:
+    path = os.path.join(out_dir, OUTPUT_MARKER)
+    tmp = temp_path(path)
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({"written_by": "trl_mdi.aokvqa.prepare_aokvqa", "source": str(source), "files": sorted(names)}, fh,
+                  indent=1)
+    os.replace(tmp, path)
+
+
+def commit(out_dir: str, temps: dict[str, str], source: str = "") -> dict[str, str]:
+    """Move the finished outputs into place and mark them as the prep's own (``OUTPUT_MARKER``); remove the prep's earlier
+    outputs there that this run did not produce. Nothing the marker does not list is replaced or removed."""
+    earlier = marked_outputs(out_dir)
+    names = {f"{name}.parquet" for name in temps}
+    # Listed before they appear: a crash part-way leaves every output of ours marked as ours.
+    _write_marker(out_dir, earlier | names, source)
     files = {}
     for name, tmp in temps.items():
         final = os.path.join(out_dir, f"{name}.parquet")
         os.replace(tmp, final)
         files[name] = final
-    # Outputs of an earlier run that this run did not produce (e.g. sample_100 after --subset_size 50)
-    # would otherwise sit next to fresh files and be mistaken for them. Leftover temp files of a crashed
-    # run go too. Anything else in out_dir is not ours and stays.
-    kept = {os.path.basename(p) for p in files.values()}
+    # Earlier outputs this run did not produce (e.g. sample_100 after --subset_size 50) would otherwise sit next to
+    # fresh files and be mistaken for them; leftover temp files of a crashed run go too. Anything else stays.
     for entry in os.listdir(out_dir):
-        ours = _OUTPUT_NAME_RE.match(entry) or entry.startswith(_TEMP_PREFIX)
-        if ours and entry not in kept:
+        if (entry in earlier and entry not in names) or entry.startswith(_TEMP_PREFIX):
             remove_quietly(os.path.join(out_dir, entry))
+    _write_marker(out_dir, names, source)
     return files
 
 

@@ -244,7 +244,7 @@ def mdi(
 
 
 def mdi_balance(mdi_value: torch.Tensor, ratio: float = 2.0) -> torch.Tensor:
-    """Balance score of the product brief: ``clip(1 - |log MDI| / log R, 0, 1)``.
+    """Balance score ``clip(1 - |log MDI| / log R, 0, 1)`` (docs/concepts.md).
 
     1 at MDI = 1 (attention per token equal for text and image), 0 for MDI outside ``(1/R, R)``.
     NaN stays NaN (no image: no balance). ``R`` must be > 1.

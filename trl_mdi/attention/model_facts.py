@@ -28,6 +28,27 @@ ONE_IMAGE_PER_ROW = {
 }
 
 
+# Families whose processor cannot encode a prompt without an image, and why: {model_type: reason}.
+IMAGE_IN_EVERY_PROMPT = {
+    "paligemma": "PaliGemmaProcessor refuses a batch without images (\"`images` are expected\") and, in a batch with "
+    "images, writes <bos> into a text-only prompt at its 7th character (it inserts <bos> after the last <image> of "
+    "each prompt and finds none there)",
+}
+
+# Families whose processor cannot encode several unpadded prompts of different lengths in one call, as TRL 1.16's
+# _tokenize_prompts calls it, and why: {model_type: reason}. The trainer encodes their prompts one at a time.
+UNPADDED_BATCH_PROBLEMS = {
+    "paligemma": "PaliGemmaProcessor builds its labels with np.array(input_ids), which fails on unpadded prompts of "
+    "different lengths (\"inhomogeneous shape\")",
+}
+
+# The token_type_ids value of generated tokens, for families where TRL 1.16's default (it extends the prompt's
+# token_type_ids with zeros over the completion) is wrong: {model_type: value}. PaliGemma reads 0 as its
+# bidirectional prefix and 1 as the causal suffix, and generation gives each new token 1; with TRL's zeros the
+# log-prob forward would let every completion token attend to the ones after it.
+COMPLETION_TOKEN_TYPE = {"paligemma": 1}
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """The parts of a model's config that attention measurement depends on."""
@@ -46,6 +67,9 @@ class ModelFacts:
     # <|vision_end|>, Gemma's begin / end of image. They count as text keys (``IMAGE_MARKER_ATTRIBUTES`` says why).
     image_marker_ids: tuple[int, ...] = ()
     one_image_per_row: str | None = None  # why a prompt may hold at most one image (ONE_IMAGE_PER_ROW), else None
+    image_in_every_prompt: str | None = None  # why every prompt needs an image (IMAGE_IN_EVERY_PROMPT), else None
+    completion_token_type: int = 0  # token_type_ids of generated tokens (COMPLETION_TOKEN_TYPE)
+    unpadded_batch_problem: str | None = None  # why prompts are encoded one at a time (UNPADDED_BATCH_PROBLEMS)
 
     @property
     def is_vlm(self) -> bool:
@@ -60,11 +84,16 @@ class ModelFacts:
     def images_per_row_problem(self, counts: list[int]) -> str | None:
         """None when every prompt's image count (``counts``) is one this family takes under TRL, else the error."""
         over = [i for i, n in enumerate(counts) if n > 1]
-        if not self.one_image_per_row or not over:
-            return None
-        return (f"{self.model_type!r} prompts with several images cannot be trained under TRL 1.16 ({len(over)} "
-                f"row(s) here, e.g. row {over[0]} with {counts[over[0]]} images): {self.one_image_per_row}. Give "
-                "each prompt at most one image (e.g. paste the images side by side into one).")
+        if self.one_image_per_row and over:
+            return (f"{self.model_type!r} prompts with several images cannot be trained under TRL 1.16 ({len(over)} "
+                    f"row(s) here, e.g. row {over[0]} with {counts[over[0]]} images): {self.one_image_per_row}. Give "
+                    "each prompt at most one image (e.g. paste the images side by side into one).")
+        bare = [i for i, n in enumerate(counts) if n == 0]
+        if self.image_in_every_prompt and bare:
+            return (f"{self.model_type!r} cannot take a prompt without an image ({len(bare)} row(s) here, e.g. row "
+                    f"{bare[0]}): {self.image_in_every_prompt}. Give every prompt an image, or drop the text-only "
+                    "rows.")
+        return None
 
     @property
     def unmeasured_layers(self) -> tuple[int, ...]:
@@ -105,6 +134,10 @@ tokens). The image group is exactly the positions whose input embedding the mode
 placeholders, ``IMAGE_TOKEN_ATTRIBUTES``); a marker's embedding is a learned text-vocabulary row, the same for every
 image, so mass on it says nothing about how much the model reads the picture. ``ModelFacts.image_marker_ids`` lists
 them so that logs and tests can name them; they are never added to ``image_token_ids``."""
+
+IMAGE_MARKER_TOKEN_ATTRIBUTES = ("image_start_token", "image_end_token", "image_thumbnail_token")
+"""Processor attributes naming such markers as token strings, looked up in its tokenizer: LFM2-VL's ``<|image_start|>``
+/ ``<|image_end|>`` around each image and ``<|img_thumbnail|>`` before a tiled image's thumbnail. Text keys, as above."""
 
 _VISION_WORDS = frozenset({"vision", "visual", "vit", "img", "image"})
 
@@ -174,14 +207,18 @@ def find_image_token_ids(config, processor=None) -> tuple[tuple[int, ...], str |
 
 def _marker_ids(config, processor, image_ids) -> tuple[int, ...]:
     """The ids ``IMAGE_MARKER_ATTRIBUTES`` name on the config, then on the processor (Pixtral keeps its markers
-    there), leaving out any that is an image placeholder."""
+    there), then the tokens ``IMAGE_MARKER_TOKEN_ATTRIBUTES`` name on the processor (LFM2-VL), leaving out any that is
+    an image placeholder."""
+    values = [getattr(source, name, None) for source in (config, processor) if source is not None
+              for name in IMAGE_MARKER_ATTRIBUTES]
+    tokenizer = getattr(processor, "tokenizer", None)
+    vocab = tokenizer.get_vocab() if tokenizer is not None and hasattr(tokenizer, "get_vocab") else {}
+    values += [vocab.get(getattr(processor, name, None)) for name in IMAGE_MARKER_TOKEN_ATTRIBUTES]
     ids = []
-    for source in (config, processor):
-        for name in IMAGE_MARKER_ATTRIBUTES:
-            value = getattr(source, name, None) if source is not None else None
-            if (isinstance(value, int) and not isinstance(value, bool) and value >= 0 and value not in ids
-                    and value not in image_ids):
-                ids.append(value)
+    for value in values:
+        if (isinstance(value, int) and not isinstance(value, bool) and value >= 0 and value not in ids
+                and value not in image_ids):
+            ids.append(value)
     return tuple(ids)
 
 
@@ -224,6 +261,9 @@ def model_facts(config, processor=None) -> ModelFacts:
         image_token_problem=problem,
         image_marker_ids=_marker_ids(config, processor, ids) if part is not None else (),
         one_image_per_row=ONE_IMAGE_PER_ROW.get(str(getattr(config, "model_type", ""))),
+        image_in_every_prompt=IMAGE_IN_EVERY_PROMPT.get(str(getattr(config, "model_type", ""))),
+        completion_token_type=COMPLETION_TOKEN_TYPE.get(str(getattr(config, "model_type", "")), 0),
+        unpadded_batch_problem=UNPADDED_BATCH_PROBLEMS.get(str(getattr(config, "model_type", ""))),
     )
 
 
@@ -267,6 +307,60 @@ def load_model_config(model: Any, model_init_kwargs: dict | None = None, *, trus
         kwargs.setdefault("trust_remote_code", trust_remote_code)
         return AutoConfig.from_pretrained(model, **kwargs)
     return unwrap_model(model).config
+
+
+def trl_model_class(config):
+    """The class ``GRPOTrainer`` loads a model id or path with (TRL 1.16's ``create_model_from_path``, pinned by
+    tests/test_trl_contract.py): the config's first architecture when transformers has it, else the auto class its
+    ``auto_map`` names (custom code: image-text-to-text first), else ``AutoModelForCausalLM``."""
+    import transformers
+
+    architectures = getattr(config, "architectures", None) or []
+    architecture = getattr(transformers, architectures[0], None) if architectures else None
+    if architecture is not None:
+        return architecture
+    auto_map = getattr(config, "auto_map", None) or {}
+    for candidate in (transformers.AutoModelForImageTextToText, transformers.AutoModelForCausalLM):
+        if candidate.__name__ in auto_map:
+            return candidate
+    return transformers.AutoModelForCausalLM
+
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def model_skeleton(model: Any, config, model_init_kwargs: dict | None = None, *,
+                   trust_remote_code: bool = False) -> torch.nn.Module:
+    """The model's modules without its weights, to read what only the modules tell (the attention implementation
+    transformers picks for the class, whether the probe can measure it, where a dummy vision pass would hook):
+    ``model`` itself when it is already loaded, else the class ``GRPOTrainer`` will load (``trl_model_class``)
+    built from ``config`` on the meta device, with the ``attn_implementation`` and ``dtype`` of
+    ``model_init_kwargs`` as TRL passes them (dtype float32 unless given). Nothing is allocated and no weight is
+    read. Raises whatever the class's construction raises (a custom class that cannot be built without weights)."""
+    if not isinstance(model, str):
+        return model
+    import copy
+
+    kwargs = dict(model_init_kwargs or {})
+    dtype = kwargs.get("dtype", "float32")
+    build = {"dtype": _DTYPES.get(dtype, dtype)} if isinstance(dtype, torch.dtype) or dtype in _DTYPES else {}
+    if kwargs.get("attn_implementation") is not None:
+        build["attn_implementation"] = kwargs["attn_implementation"]
+    from transformers.modeling_utils import set_zero3_state
+
+    cls = trl_model_class(config)
+    config = copy.deepcopy(config)  # the build writes the resolved implementation into the config it is given
+    # set_zero3_state: under a DeepSpeed ZeRO-3 config transformers would build inside deepspeed.zero.Init (partitioned
+    # across the processes, a collective); built as if inside one already, the skeleton stays whole, on meta.
+    with torch.device("meta"), set_zero3_state():
+        if hasattr(cls, "_from_config"):  # a transformers class
+            return cls._from_config(config, **build)
+        return cls.from_config(config, trust_remote_code=kwargs.get("trust_remote_code", trust_remote_code), **build)
+
+
+def attention_implementation(model: torch.nn.Module) -> str | None:
+    """The attention implementation of a model's text decoder (its config's ``_attn_implementation``)."""
+    return getattr(text_config_of(unwrap_model(model).config), "_attn_implementation", None)
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -369,3 +463,31 @@ def check_zero3_loading(model: Any, model_type: str, zero3: bool) -> None:
         f"{model!r} ({model_type}) cannot be loaded under DeepSpeed ZeRO-3 by id or path: {problem}. Fix: load it "
         f"before building the GRPOConfig (model = AutoModelForImageTextToText.from_pretrained({model!r}), outside "
         "ZeRO-3's loading path) and pass the model object; ZeRO-3 shards it when training starts.")
+
+
+ZERO3_TRAINING_PROBLEMS = {
+    "lfm2_vl": (
+        "its get_image_features runs the multimodal projector once per image tile, and DeepSpeed ZeRO-3 gathers the "
+        "projector's sharded weights at every call, so two processes whose micro-batches hold different numbers of "
+        "tiles (a process without images runs one dummy tile) issue different numbers of collectives and the run "
+        "stops (gloo: \"Received data size doesn't match expected size\"; NCCL: a hang). TRL's own GRPOTrainer is "
+        "affected alike; only batches with the same number of tiles on every process get through"),
+}
+"""Families that cannot train under DeepSpeed ZeRO-3 at all (however the model is given), and why."""
+
+
+def check_zero3_training(model_type: str, zero3: bool) -> None:
+    """ValueError at construction when DeepSpeed ZeRO-3 is on (``zero3``) and the family is in
+    ``ZERO3_TRAINING_PROBLEMS``: the message names the family, the reason and the fix (ZeRO-2 or DDP, which shard no
+    weight and so gather nothing per call).
+
+    >>> check_zero3_training("lfm2_vl", zero3=False)
+    >>> check_zero3_training("qwen2_5_vl", zero3=True)
+    """
+    problem = ZERO3_TRAINING_PROBLEMS.get(model_type)
+    if problem is None or not zero3:
+        return
+    raise ValueError(
+        f"{model_type!r} cannot train under DeepSpeed ZeRO-3: {problem}. Fix: train it with ZeRO-2 "
+        "(accelerate_configs/deepspeed_zero2.yaml) or DDP (accelerate_configs/multi_gpu.yaml), which keep every weight "
+        "whole on each process.")

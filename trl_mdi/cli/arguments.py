@@ -1,5 +1,5 @@
 """The entry point's arguments: TrlParser over ScriptArguments, MDIGRPOConfig, ModelConfig and DataArguments, with
-the recommended / CPU defaults installed as parser defaults and the provenance of every value (``ParsedRun``)."""
+the CPU defaults installed as parser defaults and the provenance of every value (``ParsedRun``)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..config import MDIGRPOConfig
+from ..config import MDIGRPOConfig, redeclared_grpo_fields
 from ..data import DataArguments
 
 SOURCE_CLI, SOURCE_YAML, SOURCE_OURS, SOURCE_LIBRARY = "cli", "yaml", "trl_mdi default", ""
-
-RECOMMENDED_DEFAULTS: dict[str, Any] = {
-    "loss_type": "dapo",  # TRL 1.16's default too; pinned so a TRL release cannot change it under us
-    "epsilon_high": 0.28,  # DAPO clip-higher
-    "mask_truncated_completions": True,  # a cut-off completion has no answer: keep it out of the loss
-}
-"""GRPO settings recommended by the product brief, installed as parser defaults (a flag or YAML key wins)."""
 
 CPU_DEFAULTS: dict[str, Any] = {"bf16": False}
 """Parser defaults on a machine without CUDA / XPU / MPS."""
@@ -119,8 +112,10 @@ def _cpu_only() -> bool:
 
 
 def script_defaults() -> dict[str, Any]:
-    """The defaults this script installs on top of the dataclasses' (they only apply to flags the user left unset)."""
-    defaults = dict(RECOMMENDED_DEFAULTS)
+    """The defaults this script installs on top of the dataclasses' (they only apply to flags the user left unset):
+    only the machine's (a CPU run's). The recommended GRPO settings are MDIGRPOConfig's own defaults, so Python and
+    the command line get the same run."""
+    defaults: dict[str, Any] = {}
     if _cpu_only():
         defaults.update(CPU_DEFAULTS)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -172,7 +167,50 @@ def _yaml_keys(argv: Sequence[str]) -> tuple[str | None, set[str]]:
         held = "nothing" if content is None else f"a {type(content).__name__}"
         raise ValueError(f"--config {path!r} is YAML but holds {held}, not a mapping of flag names to values "
                          "(e.g. 'learning_rate: 1.0e-6' on its own line).")
+    refuse_duplicate_keys(path)
     return path, set(content) - {"env"}
+
+
+def duplicate_yaml_keys(text: str) -> list[tuple[str, int, int]]:
+    """``(key, first line, repeated line)`` of every key a YAML mapping of ``text`` sets twice (YAML loaders keep the
+    last value silently), nested mappings included.
+
+    >>> duplicate_yaml_keys("max_steps: 3\\nlr: 1\\nmax_steps: 5\\n")
+    [('max_steps', 1, 3)]
+    """
+    import yaml
+
+    found: list[tuple[str, int, int]] = []
+
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            try:
+                key = loader.construct_object(key_node, deep=True)
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: YAML itself refuses it below
+                continue
+            if first != key_node.start_mark.line + 1:
+                found.append((str(key), first, key_node.start_mark.line + 1))
+        return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+    _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    return found
+
+
+def refuse_duplicate_keys(path: str) -> None:
+    """ValueError, one line, when the ``--config`` file sets a key twice: which value wins is a guess the user should
+    not have to make."""
+    with open(path, encoding="utf-8") as fh:
+        duplicates = duplicate_yaml_keys(fh.read())
+    if duplicates:
+        shown = "; ".join(f"{key!r} on lines {a} and {b}" for key, a, b in duplicates[:5])
+        raise ValueError(f"--config {path!r} sets a key twice ({shown}): YAML would silently keep the last value. "
+                         "Keep one line per key.")
 
 
 _KINDS = {"int": ("a whole number", "8"), "float": ("a number", "1e-06")}
@@ -204,7 +242,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ParsedRun:
     parser = build_parser()
     config_file, yaml_keys = _yaml_keys(argv)
     cli = _cli_dests(parser, argv)
-    ours = set(script_defaults())
+    # "trl_mdi default": what this script installs, and the GRPOConfig fields whose default MDIGRPOConfig sets.
+    ours = set(script_defaults()) | {f.name for f in redeclared_grpo_fields()}
 
     def one_line_error(message: str):  # argparse would print the whole usage, then exit
         raise UsageError(argparse_message(message, config_file, yaml_keys - cli))

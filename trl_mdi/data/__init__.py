@@ -10,8 +10,11 @@
 3. ``prepare_split`` makes one pass over each used split: a row with more choices than the choice letters A to Z,
    a label outside its choices, a duplicate choice or a choice marker inside a choice is an error naming its
    ``question_id`` (``check_choices``, before any image is read), an empty split is an error saying so, relative image paths are resolved against the
-   dataset root, images whose longer side exceeds ``max_image_side`` or that cannot be read are dropped and counted,
-   non-RGB images are converted to RGB, and the prompt text becomes TRL's conversational form with the system prompt.
+   dataset root, images whose longer side exceeds ``max_image_side``, that cannot be read, or that the run's
+   processor would refuse (``trl_mdi.data.images.ProcessorImageCheck``) are dropped and counted, non-RGB images are
+   converted to RGB (16-bit scaled to 8 bits: ``trl_mdi.data.pixels``), and the prompt text becomes TRL's
+   conversational form with the system prompt. The result is cached, keyed also by the image files a row names by
+   path (an image replaced on disk is read again), and no cache file is written into the source.
 4. The eval set is the data's eval split or is carved out of train (``--eval_split_size``).
 
 Layout: `sources` does step 1, `columns` step 2, `prepare` step 3 (and ``to_conversational``); ``DataArguments``
@@ -41,6 +44,7 @@ from .prepare import (
     DEFAULT_MAX_IMAGE_SIDE,
     DEFAULT_SYSTEM_PROMPT,
     DROP_NOT_FOUND,
+    DROP_REFUSED,
     DROP_TOO_LARGE,
     DROP_TOO_MANY_PIXELS,
     DROP_UNREADABLE,
@@ -59,6 +63,7 @@ __all__ = [
     "DATA_FILE_BUILDERS", "split_of_file", "parse_data_files", "Splits", "open_dataset",
     # prepare
     "DEFAULT_SYSTEM_PROMPT", "DEFAULT_MAX_IMAGE_SIDE", "DROP_TOO_LARGE", "DROP_TOO_MANY_PIXELS", "DROP_NOT_FOUND", "DROP_UNREADABLE",
+    "DROP_REFUSED",
     "to_conversational", "SplitReport", "prepare_image", "prepare_split",
     # here
     "EVAL_SPLIT_CANDIDATES", "DataArguments", "TrainingData", "load_training_data",
@@ -102,13 +107,16 @@ def _eval_size(size: float, train_rows: int) -> int | float:
 
 
 def load_training_data(args: DataArguments, *, need_eval: bool = False, seed: int = 42,
-                       log: Callable[[str], None] = print) -> TrainingData:
+                       log: Callable[[str], None] = print, image_check=None,
+                       on_bad_image: str = "skip") -> TrainingData:
     """Load, check and convert the training data (and the eval data when ``need_eval``).
 
     Raises DatasetError (a ValueError) naming what was found when the source does not exist, holds no usable split,
     lacks an image or prompt column, has a row with more than 26 choices (the letters A to Z), or loses every row to
     the image checks. ``need_eval`` is whether the trainer evaluates (eval_strategy != "no"): then the eval set comes
     from ``--eval_split_size`` (carved out of train) or the data's eval split, and its absence is an error.
+    ``image_check`` (``trl_mdi.data.images.ProcessorImageCheck`` of the run's processor): rows with an image the
+    processor would refuse are dropped and counted (``on_bad_image="skip"``), or are an error naming them (``"error"``).
     """
     if args.eval_split_size < 0:
         raise DatasetError(f"--eval_split_size must be >= 0, got {args.eval_split_size}")
@@ -152,8 +160,14 @@ def load_training_data(args: DataArguments, *, need_eval: bool = False, seed: in
                                "(--dataset_train_split / --dataset_eval_split); splits found: " + shown)
         prepared[name], report = prepare_split(raw[name], name, image_column=image_col, prompt_column=prompt_col,
                                                roots=roots, max_image_side=args.max_image_side,
-                                               system_prompt=system_prompt)
+                                               system_prompt=system_prompt, image_check=image_check)
         reports.append(report)
+        if on_bad_image == "error" and report.refused:
+            n = report.dropped[DROP_REFUSED]
+            raise DatasetError(f"split {name!r} of {source}: {n} image(s) the processor refuses: "
+                               + "; ".join(report.refused) + (", ..." if n > len(report.refused) else "")
+                               + ". on_bad_image is 'error': fix or drop these rows, or set on_bad_image 'skip' to "
+                               "drop them at load (counted)")
         if report.rows_out == 0:
             raise DatasetError(f"split {name!r} of {source}: no usable rows left. {report.describe()}")
     train, eval_ds = prepared[train_name], prepared.get(eval_name)

@@ -35,8 +35,8 @@ SOLUTION_COLUMN = "solution"
 def accuracy_rewards(reward_names: Sequence[str]) -> tuple[str, ...]:
     """The rewards that say whether a rollout is right.
 
-    >>> accuracy_rewards(["mc_idx_reward", "think_format_reward", "mdi_balance_reward"])
-    ('mc_idx_reward',)
+    >>> accuracy_rewards(["mc_idx", "think_format", "mdi_balance"])
+    ('mc_idx',)
     >>> accuracy_rewards(["my_reward"])
     ()
     """
@@ -46,8 +46,8 @@ def accuracy_rewards(reward_names: Sequence[str]) -> tuple[str, ...]:
 def console_reward_keys(reward_names: Sequence[str]) -> tuple[str, ...]:
     """The reward metrics the console summary shows: the accuracy rewards' means, else the first reward's.
 
-    >>> console_reward_keys(["mc_idx_reward", "think_format_reward"]), console_reward_keys(["my_math", "fmt"])
-    (('rewards/mc_idx_reward/mean',), ('rewards/my_math/mean',))
+    >>> console_reward_keys(["mc_idx", "think_format"]), console_reward_keys(["my_math", "fmt"])
+    (('rewards/mc_idx/mean',), ('rewards/my_math/mean',))
     """
     shown = accuracy_rewards(reward_names) or tuple(reward_names[:1])
     return tuple(f"rewards/{n}/mean" for n in shown)

@@ -11,7 +11,9 @@ and a batch measured in the training forward has its values only after the last 
 :class:`CompletionColumns` keeps each generation batch's columns, batch by batch in the order TRL appended the
 batches' rows (a batch still being measured holds none yet), and :meth:`CompletionColumns.columns` lays them out
 under TRL's rows just before TRL's ``log()`` reads them: the trailing rows of TRL's deques are the trailing rows
-of ours. Column names are the signal table's field names (``trl_mdi.signals``), plus ``image_evidence``.
+of ours. Column names are the signal table's field names (``trl_mdi.signals``), plus ``image_evidence``; a field
+that shares its name with one of the run's rewards (the ``mdi_balance`` reward reads the ``mdi_balance`` field) is
+written under its metric's namespace instead (:func:`column_names`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..signals import EVIDENCE_COLUMN
+from ..signals import EVIDENCE_COLUMN, METRIC_PREFIX, signal_of
 
 TEXT_COLUMNS = (EVIDENCE_COLUMN,)  # text: None where missing (numbers: NaN)
 
@@ -74,6 +76,28 @@ class CompletionColumns:
         # is never shorter than TRL's table (which would fail TRL's table write) and its last rows stay aligned.
         return {n: ([missing[n]] * max(0, n_rows - len(v)) + v[max(0, len(v) - n_rows):]) if n_rows else []
                 for n, v in out.items()}
+
+
+def column_names(names, reward_names) -> dict[str, str]:
+    """Each of our column names as TRL's table shows it: the field name, or, where a reward of the run has that name,
+    ``<attention|reliance>/<name>`` (the namespace of the signal's metric).
+
+    TRL builds its table as ``{**rewards, **extra}``, its reward columns named by the rewards' names: a field named
+    like a reward (``mdi_balance``, the balance in [0, 1], beside the ``mdi_balance`` reward, 2 * balance - 1) would
+    overwrite the reward's column with no warning.
+
+    >>> column_names(["mdi", "mdi_balance", "visual_gain", "image_evidence"], ["mc_idx", "mdi_balance", "visual_gain"])
+    {'mdi': 'mdi', 'mdi_balance': 'attention/mdi_balance', 'visual_gain': 'reliance/visual_gain', 'image_evidence': 'image_evidence'}
+    """
+    taken = set(reward_names)
+
+    def shown(name: str) -> str:
+        if name not in taken:
+            return name
+        signal = signal_of(name)
+        return f"{METRIC_PREFIX[signal.source] if signal is not None else 'trl_mdi'}/{name}"
+
+    return {name: shown(name) for name in names}
 
 
 def table_columns(gathered: dict[str, torch.Tensor], evidence: list[str | None] | None = None) -> dict[str, list]:

@@ -49,7 +49,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .markdown import escape_inline, iter_lines_outside_fences, md_table, unclosed_fence
+from .markdown import code_span, escape_inline, iter_lines_outside_fences, md_table, unclosed_fence
 
 FORMAT_VERSION = 1
 _HEADER_RE = re.compile(r"^<!-- trl_mdi:header kind=(\w+) version=(\d+) -->$")
@@ -89,15 +89,24 @@ def default_log_paths(output_root: str | os.PathLike = "training_logs", run_name
     return root / f"rollout_results_{run}.md", root / f"attention_diagnostics_{run}.md"
 
 
-def check_writable(path: Path) -> None:
-    """Raise LogPathError unless ``path`` can be appended to (parent folders are created)."""
+def log_path_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be a log file, found without writing anything (None: no such reason): it is a directory, or
+    a parent of it is a file."""
     ancestor = path.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if ancestor.exists() and not ancestor.is_dir():
-        raise LogPathError(path, f"{ancestor} is a file, not a directory")
+        return f"{ancestor} is a file, not a directory"
     if path.is_dir():
-        raise LogPathError(path, "it is a directory")
+        return "it is a directory"
+    return None
+
+
+def check_writable(path: Path) -> None:
+    """Raise LogPathError unless ``path`` can be appended to (parent folders are created)."""
+    problem = log_path_problem(path)
+    if problem:
+        raise LogPathError(path, problem)
     existed = path.exists()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -174,7 +183,7 @@ class StepLogFile:
                 wanted = self.path
                 self.path = fresh_log_path(wanted)
                 if self.path != wanted:
-                    note = (f"`{escape_inline(wanted.name)}` already held another run's log (kept as it is); "
+                    note = (f"{code_span(wanted.name)} already held another run's log (kept as it is); "
                             "this run writes here.")
                     warnings.warn(f"trl_mdi: {wanted} already holds another run's log (kept as it is); this run's "
                                   f"log is {self.path}", UserWarning, stacklevel=2)
@@ -230,7 +239,7 @@ class StepLogFile:
             "",
             f"- **Run:** {escape_inline(self.run_name)}",
             f"- **Started:** {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
-            f"- **File:** `{escape_inline(self.path.name)}` (append-only; one block per step; `tail -f` friendly)",
+            f"- **File:** {code_span(self.path.name)} (append-only; one block per step; `tail -f` friendly)",
         ]
         if note:
             lines.append(f"- **Note:** {note}")
@@ -407,4 +416,4 @@ def _ranges(steps: list[int]) -> str:
 
 
 __all__ = ["LogPathError", "StepLogFile", "check_writable", "claim_log_paths", "default_log_paths", "fresh_log_path",
-           "sanitize_run_name", "scan_log", "undone_section"]
+           "log_path_problem", "sanitize_run_name", "scan_log", "undone_section"]

@@ -1,13 +1,15 @@
 """Attention maps: what a live-log map is drawn from, and the PNG itself (per-image-token attention mass as a heat
-map over the image). numpy + PIL only; the probe result and the processor are read, never imported.
+map over the image, in matplotlib's viridis). numpy, PIL and matplotlib's colormaps; the probe result and the
+processor are read, never imported.
 
 A row's image tokens come one image after another, in the order of its images, each image's tokens row-major over
-its token grid. The grid is known for two layouts (:func:`image_token_grids`):
+its token grid. The grid is known for these layouts (:func:`image_token_grids`):
 
 - Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5: ``image_grid_thw = (1, gh, gw)`` per image, merged ``merge_size`` x
   ``merge_size`` into a ``(gh / merge, gw / merge)`` grid (:func:`token_grid_hw`): any size and aspect ratio.
 - Gemma 3 without pan-and-scan: every image is resized to one square and pooled to ``image_seq_length`` tokens, a
-  ``sqrt(n) x sqrt(n)`` grid (the projector average-pools the vision tower's row-major patch grid).
+  ``sqrt(n) x sqrt(n)`` grid (the projector average-pools the vision tower's row-major patch grid). PaliGemma alike,
+  every SigLIP patch one token.
 - LLaVA 1.5 (``LlavaProcessor``): a centre-cropped square, ``crop / patch`` tokens a side (the projector maps the
   CLIP patch grid token by token); square images only, since the crop hides the rest of any other.
 - Mistral 3 (``PixtralProcessor``): each image is resized to multiples of ``patch_size * spatial_merge_size`` pixels
@@ -15,6 +17,10 @@ its token grid. The grid is known for two layouts (:func:`image_token_grids`):
   projector merges the patch grid row-major, so the image's ``[IMG]`` tokens, markers left out (they are text keys),
   are its ``(H / (patch * merge), W / (patch * merge))`` grid. GLM-4.1V is the Qwen layout (``image_grid_thw``),
   between its begin/end-of-image tokens.
+- LFM2-VL (``Lfm2VlProcessor``): an image within its token budget is one view at its own aspect ratio, its SigLIP2
+  patch grid (``spatial_shapes``) pixel-unshuffled ``downsample_factor`` x ``downsample_factor`` row-major: a
+  ``spatial_shapes / downsample_factor`` grid between ``<|image_start|>`` and ``<|image_end|>``. A tiled image (over
+  its budget: tiles and a thumbnail, each its own grid) gets no map.
 
 Other layouts (LLaVA-NeXT's and LLaVA-OneVision's any-resolution tiles with newline tokens, Idefics3's and SmolVLM's
 image splitting, InternVL's tiles followed by a thumbnail, each its own grid, Gemma 4's variable budgets) are not a
@@ -36,21 +42,15 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-# Ten anchor colours of matplotlib's viridis, interpolated to a 256-entry lookup table.
-_VIRIDIS = np.array([
-    (68, 1, 84), (72, 40, 120), (62, 74, 137), (49, 104, 142), (38, 130, 142),
-    (31, 158, 137), (53, 183, 121), (110, 206, 88), (181, 222, 43), (253, 231, 37),
-], dtype=np.float64)
-_LUT = np.stack([np.interp(np.linspace(0, 1, 256), np.linspace(0, 1, len(_VIRIDIS)), _VIRIDIS[:, c])
-                 for c in range(3)], axis=1).round().astype(np.uint8)
 _RESAMPLE = {"nearest": Image.Resampling.NEAREST, "bilinear": Image.Resampling.BILINEAR}
 _BAR = 18  # height of the title / caption bar and of the legend strip, in pixels
 
 
 def colormap(values: np.ndarray) -> np.ndarray:
-    """Viridis-like RGB (uint8, shape ``values.shape + (3,)``) of values in [0, 1] (clipped)."""
-    idx = (np.clip(np.nan_to_num(values, nan=0.0), 0.0, 1.0) * 255).round().astype(np.intp)
-    return _LUT[idx]
+    """matplotlib's viridis as RGB (uint8, shape ``values.shape + (3,)``) of values in [0, 1] (clipped; NaN as 0)."""
+    from matplotlib import colormaps  # here, not at the top: importing the trainer does not load matplotlib
+
+    return colormaps["viridis"](np.clip(np.nan_to_num(values, nan=0.0), 0.0, 1.0), bytes=True)[..., :3]
 
 
 def token_grid_hw(image_grid_thw: Sequence[int] | Any, merge_size: int = 2) -> tuple[int, int]:
@@ -254,6 +254,11 @@ def render_image_maps(images: Sequence[Image.Image], masses_per_image: Sequence[
 # ---------------------------------------------------------------------------------------------------
 # What a map is drawn from
 # ---------------------------------------------------------------------------------------------------
+# Processors that resize every image to one square and write ``image_seq_length`` tokens, a row-major grid: Gemma 3
+# (pooled patches; without pan-and-scan) and PaliGemma (every SigLIP patch a token).
+_SQUARE_GRID_PROCESSORS = ("Gemma3Processor", "PaliGemmaProcessor")
+
+
 def image_token_grids(processing_class, images: list) -> list[tuple[int, int]] | None:
     """The token grid (h, w) of each of a row's images, in order; None when the family's layout is not a single
     row-major grid per image (see the module docstring)."""
@@ -267,14 +272,27 @@ def image_token_grids(processing_class, images: list) -> list[tuple[int, int]] |
         sizes = image_processor(images=images, patch_size=side, return_tensors="pt")["image_sizes"]
         return [(int(h) // side, int(w) // side) for h, w in sizes]
     n = getattr(processing_class, "image_seq_length", None)
-    if type(processing_class).__name__ == "Gemma3Processor" and n and not getattr(image_processor, "do_pan_and_scan",
-                                                                                      False):
+    if (type(processing_class).__name__ in _SQUARE_GRID_PROCESSORS and n
+            and not getattr(image_processor, "do_pan_and_scan", False)):
         side = math.isqrt(int(n))
         if side * side == n:
             return [(side, side)] * len(images)
     if type(processing_class).__name__ == "LlavaProcessor":
         return _llava_grids(processing_class, image_processor, images)
+    if type(processing_class).__name__ == "Lfm2VlProcessor":
+        return _lfm2_vl_grids(image_processor, images)
     return None
+
+
+def _lfm2_vl_grids(image_processor, images: list) -> list[tuple[int, int]] | None:
+    """LFM2-VL: an image within its token budget is one view, its SigLIP2 patch grid (``spatial_shapes``)
+    pixel-unshuffled ``downsample_factor`` x ``downsample_factor`` row-major into its tokens. A larger one is cut into
+    tiles plus a thumbnail, each its own grid: no map for a row holding such an image (None)."""
+    info = image_processor(images=images, return_row_col_info=True, return_tensors="pt")
+    if (info["image_rows"] * info["image_cols"] != 1).any():
+        return None
+    factor = int(image_processor.downsample_factor)
+    return [(int(h) // factor, int(w) // factor) for h, w in info["spatial_shapes"]]
 
 
 def _llava_grids(processing_class, image_processor, images: list) -> list[tuple[int, int]] | None:

@@ -1,13 +1,21 @@
-"""Safe Markdown building blocks: cleaning, escaping, fences, tables, sparklines. Pure functions.
+"""Safe Markdown building blocks: cleaning, escaping, fences, code spans, tables, sparklines. Pure functions.
 
-Every piece of model- or data-provided text reaches a log file through exactly one of two doors:
+This module owns how text the writer did not write (model output, data, file and run names, exception messages)
+enters a Markdown file the project writes (the two live logs, profile.md, the model card): it stays text, whatever it
+holds. Every such piece goes through one of three doors:
 
 * ``fence(clean(text))`` for multi-line text (prompts, completions): a fenced code block whose fence is
   longer than any backtick run inside, so nothing in the text can close it, open HTML or make a heading;
-* ``escape_inline(text)`` for single cells and inline values: HTML-escaped, pipes escaped, newlines as
-  ``<br>``, so the value stays on one line inside its table row.
+* ``escape_inline(text)`` for single cells and inline values: HTML-escaped (``<``, ``>``, ``&``), Markdown-escaped (a
+  backslash before each character that could start an element: code span, emphasis, strikethrough, link, image,
+  table cell), what a GFM or linkify renderer links by itself broken up (``//`` as in ``scheme://``, ``www.``, an
+  ``@``), newlines as ``<br>``: the value stays on one line, inside its table row, as plain text;
+* ``code_span(text)`` for an inline value shown as code outside a table (a token, a file name): a backtick run longer
+  than any inside.
 
-The files are read raw (``tail -f``) as often as rendered, so escaping is kept minimal and readable.
+Markup the writer formats itself passes through tables as :class:`Markdown`. The files are read raw (``tail -f``)
+as often as rendered, so escaping is kept readable: a ``_`` inside a word (``mc_idx_reward``), which can never start
+emphasis, is left alone.
 """
 
 from __future__ import annotations
@@ -26,6 +34,14 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 # Bidirectional overrides/isolates: invisible, and they reorder how the raw log reads in a terminal.
 _BIDI = re.compile(r"[\u202a-\u202e\u2066-\u2069]")
 _BACKTICK_RUN = re.compile(r"`+")
+# Characters that can open an inline element or end a table cell: escaped with a backslash (the backslash first).
+_MD_SPECIAL = re.compile(r"[\\`*\[\]~|]")
+# "_" opens or closes emphasis only at a word's edge (CommonMark's flanking rules): inside a word it stays as it is.
+_EDGE_UNDERSCORE = re.compile(r"(?<![^\W_])_|_(?![^\W_])")
+# What renderers link without any markup (GFM's autolink extension, markdown-it's linkify): "scheme://" and a bare
+# "//host" (linkify's protocol-relative links), "www." at a word start, an e-mail's "@". An escape splits the text
+# there, so neither sees a link.
+_AUTOLINK = re.compile(r"//|(?<![^\W_])(www)\.|@", re.IGNORECASE)
 _FENCE_OPEN = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
 
 
@@ -68,18 +84,44 @@ def fence(text: str, info: str = "") -> str:
 
 
 def escape_inline(text: Any) -> str:
-    """One-line, table-safe text: ``<``, ``>``, ``&`` HTML-escaped, ``|`` escaped, newlines as ``<br>``.
+    """One-line, table-safe plain text: no element, image or link can come out of it but the ``<br>`` of its newlines.
 
-    Backslashes right before a pipe are doubled so the pipe's own escape cannot be cancelled.
+    ``<``, ``>``, ``&`` HTML-escaped; a backslash before every backslash, backtick, ``*``, ``[``, ``]``, ``~`` and
+    ``|`` and before a ``_`` at a word's edge; ``//`` written ``\\/\\/``, a word-initial ``www.`` as ``www\\.``
+    and ``@`` as ``\\@`` (so no renderer links them by itself); tabs as spaces, newlines as ``<br>``.
 
     >>> escape_inline("a|b <i>\\nc")
     'a\\\\|b &lt;i&gt;<br>c'
+    >>> print(escape_inline("![x](https://h/t.png) `code` *em* __init__ mc_idx_reward"))
+    !\\[x\\](https:\\/\\/h/t.png) \\`code\\` \\*em\\* \\_\\_init\\_\\_ mc_idx_reward
     """
-    text = clean(text)
-    text = html.escape(text, quote=False)
-    text = re.sub(r"(\\*)\|", lambda m: m.group(1) * 2 + "\\|", text)
-    text = text.replace("\t", " ").replace("\n", "<br>")
-    return text
+    text = html.escape(clean(text), quote=False)
+    text = _MD_SPECIAL.sub(lambda m: "\\" + m.group(0), text)
+    text = _EDGE_UNDERSCORE.sub(r"\\_", text)
+    text = _AUTOLINK.sub(lambda m: "\\/\\/" if m.group(0) == "//" else "\\@" if m.group(0) == "@"
+                         else m.group(1) + "\\.", text)
+    return text.replace("\t", " ").replace("\n", "<br>")
+
+
+def code_span(text: Any) -> str:
+    """``text`` as inline code it cannot close: a backtick run longer than any inside, a space of padding where the text
+    starts or ends with a backtick (CommonMark strips it again). For a line, not a table cell (a ``|`` there still ends
+    the cell: use :func:`escape_inline`). Newlines become spaces, as a code span shows them; "" for no text.
+
+    >>> code_span("red"), code_span("`"), code_span("a `` b")
+    ('`red`', '`` ` ``', '```a `` b```')
+    """
+    text = clean(text).replace("\n", " ")
+    if not text:
+        return ""
+    ticks = "`" * (max((len(m) for m in _BACKTICK_RUN.findall(text)), default=0) + 1)
+    pad = " " if text[0] == "`" or text[-1] == "`" or (text[0] == text[-1] == " " and text.strip()) else ""
+    return f"{ticks}{pad}{text}{pad}{ticks}"
+
+
+class Markdown(str):
+    """Markup the writer formatted itself (``"**total (weighted)**"``): :func:`format_value`, hence :func:`md_table`,
+    puts it in as it is. Never wrap text that came from a model or the data in it."""
 
 
 def format_value(value: Any) -> str:
@@ -90,6 +132,8 @@ def format_value(value: Any) -> str:
     """
     if value is None:
         return MISSING
+    if isinstance(value, Markdown):
+        return value
     if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 0) == 0:
         value = value.item()  # numpy / torch scalars
     if isinstance(value, bool):

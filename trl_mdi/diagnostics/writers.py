@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from .log_file import StepLogFile
-from .markdown import clean, escape_inline, fence, format_value, md_table, trend_line
+from .markdown import Markdown, clean, code_span, escape_inline, fence, format_value, md_table, trend_line
 
 if TYPE_CHECKING:
     from ..signals import Signal
@@ -259,7 +259,7 @@ class RolloutLogWriter(StepLogFile):
         text = clean(message_text(r.get("completion")))
         length = f"{len(text)} chars" + (f", {r['completion_length']} tokens" if "completion_length" in r else "")
         rewards = r.get("rewards") or {}
-        table = [[n, rewards.get(n)] for n in names] + [["**total (weighted)**", r.get("reward")],
+        table = [[n, rewards.get(n)] for n in names] + [[Markdown("**total (weighted)**"), r.get("reward")],
                                                         ["advantage", r.get("advantage")]]
         out = [title, "", f"**Prompt** · {len(sizes)} image(s)", "", fence(prompt, "text"),
                f"**Completion** · {length}", "", fence(clean(text, self.preview_chars), "text")]
@@ -405,8 +405,14 @@ def marked_completion(evidence: dict, *, markdown: bool = True) -> str:
     image-evidence line without its label); the plain completion when no token is marked. ``markdown=False``: the
     tokens' own text, unescaped (the completions table's ``image_evidence`` cell, read in pandas and the trackers).
 
+    Consecutive marked tokens share one bold span, and the text between them is escaped as a whole
+    (``trl_mdi.diagnostics.markdown.escape_inline``), so a link split over two tokens is still no link. A span that
+    starts or ends with punctuation is bold in HTML (``<b>``): Markdown's ``**`` would not open after a letter there.
+
     >>> marked_completion({"tokens": [" the", " shape", " is", " red"], "marked": [3], "gains": [4.41]})
     'the shape is **red** · `red` +4.41'
+    >>> marked_completion({"tokens": [" it", " is", "<", "b", ">"], "marked": [2, 3, 4], "gains": [1.0, 2.0, 3.0]})
+    'it is<b>&lt;b&gt;</b> · `<` +1 · `b` +2 · `>` +3'
     >>> marked_completion({"tokens": ["<b>", "\\n", "A"], "marked": [2], "gains": [2.0]}, markdown=False)
     '<b>\\n**A** · `A` +2'
     >>> marked_completion({"tokens": [" a", " tomato"], "marked": [], "gains": []})
@@ -414,14 +420,29 @@ def marked_completion(evidence: dict, *, markdown: bool = True) -> str:
     """
     esc = escape_inline if markdown else str
     marked = set(evidence["marked"])
-    # keep the space before a marked word outside the bold, as Markdown needs
-    text = "".join(f" **{esc(t.strip())}**" if i in marked and t.startswith(" ") and t.strip()
-                   else (f"**{esc(t.strip())}**" if i in marked and t.strip() else esc(t))
-                   for i, t in enumerate(evidence["tokens"]))
+    runs: list[tuple[bool, str]] = []  # (marked, text) of consecutive tokens alike
+    for i, t in enumerate(evidence["tokens"]):
+        if runs and runs[-1][0] == (i in marked):
+            runs[-1] = (runs[-1][0], runs[-1][1] + t)
+        else:
+            runs.append((i in marked, t))
+    parts = []
+    for is_marked, t in runs:
+        body = t.strip()
+        if not (is_marked and body):
+            parts.append(esc(t))
+            continue
+        lead, trail = t[: len(t) - len(t.lstrip())], t[len(t.rstrip()):]  # spaces stay outside the bold
+        shown = esc(body)
+        bold = f"**{shown}**" if not markdown or (body[0].isalnum() and body[-1].isalnum()) else f"<b>{shown}</b>"
+        parts.append(esc(lead) + bold + esc(trail))
+    text = "".join(parts)
     if not marked:
         return text.strip()
-    gains = " · ".join(f"`{esc(evidence['tokens'][i]).strip()}` {g:+.3g}"
-                       for i, g in zip(evidence["marked"], evidence["gains"]))
+    # Each marked token as code: a code span longer than any backtick run in it (a lone "`" token would otherwise
+    # close the span and garble the line); the unescaped text when the cell is not Markdown.
+    show = (lambda t: code_span(t.strip() or repr(t))) if markdown else (lambda t: f"`{t.strip()}`")
+    gains = " · ".join(f"{show(evidence['tokens'][i])} {g:+.3g}" for i, g in zip(evidence["marked"], evidence["gains"]))
     return f"{text.strip()} · {gains}"
 
 
@@ -430,7 +451,7 @@ def perception_strip_lines(strip: dict, top: int = 5) -> list[str]:
     tokens, scores, kept = strip["tokens"], strip["scores"], strip["kept"]
     marked = "".join(f"⟦{t}⟧" if k else t for t, k in zip(tokens, kept))
     best = sorted(range(len(tokens)), key=lambda i: -scores[i])[:top]
-    ranked = " · ".join(f"`{escape_inline(tokens[i]).strip() or repr(tokens[i])}` {format_value(scores[i])}" for i in best)
+    ranked = " · ".join(f"{code_span(tokens[i].strip() or repr(tokens[i]))} {format_value(scores[i])}" for i in best)
     head = (f"**Perception ({strip['signal']})** · ⟦kept⟧ = each completion's top {strip['top_p']:.0%} of tokens, "
             f"{sum(kept)} of {len(tokens)}")
     return [head, "", fence(clean(marked), "text"), f"Highest: {ranked}", ""]

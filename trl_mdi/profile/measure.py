@@ -18,7 +18,7 @@ from ..attention import ModalityAttention, measure_modality_attention
 from ..attention.model_facts import model_facts
 from ..batch import completion_mask_until_eos, encode_prompts, eos_token_ids, pad_rows, policy_batch
 from ..data import DatasetError
-from ..data.images import decode_row_images, row_images
+from ..data.images import ProcessorImageCheck, decode_row_images, row_images
 
 
 @dataclasses.dataclass
@@ -73,8 +73,11 @@ def measure_batch(model, processor, rows: list[dict], *, max_new_tokens: int, qu
     tok = getattr(processor, "tokenizer", processor)
     eos = eos_token_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-    prompt_ids, fields = encode_prompts(processor, [r["prompt"] for r in rows], [row_images(r) for r in rows])
-    prompt = policy_batch(prompt_ids, [[] for _ in rows], pad_token_id=pad, multimodal=fields, device=model.device)
+    facts = model_facts(model.config)
+    prompt_ids, fields = encode_prompts(processor, [r["prompt"] for r in rows], [row_images(r) for r in rows],
+                                        facts=facts)
+    prompt = policy_batch(prompt_ids, [[] for _ in rows], pad_token_id=pad, multimodal=fields, device=model.device,
+                          facts=facts)
     if query_phase == "prompt":  # the prompt's queries never see a completion (causal): none is generated
         batch = prompt
     else:
@@ -83,12 +86,12 @@ def measure_batch(model, processor, rows: list[dict], *, max_new_tokens: int, qu
             completion, c_mask = pad_rows(completion, pad, "right")
         else:
             out = model.generate(**prompt.model_inputs(), max_new_tokens=max_new_tokens, do_sample=False,
-                                 suppress_tokens=list(model_facts(model.config).image_token_ids), pad_token_id=pad,
+                                 suppress_tokens=list(facts.image_token_ids), pad_token_id=pad,
                                  eos_token_id=eos, temperature=None, top_p=None, top_k=None)
             completion = out[:, prompt.input_ids.shape[1]:]
             c_mask = completion_mask_until_eos(completion, eos)
         batch = policy_batch(prompt.input_ids, completion, prompt_mask=prompt.attention_mask, completion_mask=c_mask,
-                             pad_token_id=pad, multimodal=fields, device=model.device)
+                             pad_token_id=pad, multimodal=fields, device=model.device, facts=facts)
     result = measure_modality_attention(model, **batch.probe_inputs(), query_phase=query_phase)
     texts = [""] * len(rows)
     if batch.logits_to_keep:
@@ -107,9 +110,10 @@ def measure_rows(model, processor, dataset, *, batch_size: int = 8, max_new_toke
     start = time.perf_counter()
     parts, kept, texts, skipped = [], [], [], {}
     n = dataset.num_rows
+    check = ProcessorImageCheck(processor)
     for lo in tqdm(range(0, n, batch_size), desc=desc, unit="batch", disable=not progress):
         rows = [dataset[i] for i in range(lo, min(lo + batch_size, n))]
-        errors = decode_row_images(rows)
+        errors = decode_row_images(rows, check=check)  # unreadable, or refused by the processor
         skipped.update({lo + i: e for i, e in errors.items()})
         keep = [i for i in range(len(rows)) if i not in errors]
         if not keep:

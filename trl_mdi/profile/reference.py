@@ -38,7 +38,7 @@ import torch
 
 from ..answer_format import DEFAULT_ANSWER_PATTERN
 from ..answer_tokens import LETTERS, answer_tokens
-from ..attention.model_facts import unwrap_model
+from ..attention.model_facts import model_facts, unwrap_model
 from ..attention.model_parts import choice_logits, hidden_states_at
 from ..batch import (
     PolicyBatch,
@@ -100,11 +100,13 @@ def _pad_id(model, tok) -> int:
     return tok.pad_token_id if tok.pad_token_id is not None else eos_token_ids(model, tok)[0]
 
 
-def _layout(processor, prompts: list[list[dict]], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-            pad: int, device) -> PolicyBatch:
-    prompt_ids, fields = encode_prompts(processor, prompts)  # images already in the messages
+def _layout(model, processor, prompts: list[list[dict]], completion_ids: torch.Tensor,
+            completion_mask: torch.Tensor, pad: int) -> PolicyBatch:
+    """Prompt + completion laid out as the trainer lays them out for this model's family."""
+    facts = model_facts(unwrap_model(model).config)
+    prompt_ids, fields = encode_prompts(processor, prompts, facts=facts)  # images already in the messages
     return policy_batch(prompt_ids, completion_ids, completion_mask=completion_mask, pad_token_id=pad,
-                        multimodal=fields, device=device)
+                        multimodal=fields, device=model.device, facts=facts)
 
 
 @torch.no_grad()
@@ -156,10 +158,9 @@ def _signals(model, processor, prompts, images, completion_ids, kinds: Sequence[
     if len(rows) != b:
         raise ValueError(f"rows has {len(rows)} entries for {b} rollouts")
     choices = list(choices) if choices is not None else [None] * b
-    device = model.device
     has_image = torch.tensor([len(imgs) > 0 for imgs in images], dtype=torch.bool)
 
-    batch = _layout(processor, prompts, ids, mask, pad, device)
+    batch = _layout(model, processor, prompts, ids, mask, pad)
     _, logps = completion_logits(model, batch, temperature)
     c_mask = batch.completion_mask[:, -batch.logits_to_keep:]
     answers = answer_tokens(tok, batch.completion_ids.cpu(), c_mask.cpu(), choices, answer_pattern)
@@ -177,7 +178,7 @@ def _signals(model, processor, prompts, images, completion_ids, kinds: Sequence[
     for kind in kinds:
         cf_prompts = _counterfactual(prompts, images, kind, seed=seed, step=step, rows=rows,
                                      perturbation=perturbation or {})
-        cf_batch = _layout(processor, cf_prompts, ids, mask, pad, device)
+        cf_batch = _layout(model, processor, cf_prompts, ids, mask, pad)
         # The choice letters' logits as the trainer reads them (one function, ``choice_logits``): the backbone's
         # hidden state where the answer letter was chosen, through the LM head's rows of the letters. The log-probs
         # stay those of the plain forward's full logits: the independent reference for the trainer's.
@@ -301,17 +302,17 @@ def generate_completions(model, processor, prompts: list[list[dict]], *, images:
     vocabulary (top_k 0, top_p 1, as GRPOConfig's defaults); image tokens suppressed, as GRPOTrainer generates.
     ``prompts`` are chat messages with their images inserted, or plain ones with ``images`` (one list per prompt,
     inserted as GRPOTrainer inserts them). The mask ends each completion at its first end token."""
-    from ..attention.model_facts import model_facts
-
     tok = getattr(processor, "tokenizer", processor)
     eos = eos_token_ids(model, tok)
     pad = _pad_id(model, tok)
-    prompt_ids, fields = encode_prompts(processor, prompts, images=images)
-    prompt = policy_batch(prompt_ids, [[] for _ in prompts], pad_token_id=pad, multimodal=fields, device=model.device)
+    facts = model_facts(unwrap_model(model).config)
+    prompt_ids, fields = encode_prompts(processor, prompts, images=images, facts=facts)
+    prompt = policy_batch(prompt_ids, [[] for _ in prompts], pad_token_id=pad, multimodal=fields, device=model.device,
+                          facts=facts)
     how = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else \
         dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     out = model.generate(**prompt.model_inputs(), max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos,
-                         suppress_tokens=list(model_facts(model.config).image_token_ids), **how)
+                         suppress_tokens=list(facts.image_token_ids), **how)
     completion = out[:, prompt.input_ids.shape[1]:].cpu()
     return completion, completion_mask_until_eos(completion, eos)
 
@@ -346,7 +347,7 @@ def measure_reliance(model, processor, dataset, kinds: Sequence[str] = ("black",
     """
     from tqdm.auto import tqdm
 
-    from ..data.images import decode_row_images, row_images
+    from ..data.images import ProcessorImageCheck, decode_row_images, row_images
 
     kinds = list(kinds)
     tok = getattr(processor, "tokenizer", processor)
@@ -357,9 +358,10 @@ def measure_reliance(model, processor, dataset, kinds: Sequence[str] = ("black",
     n = len(dataset)
     prompts_out, rollouts_out, skipped = [], [], {}
     data_labels = False
+    check = ProcessorImageCheck(processor)
     for lo in tqdm(range(0, n, batch_size), desc=desc, unit="batch", disable=not progress):
         rows = [dict(dataset[i]) for i in range(lo, min(lo + batch_size, n))]
-        errors = decode_row_images(rows)
+        errors = decode_row_images(rows, check=check)  # unreadable, or refused by the processor
         skipped.update({lo + i: e for i, e in errors.items()})
         keep = [i for i in range(len(rows)) if i not in errors]
         if not keep:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import signals as S
+from ..diagnostics.markdown import code_span, escape_inline
 from .reference import RelianceMeasurement
 from .validation import format_signal_table, label_agreement, prior_following, signal_table
 
@@ -158,7 +159,8 @@ def _f(value, spec: str = ".3f") -> str:
 def render_reliance(models: Sequence[Mapping[str, Any]], settings: Mapping[str, Any]) -> list[str]:
     """The section's Markdown lines: settings, a summary table over models and kinds, the pictures, and per model and
     kind the AUROC tables (``models``: the report's model entries, each with ``reliance["summary"]``)."""
-    entries = [(m["label"], m["reliance"]["summary"]) for m in models if m.get("reliance")]
+    # The labels are shown as text (trl_mdi.diagnostics.markdown), never as markup.
+    entries = [(escape_inline(m["label"]), m["reliance"]["summary"]) for m in models if m.get("reliance")]
     if not entries:
         return []
     kinds = settings["counterfactual_image"]
@@ -167,7 +169,7 @@ def render_reliance(models: Sequence[Mapping[str, Any]], settings: Mapping[str, 
     carried = {n for _, s in entries for k in s["kinds"].values() for n in k["means"]}
     names = [n for n in S.reliance_names() if n in carried]
     lines = ["## Reliance on the image", "",
-             f"Counterfactual image(s): {', '.join(f'`{k}`' for k in kinds)} (drawn with seed {settings['seed']}, "
+             f"Counterfactual image(s): {', '.join(code_span(k) for k in kinds)} (drawn with seed {settings['seed']}, "
              f"step 0, row = the row's index) · {first['rows_with_image']} rows with an image "
              f"({first['rows_with_gold']} with a gold answer) × (1 + {settings['samples_per_row']} sampled) rollouts · "
              "completions "
@@ -179,7 +181,7 @@ def render_reliance(models: Sequence[Mapping[str, Any]], settings: Mapping[str, 
              "|---|---|---:|---:|---:|---:|" + "---:|" * len(names)]
     for label, s in entries:
         for kind, k in s["kinds"].items():
-            lines.append(f"| {label} | `{kind}` | {_f(k['accuracy_image'])} | {_f(k['accuracy_counterfactual'])} | "
+            lines.append(f"| {label} | {code_span(kind)} | {_f(k['accuracy_image'])} | {_f(k['accuracy_counterfactual'])} | "
                          f"{_f(k['multimodal_gain'], '+.3f')} | {_f(k['same_answer_rate'])} | "
                          + " | ".join(_f(k["means"].get(n), _mean_format(n)) for n in names) + " |")
     mdi_names = list(first["attention_means"])
@@ -195,7 +197,7 @@ def render_reliance(models: Sequence[Mapping[str, Any]], settings: Mapping[str, 
         for kind, k in s["kinds"].items():
             if k["rule_table"] is None:
                 continue
-            lines += [f"### {label} · `{kind}`: which signal sees prior-following rollouts", "",
+            lines += [f"### {label} · {code_span(kind)}: which signal sees prior-following rollouts", "",
                       "Against the general rule (prior-following: the answer is the blind answer and not the gold one; "
                       "other: the gold answer):", "", format_signal_table(k["rule_table"]), ""]
             if k["data_table"] is not None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..attention.layer_stats import mass_curve, mdi_curve
+from ..diagnostics.markdown import code_span, escape_inline
 from ..diagnostics.plots import plot_mass_by_layer, plot_mdi_by_layer
 from . import reliance_report
 
@@ -54,7 +55,7 @@ def _metric_table(first: str, entries: list[tuple[str, dict]], extra: str | None
              "| AEI text | AEI image |",
              "|---:|" + ("---|" if extra else "") + "---|---|---|---:|---|---:|---:|---:|"]
     for name, r in entries:
-        cells = [name] + ([_span(r["layers"])] if extra else [])
+        cells = [escape_inline(name)] + ([_span(r["layers"])] if extra else [])
         cells += [_pm(r, "image"), _pm(r, "prompt_text"), _pm(r, "completion"), fmt(r["mdi"], "mdi"), _band(r),
                   str(r["rows_mdi_inf"]), fmt(r["aei_text"]), fmt(r["aei_image"])]
         lines.append("| " + " | ".join(cells) + " |")
@@ -73,8 +74,9 @@ def _model_section(m: dict) -> list[str]:
     measured = p["measured_layers"]
     layers_line = (f"{p['num_layers']} text layers, all measured" if len(measured) == p["num_layers"] else
                    f"{p['num_layers']} text layers, {len(measured)} measured (softmax attention): {_span(measured)}")
-    lines = [f"## {m['label']}", "",
-             f"`{m['model']}` · {m['model_type']} · {layers_line} · {rows['profiled']} rows profiled: "
+    # Labels, paths and the model's own text are shown as text (trl_mdi.diagnostics.markdown), never as markup.
+    lines = [f"## {escape_inline(m['label'])}", "",
+             f"{code_span(m['model'])} · {escape_inline(m['model_type'])} · {layers_line} · {rows['profiled']} rows profiled: "
              f"{rows['measured']} measured, {rows['without_image_tokens']} without image tokens (no MDI), "
              f"{rows['unmeasured']} without a measured query · {m['skipped']} skipped (image failed to decode) · "
              f"{m['seconds']:.1f} s", ""]
@@ -87,7 +89,7 @@ def _model_section(m: dict) -> list[str]:
     lines += _metric_table("segment", list(p["segments"].items()), extra="layers")
     example = next((r["completion"] for r in m["rows"] if r["completion"]), None)
     if example is not None:
-        lines += ["", f"First completion: `{example.strip()[:120]!r}`"]
+        lines += ["", f"First completion: {code_span(repr(example.strip()[:120]))}"]
     return lines + [""]
 
 
@@ -96,7 +98,9 @@ def _comparison(comparison: dict) -> list[str]:
         return []
     base = comparison["base"]
     lines = ["## Comparison", ""]
+    base = escape_inline(base)
     for label, c in comparison["models"].items():
+        label = escape_inline(label)
         lines += [f"### {label} against {base}", "",
                   f"Δ = {label} − {base} (masses); MDI ratio = {label} / {base} (below 1: {label} looks at the "
                   "image more, per token).", ""]
@@ -108,7 +112,7 @@ def _comparison(comparison: dict) -> list[str]:
             lines += [f"| {first} | Δ image mass | Δ prompt-text mass | Δ completion mass | MDI {base} | MDI {label} "
                       "| MDI ratio |", "|---:|---:|---:|---:|---:|---:|---:|"]
             for name, r in entries:
-                lines.append(f"| {name} | {fmt(r['image'], '+.3f')} | {fmt(r['prompt_text'], '+.3f')} | "
+                lines.append(f"| {escape_inline(name)} | {fmt(r['image'], '+.3f')} | {fmt(r['prompt_text'], '+.3f')} | "
                              f"{fmt(r['completion'], '+.3f')} | {fmt(r['mdi_base'], 'mdi')} | {fmt(r['mdi'], 'mdi')} | "
                              f"{fmt(r['mdi_ratio'], 'mdi')} |")
             lines.append("")
@@ -124,11 +128,11 @@ def render_markdown(report: dict[str, Any]) -> str:
            f"greedy completions of up to {s['max_new_tokens']} tokens" if s["query_phase"] == "completion" else
            "no completion needed")
     lines = ["# Attention profile by layer", "",
-             f"`python -m trl_mdi.profile` · data: {d['description']} · query phase: {s['query_phase']} ({how}) · "
+             f"`python -m trl_mdi.profile` · data: {escape_inline(d['description'])} · query phase: {s['query_phase']} ({how}) · "
              f"batch size {s['batch_size']} · seed {s['seed']} · device {s['device']}", ""]
     dropped = d["dropped"]
     if dropped or d["skipped_rows"]:
-        parts = [f"{n} {why} (dropped while preparing)" for why, n in sorted(dropped.items())]
+        parts = [f"{n} {escape_inline(why)} (dropped while preparing)" for why, n in sorted(dropped.items())]
         parts += [f"{d['skipped_rows']} image(s) that failed to decode (skipped)"] if d["skipped_rows"] else []
         lines += ["Rows left out: " + "; ".join(parts) + ".", ""]
     lines += ["![MDI by layer, one line per model](mdi_by_layer.png)", "",

@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from scipy import stats
 
 LOW, HIGH = "low", "high"
 """Directions: the signal's value at which a rollout is prior-following."""
@@ -106,16 +107,16 @@ def _paired(scores: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _average_ranks(x: np.ndarray) -> np.ndarray:
-    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
-    last = np.cumsum(counts)  # 1-based rank of the last member of each run of equal values
-    return (last - (counts - 1) / 2.0)[inverse]
+def _u_share(pos: np.ndarray, neg: np.ndarray, axis: int = -1) -> np.ndarray:
+    """The Mann-Whitney U of ``pos`` against ``neg`` over ``n_pos * n_neg``, along ``axis`` (batches broadcast)."""
+    u = stats.mannwhitneyu(pos, neg, axis=axis, method="asymptotic").statistic
+    return u / (pos.shape[axis] * neg.shape[axis])
 
 
 def auroc(scores: Any, labels: Any) -> float:
     """P(score of a random positive > score of a random negative), ties counting 1/2.
 
-    The Mann-Whitney U statistic over ``n_pos * n_neg``, from average ranks r:
+    The Mann-Whitney U statistic (``scipy.stats.mannwhitneyu``) over ``n_pos * n_neg``; from average ranks r,
     ``AUROC = (sum_{i positive} r_i - n_pos (n_pos + 1) / 2) / (n_pos n_neg)``. ``labels``: True = positive
     (prior-following); rollouts with a NaN score or an unknown label (None / NaN) are dropped. NaN when a class
     is empty.
@@ -126,11 +127,9 @@ def auroc(scores: Any, labels: Any) -> float:
     0.5
     """
     s, y = _paired(scores, labels)
-    n_pos, n_neg = int(y.sum()), int((~y).sum())
-    if n_pos == 0 or n_neg == 0:
+    if y.all() or not y.any():
         return math.nan
-    u = _average_ranks(s)[y].sum() - n_pos * (n_pos + 1) / 2.0
-    return float(u / (n_pos * n_neg))
+    return float(_u_share(s[y], s[~y]))
 
 
 def bootstrap_auroc(scores: Any, labels: Any, n_boot: int = 1000, seed: int = 0, level: float = 0.95, *,
@@ -145,16 +144,14 @@ def bootstrap_auroc(scores: Any, labels: Any, n_boot: int = 1000, seed: int = 0,
     and the negatives of another, a resample drawing prompt a ``w_a`` times has AUROC
     ``w' W w / ((w . n_pos) (w . n_neg))``. Same draws as ``prompt_bootstrap`` with the same seed.
 
-    Without ``prompt_ids``, each resample draws ``n_pos`` positives and ``n_neg`` negatives with replacement from
-    their own class (stratified, so both classes are always present and the class balance is fixed); the interval
-    is the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles (numpy's linear interpolation) of the resampled
-    AUROCs.
-    Deterministic per seed: ``rng = numpy.random.default_rng(seed)`` draws the positives' indices
-    ``rng.integers(0, n_pos, (n_boot, n_pos))`` first, then the negatives' likewise.
-
-    Vectorised: with the negatives sorted once, a resample's count of drawn negatives below (and tied with) each
-    positive is a cumulative sum of its draw counts, so no resample is ranked again: O(n_boot * n). NaN triple
-    when a class is empty.
+    Without ``prompt_ids``, ``scipy.stats.bootstrap`` (``method="percentile"``) over the two classes: each resample
+    draws ``n_pos`` positives and ``n_neg`` negatives with replacement from their own class (stratified, so both
+    classes are always present and the class balance is fixed); the interval is the ``(1 - level) / 2`` and
+    ``(1 + level) / 2`` quantiles (linear interpolation) of the resampled AUROCs. Deterministic per seed: with
+    ``rng = numpy.random.default_rng(seed)``, scipy draws the positives' indices ``rng.integers(0, n_pos, (n_boot,
+    n_pos))`` first, then the negatives' likewise. A class of one rollout is the same in every resample: it is
+    held fixed (scipy resamples only classes of two or more; numpy draws nothing for a class of one either). NaN
+    triple when a class is empty.
     """
     _check_resampling(n_boot, level)
     if prompt_ids is not None:
@@ -163,27 +160,21 @@ def bootstrap_auroc(scores: Any, labels: Any, n_boot: int = 1000, seed: int = 0,
         return auroc(s, y), low, high
     s, y = _paired(scores, labels)
     pos, neg = s[y], s[~y]
-    n_pos, n_neg = pos.size, neg.size
-    if n_pos == 0 or n_neg == 0:
+    if pos.size == 0 or neg.size == 0:
         return math.nan, math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    draw_pos = rng.integers(0, n_pos, (n_boot, n_pos))
-    draw_neg = rng.integers(0, n_neg, (n_boot, n_neg))
+    value = float(_u_share(pos, neg))
+    resampled = [c for c in (pos, neg) if c.size > 1]
+    if not resampled:
+        return value, value, value
 
-    order = np.argsort(neg, kind="stable")
-    neg_sorted = neg[order]
-    rank_of = np.empty(n_neg, dtype=np.int64)
-    rank_of[order] = np.arange(n_neg)
-    offsets = (np.arange(n_boot, dtype=np.int64) * n_neg)[:, None]
-    counts = np.bincount((rank_of[draw_neg] + offsets).ravel(), minlength=n_boot * n_neg).reshape(n_boot, n_neg)
-    below = np.zeros((n_boot, n_neg + 1), dtype=np.int64)  # below[b, k]: drawn negatives among the k smallest
-    np.cumsum(counts, axis=1, out=below[:, 1:])
-    lo = np.searchsorted(neg_sorted, pos, side="left")  # negatives strictly below each positive
-    hi = np.searchsorted(neg_sorted, pos, side="right")  # ... below or tied
-    per_pos = (below[:, lo] + below[:, hi]) / 2.0  # (n_boot, n_pos): wins + ties / 2 of each original positive
-    aucs = np.take_along_axis(per_pos, draw_pos, axis=1).sum(axis=1) / (n_pos * n_neg)
-    low, high = np.quantile(aucs, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
-    return auroc(s, y), float(low), float(high)
+    def statistic(*drawn: np.ndarray, axis: int = -1) -> np.ndarray:
+        drawn_pos = drawn[0] if pos.size > 1 else pos
+        drawn_neg = drawn[-1] if neg.size > 1 else neg
+        return _u_share(drawn_pos, drawn_neg, axis=axis)
+
+    ci = stats.bootstrap(resampled, statistic, n_resamples=n_boot, confidence_level=level, method="percentile",
+                         rng=np.random.default_rng(seed), vectorized=True).confidence_interval
+    return value, float(ci.low), float(ci.high)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -253,6 +244,9 @@ def prompt_bootstrap(statistic: Callable[..., Any], arrays: Sequence[Any], promp
     (2.0, 1.0, 3.0, 2)
 
     (Resampling the four rollouts instead would give means at 1.5 and 2.5 too, and a narrower interval.)
+
+    Why not a library: ``scipy.stats.bootstrap`` resamples observations, each sample's on its own or paired rows
+    across samples, never clusters of varying size; the rollout bootstrap of ``bootstrap_auroc`` is its.
     """
     _check_resampling(n_boot, level)
     cols = [_numpy(a) for a in arrays]

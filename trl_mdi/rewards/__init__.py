@@ -5,17 +5,21 @@ Every reward follows TRL's signature ``fn(completions, <named columns or trainer
 leaves it out of that reward). Completions may be strings or message lists
 ``[{"role": "assistant", "content": ...}]``; ``completion_text`` reads both.
 
-    name          function              needs                        returns
-    mc_idx        mc_idx_reward         dataset column label_idx     1 / 0, None without a label
-    think_format  think_format_reward   row choices (optional)       1 / 0: the asked format (answer_format)
-    think_format_lenient  think_format_lenient_reward  -             1 / 0: any text after </think>
-    mdi_balance   mdi_balance_reward    trainer field mdi_balance    2 * balance - 1 in [-1, 1]
-    mdi_group     mdi_group_reward      trainer field mdi_group_score  group-relative, in [-1, 1]
-    accuracy      accuracy_reward       dataset column solution      TRL's math-verify reward
-    answer_visual_gain  answer_visual_gain_reward  trainer field answer_visual_gain  clip(g, 0, 4) / 4
-    answer_visual_gain_group  ..._group_reward  trainer field answer_visual_gain_group_score  in [-1, 1]
-    visual_gain   visual_gain_reward    trainer field visual_gain    clip(g, 0, 0.5) / 0.5 (mean over the completion)
-    visual_gain_sum  visual_gain_sum_reward  trainer field visual_gain_sum  clip(g, 0, 4) / 4 (sum over it)
+One name per reward: the registry key is the function's ``__name__``, so config, YAML, logs and metrics
+(``rewards/<name>/mean``) all say the same.
+
+    name                      needs                                         returns
+    mc_idx                    dataset column label_idx                      1 / 0, None without a label
+    think_format              row choices (optional)                        1 / 0: the asked format (answer_format)
+    think_format_lenient      -                                             1 / 0: any text after </think>
+    mdi_balance               trainer field mdi_balance                     2 * balance - 1 in [-1, 1]
+    mdi_group                 trainer field mdi_group_score                 group-relative, in [-1, 1]
+    accuracy                  dataset column solution                       TRL's math-verify accuracy_reward
+    answer_visual_gain        trainer field answer_visual_gain              clip(g, 0, 4) / 4
+    answer_visual_gain_group  trainer field answer_visual_gain_group_score  group-relative, in [-1, 1]
+    visual_gain               trainer field visual_gain                     clip(g, 0, 0.5) / 0.5 (mean over it)
+    visual_gain_sum           trainer field visual_gain_sum                 clip(g, 0, 4) / 4 (sum over it)
+    guarded_visual_gain       trainer field visual_gain_max, label_idx      0, 1/3, 2/3, 1 (right and clean only)
 
 A reward states what it needs as named parameters without defaults; ``required_reward_inputs`` reads
 them from the signature, so a custom reward given by import path is checked the same way
@@ -30,7 +34,7 @@ the per-rollout fields the MDI rewards read (``mdi_balance``, ``mdi_group_score`
 
 Layout: ``parsing`` (completion text, answer letters), ``functions`` (the rewards), ``groups`` (group
 helpers), ``registry`` (names, defaults, resolution). Everything is re-exported here, so
-``trl_mdi.rewards.<name>`` and import paths such as ``"trl_mdi.rewards:mc_idx_reward"`` keep working.
+``trl_mdi.rewards.<name>`` and import paths such as ``"trl_mdi.rewards:mc_idx"`` work.
 """
 
 from .functions import (
@@ -39,19 +43,19 @@ from .functions import (
     VISUAL_GAIN_SUM_CLIP,
     GuardedVisualGainReward,
     ThinkFormatReward,
-    accuracy_reward,
-    answer_visual_gain_group_reward,
-    answer_visual_gain_reward,
+    accuracy,
+    answer_visual_gain,
+    answer_visual_gain_group,
     bind_think_format,
-    guarded_visual_gain_reward,
-    mc_idx_reward,
-    mdi_balance_reward,
-    mdi_group_reward,
+    guarded_visual_gain,
+    mc_idx,
+    mdi_balance,
+    mdi_group,
     parse_mc_answer,
-    think_format_lenient_reward,
-    think_format_reward,
-    visual_gain_reward,
-    visual_gain_sum_reward,
+    think_format,
+    think_format_lenient,
+    visual_gain,
+    visual_gain_sum,
 )
 from .groups import zero_spread_fraction
 from .outcomes import RewardTally, count_outcomes, outcome_metrics
@@ -79,23 +83,23 @@ __all__ = [
     "ANSWER_GAIN_CLIP",
     "VISUAL_GAIN_CLIP",
     "VISUAL_GAIN_SUM_CLIP",
-    "visual_gain_reward",
-    "visual_gain_sum_reward",
+    "visual_gain",
+    "visual_gain_sum",
     "GuardedVisualGainReward",
-    "guarded_visual_gain_reward",
-    "accuracy_reward",
-    "answer_visual_gain_group_reward",
-    "answer_visual_gain_reward",
+    "guarded_visual_gain",
+    "accuracy",
+    "answer_visual_gain_group",
+    "answer_visual_gain",
     "completion_text",
     "extract_choice_letter",
-    "mc_idx_reward",
-    "mdi_balance_reward",
-    "mdi_group_reward",
+    "mc_idx",
+    "mdi_balance",
+    "mdi_group",
     "required_reward_inputs",
     "resolve_rewards",
     "reward_help",
-    "think_format_reward",
-    "think_format_lenient_reward",
+    "think_format",
+    "think_format_lenient",
     "ThinkFormatReward",
     "bind_think_format",
     "parse_mc_answer",

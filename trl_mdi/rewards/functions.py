@@ -1,6 +1,6 @@
-"""The reward functions: ``mc_idx_reward``, ``think_format_reward``, ``mdi_balance_reward``, ``mdi_group_reward``,
-the reliance rewards (``visual_gain_reward`` and its forms, ``guarded_visual_gain_reward``) and TRL's
-``accuracy_reward`` (re-exported)."""
+"""The reward functions: ``mc_idx``, ``think_format``, ``mdi_balance``, ``mdi_group``, the reliance rewards
+(``visual_gain`` and its forms, ``guarded_visual_gain``) and ``accuracy`` (TRL's ``accuracy_reward``). Each is named
+by its registry name: TRL logs a reward under its ``__name__`` (``rewards/<name>/mean``)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from trl.rewards import accuracy_reward
 from ..answer_format import DEFAULT_ANSWER_PATTERN, clean_format, compile_answer_pattern, hedged_letters
 from .parsing import LETTERS, completion_text, extract_choice_letter
 
-__all__ = ["GuardedVisualGainReward", "ThinkFormatReward", "accuracy_reward", "guarded_visual_gain_reward", "bind_think_format", "parse_mc_answer", "mc_idx_reward", "mdi_balance_reward", "mdi_group_reward",
-           "think_format_lenient_reward", "think_format_reward"]
+__all__ = ["GuardedVisualGainReward", "ThinkFormatReward", "accuracy", "guarded_visual_gain", "bind_think_format", "parse_mc_answer", "mc_idx", "mdi_balance", "mdi_group",
+           "think_format_lenient", "think_format"]
 
 
 def _label_index(label: Any) -> int | None:
@@ -50,7 +50,7 @@ def parse_mc_answer(text: str, num_choices: int = 10) -> tuple[str | None, str |
     return letter, letter
 
 
-def mc_idx_reward(
+def mc_idx(
     completions: list,
     label_idx: list,
     choices: list | None = None,
@@ -68,7 +68,7 @@ def mc_idx_reward(
     A label outside the allowed letters is a data error and raises ValueError. Inside the trainer, the
     parsed letters go to the completions table as column "parsed_choice".
 
-    >>> mc_idx_reward(["Answer: B", [{"role": "assistant", "content": "I'd say A."}], "B", "Answer: A or B"],
+    >>> mc_idx(["Answer: B", [{"role": "assistant", "content": "I'd say A."}], "B", "Answer: A or B"],
     ...               [1, 1, None, 1])
     [1.0, 0.0, None, 0.0]
     """
@@ -124,7 +124,7 @@ class ThinkFormatReward:
 
     answer_pattern: str = DEFAULT_ANSWER_PATTERN
     think_prefilled: bool = False
-    __name__ = "think_format_reward"  # TRL logs rewards/<__name__>/...
+    __name__ = "think_format"  # TRL logs rewards/<__name__>/...
 
     def __post_init__(self):
         compile_answer_pattern(self.answer_pattern)  # a bad pattern fails at construction
@@ -136,7 +136,7 @@ class ThinkFormatReward:
                 for c, ch in zip(completions, rows)]
 
 
-think_format_reward = ThinkFormatReward()
+think_format = ThinkFormatReward()
 
 
 def bind_think_format(reward_funcs: list, **settings) -> list:
@@ -147,14 +147,14 @@ def bind_think_format(reward_funcs: list, **settings) -> list:
     return [dataclasses.replace(f, **settings) if isinstance(f, bound) else f for f in reward_funcs]
 
 
-def think_format_lenient_reward(completions: list, **kwargs) -> list[float]:
+def think_format_lenient(completions: list, **kwargs) -> list[float]:
     """Lenient think format: 1.0 for one non-empty <think>...</think> block followed by any non-empty text.
 
     The completion must open with ``<think>`` (leading whitespace allowed), hold exactly one ``<think>`` and one
     ``</think>``, some reasoning between them and some answer text after them. It pays for answers in any shape
     (``Answer" A`` included): use ``think_format`` (the default) unless a free-form answer is wanted.
 
-    >>> think_format_lenient_reward(["<think>It is red.</think>Answer: A", "<think></think>Answer: A",
+    >>> think_format_lenient(["<think>It is red.</think>Answer: A", "<think></think>Answer: A",
     ...                              [{"role": "assistant", "content": "Answer: A"}]])
     [1.0, 0.0, 0.0]
     """
@@ -173,6 +173,15 @@ def think_format_lenient_reward(completions: list, **kwargs) -> list[float]:
     return rewards
 
 
+def accuracy(completions: list, solution: list, **kwargs) -> list[float | None]:
+    """Math accuracy: TRL's ``accuracy_reward`` (math-verify: 1.0 when the answer equals ``solution``), None where the
+    gold answer does not parse.
+
+    Under the registry's name: TRL's function is named ``accuracy_reward``, and TRL logs a reward by its name.
+    """
+    return accuracy_reward(completions, solution, **kwargs)
+
+
 # ---------------------------------------------------------------------------------------------------
 # MDI rewards
 # ---------------------------------------------------------------------------------------------------
@@ -185,15 +194,15 @@ def _optional_float(value: Any) -> float | None:
     return None if math.isnan(value) else value
 
 
-def mdi_balance_reward(completions: list, mdi_balance: list, **kwargs) -> list[float | None]:
-    """MDI balance (product brief): 2 * balance - 1, with balance = clip(1 - |log MDI| / log R, 0, 1).
+def mdi_balance(completions: list, mdi_balance: list, **kwargs) -> list[float | None]:
+    """MDI balance: 2 * balance - 1, with balance = clip(1 - |log MDI| / log R, 0, 1) (docs/rewards.md).
 
     ``mdi_balance`` is computed per rollout by the trainer (``trl_mdi.attention.metrics.mdi_balance``) and
     passed as a list of float or None; None or NaN (no image tokens, hence no MDI) stays None.
     Balance is 0 for every MDI outside (1/R, R), so with typical MDI of 5-17 this reward is -1 for the
-    whole group and carries no GRPO signal; see ``mdi_group_reward``.
+    whole group and carries no GRPO signal; see ``mdi_group``.
 
-    >>> mdi_balance_reward(["a", "b", "c"], [1.0, 0.0, None])
+    >>> mdi_balance(["a", "b", "c"], [1.0, 0.0, None])
     [1.0, -1.0, None]
     """
     if len(mdi_balance) != len(completions):
@@ -205,10 +214,10 @@ def mdi_balance_reward(completions: list, mdi_balance: list, **kwargs) -> list[f
     return out
 
 
-def mdi_group_reward(completions: list, mdi_group_score: list, **kwargs) -> list[float | None]:
+def mdi_group(completions: list, mdi_group_score: list, **kwargs) -> list[float | None]:
     """Group-relative MDI balance: the trainer's group_relative_mdi_score, in [-1, 1], None when NaN.
 
-    >>> mdi_group_reward(["a", "b", "c"], [1.0, -1.0, float("nan")])
+    >>> mdi_group(["a", "b", "c"], [1.0, -1.0, float("nan")])
     [1.0, -1.0, None]
     """
     if len(mdi_group_score) != len(completions):
@@ -219,7 +228,7 @@ def mdi_group_reward(completions: list, mdi_group_score: list, **kwargs) -> list
 
 
 ANSWER_GAIN_CLIP = 4.0
-"""G of ``answer_visual_gain_reward``: gains are paid up to G nats (a 55-fold likelier answer with the image)."""
+"""G of ``answer_visual_gain``: gains are paid up to G nats (a 55-fold likelier answer with the image)."""
 
 
 def _clipped_gain(completions: list, values: list, clip: float, name: str) -> list[float | None]:
@@ -232,7 +241,7 @@ def _clipped_gain(completions: list, values: list, clip: float, name: str) -> li
     return out
 
 
-def answer_visual_gain_reward(completions: list, answer_visual_gain: list, **kwargs) -> list[float | None]:
+def answer_visual_gain(completions: list, answer_visual_gain: list, **kwargs) -> list[float | None]:
     """Pays the answer's visual gain: ``clip(g, 0, G) / G`` with ``g = log p(answer | I) - log p(answer | I')``
     (the trainer's ``answer_visual_gain``, summed over the answer letter's tokens, in nats) and ``G =
     ANSWER_GAIN_CLIP``; None where the rollout has no answer line or no image.
@@ -243,50 +252,50 @@ def answer_visual_gain_reward(completions: list, answer_visual_gain: list, **kwa
     watch ``reliance/answer_rate``, the completion entropy and the clip ratio for the failure's early signs
     (docs/reliance.md).
 
-    >>> answer_visual_gain_reward(["a", "b", "c", "d"], [2.0, -1.0, 9.0, None])
+    >>> answer_visual_gain(["a", "b", "c", "d"], [2.0, -1.0, 9.0, None])
     [0.5, 0.0, 1.0, None]
     """
     return _clipped_gain(completions, answer_visual_gain, ANSWER_GAIN_CLIP, "answer_visual_gain")
 
 
 VISUAL_GAIN_CLIP = 0.5
-"""G of ``visual_gain_reward`` (nats per completion token)."""
+"""G of ``visual_gain`` (nats per completion token)."""
 
 VISUAL_GAIN_SUM_CLIP = 4.0
-"""G of ``visual_gain_sum_reward`` (nats over the completion)."""
+"""G of ``visual_gain_sum`` (nats over the completion)."""
 
 
-def visual_gain_reward(completions: list, visual_gain: list, **kwargs) -> list[float | None]:
+def visual_gain(completions: list, visual_gain: list, **kwargs) -> list[float | None]:
     """Pays the completion's visual gain: ``clip(g, 0, G) / G`` with ``g`` the trainer's ``visual_gain``, the mean
     over completion tokens of ``log p(y_t | I) - log p(y_t | I')`` (nats per token), ``G = VISUAL_GAIN_CLIP``; None
     without an image. Unlike ``answer_visual_gain`` it sees the image's evidence where a chain of thought takes it in
     (a colour read off the image), not only at the answer letter, which follows the chain in both passes. Clipped
-    for the reason ``answer_visual_gain_reward`` gives (docs/reliance.md).
+    for the reason ``answer_visual_gain`` gives (docs/reliance.md).
 
-    >>> visual_gain_reward(["a", "b", "c", "d"], [0.25, -0.1, 3.0, None])
+    >>> visual_gain(["a", "b", "c", "d"], [0.25, -0.1, 3.0, None])
     [0.5, 0.0, 1.0, None]
     """
     return _clipped_gain(completions, visual_gain, VISUAL_GAIN_CLIP, "visual_gain")
 
 
-def visual_gain_sum_reward(completions: list, visual_gain_sum: list, **kwargs) -> list[float | None]:
-    """The sum form of ``visual_gain_reward``: ``clip(g, 0, G) / G`` with ``g`` the trainer's ``visual_gain_sum``
+def visual_gain_sum(completions: list, visual_gain_sum: list, **kwargs) -> list[float | None]:
+    """The sum form of ``visual_gain``: ``clip(g, 0, G) / G`` with ``g`` the trainer's ``visual_gain_sum``
     (nats over the completion), ``G = VISUAL_GAIN_SUM_CLIP``: a long chain that reads the image once is not diluted,
     but a longer chain can also collect more.
 
-    >>> visual_gain_sum_reward(["a", "b"], [2.0, None])
+    >>> visual_gain_sum(["a", "b"], [2.0, None])
     [0.5, None]
     """
     return _clipped_gain(completions, visual_gain_sum, VISUAL_GAIN_SUM_CLIP, "visual_gain_sum")
 
 
-def answer_visual_gain_group_reward(completions: list, answer_visual_gain_group_score: list,
+def answer_visual_gain_group(completions: list, answer_visual_gain_group_score: list,
                                     **kwargs) -> list[float | None]:
     """Group-relative answer visual gain: the rank of ``answer_visual_gain`` inside the prompt's group, in [-1, 1]
     (the trainer's ``answer_visual_gain_group_score``, ranked over the group gathered from every process; the
     largest gain gets 1), None where undefined. Only the order counts, so weight it as ``mdi_group``.
 
-    >>> answer_visual_gain_group_reward(["a", "b"], [1.0, float("nan")])
+    >>> answer_visual_gain_group(["a", "b"], [1.0, float("nan")])
     [1.0, None]
     """
     if len(answer_visual_gain_group_score) != len(completions):
@@ -351,7 +360,7 @@ class GuardedVisualGainReward:
     steps: int = 3
     answer_pattern: str = DEFAULT_ANSWER_PATTERN
     think_prefilled: bool = False
-    __name__ = "guarded_visual_gain_reward"  # TRL logs rewards/<__name__>/...
+    __name__ = "guarded_visual_gain"  # TRL logs rewards/<__name__>/...
 
     def __post_init__(self):
         if not (math.isfinite(self.dead_zone) and math.isfinite(self.saturation)) or not (
@@ -379,7 +388,7 @@ class GuardedVisualGainReward:
                  **kwargs) -> list[float | None]:
         if len(visual_gain_max) != len(completions):
             raise ValueError(f"got {len(completions)} completions but {len(visual_gain_max)} visual_gain_max values")
-        right = mc_idx_reward(completions, label_idx, choices=choices)
+        right = mc_idx(completions, label_idx, choices=choices)
         clean = ThinkFormatReward(self.answer_pattern, self.think_prefilled)(completions, choices=choices)
         out: list[float | None] = []
         for answer, form, value in zip(right, clean, visual_gain_max):
@@ -393,4 +402,4 @@ class GuardedVisualGainReward:
         return out
 
 
-guarded_visual_gain_reward = GuardedVisualGainReward()
+guarded_visual_gain = GuardedVisualGainReward()

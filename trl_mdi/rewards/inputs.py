@@ -30,13 +30,13 @@ def check_reward_inputs(reward_funcs: Sequence, splits: Mapping[str, Sequence[st
     reading one turns them on; ``answer_image_attention`` needs attention too).
     Reward models (``nn.Module``) and Hub ids are skipped: TRL feeds them text, not columns.
 
-    >>> from trl_mdi.rewards import mc_idx_reward, mdi_balance_reward
-    >>> check_reward_inputs([mc_idx_reward, mdi_balance_reward], {"train": ["prompt", "image", "label_idx"]},
+    >>> from trl_mdi.rewards import mc_idx, mdi_balance
+    >>> check_reward_inputs([mc_idx, mdi_balance], {"train": ["prompt", "image", "label_idx"]},
     ...                     attention=True, segments=["early", "late"])
-    >>> check_reward_inputs([mc_idx_reward], {"train": ["prompt", "image"]}, attention=True)
+    >>> check_reward_inputs([mc_idx], {"train": ["prompt", "image"]}, attention=True)
     Traceback (most recent call last):
     ...
-    ValueError: split 'train': reward 'mc_idx_reward' needs column(s) ['label_idx'], which the dataset lacks (its columns: ['image', 'prompt']). Label columns: 'label_idx' for mc_idx (A-OKVQA: trl_mdi.aokvqa.prepare_aokvqa writes it); 'solution' for accuracy (math VQA). Add the column or drop the reward.
+    ValueError: split 'train': reward 'mc_idx' needs column(s) ['label_idx'], which the dataset lacks (its columns: ['image', 'prompt']). Label columns: 'label_idx' for mc_idx (A-OKVQA: trl_mdi.aokvqa.prepare_aokvqa writes it); 'solution' for accuracy (math VQA). Add the column or drop the reward.
     """
     funcs = [f for f in reward_funcs if callable(f) and not isinstance(f, torch.nn.Module)]
     provided = provided_fields(segments, attention=attention, counterfactual=reliance)  # the signal table's reward fields

@@ -90,8 +90,8 @@ def outcome_metrics(names: Sequence[str], counts) -> dict[str, float]:
     ``counts``: one ``(n_none, n_nonfinite, n)`` per reward (a sequence or an (F, 3) tensor). A reward with no
     counted rollout (a reward model, or no call) gets no entry.
 
-    >>> outcome_metrics(["mc_idx_reward", "gain_reward"], [(0, 0, 8), (2, 1, 8)])
-    {'rewards/mc_idx_reward/none_frac': 0.0, 'rewards/mc_idx_reward/nan_frac': 0.0, \
+    >>> outcome_metrics(["mc_idx", "gain_reward"], [(0, 0, 8), (2, 1, 8)])
+    {'rewards/mc_idx/none_frac': 0.0, 'rewards/mc_idx/nan_frac': 0.0, \
 'rewards/gain_reward/none_frac': 0.25, 'rewards/gain_reward/nan_frac': 0.125}
     """
     out = {}

@@ -9,17 +9,17 @@ from typing import Any
 
 from ..signals import trainer_field
 from .functions import (
-    accuracy_reward,
-    answer_visual_gain_group_reward,
-    answer_visual_gain_reward,
-    guarded_visual_gain_reward,
-    mc_idx_reward,
-    mdi_balance_reward,
-    mdi_group_reward,
-    think_format_lenient_reward,
-    think_format_reward,
-    visual_gain_reward,
-    visual_gain_sum_reward,
+    accuracy,
+    answer_visual_gain,
+    answer_visual_gain_group,
+    guarded_visual_gain,
+    mc_idx,
+    mdi_balance,
+    mdi_group,
+    think_format,
+    think_format_lenient,
+    visual_gain,
+    visual_gain_sum,
 )
 
 __all__ = [
@@ -48,22 +48,22 @@ TRL_PROVIDED = frozenset(
 # ---------------------------------------------------------------------------------------------------
 
 REWARD_REGISTRY: dict[str, Callable[..., list[float | None]]] = {
-    "mc_idx": mc_idx_reward,
+    "mc_idx": mc_idx,
     # The default: the format the system prompt asks (trl_mdi.answer_format); the trainer binds its pattern.
-    "think_format": think_format_reward,
+    "think_format": think_format,
     # Any non-empty text after </think>: pays for junk like 'Answer" A' (kept for free-form answers).
-    "think_format_lenient": think_format_lenient_reward,
-    "mdi_balance": mdi_balance_reward,
-    "mdi_group": mdi_group_reward,
-    "accuracy": accuracy_reward,
+    "think_format_lenient": think_format_lenient,
+    "mdi_balance": mdi_balance,
+    "mdi_group": mdi_group,
+    "accuracy": accuracy,
     # Reliance (docs/reliance.md): the answer's log-prob gain from the image over the counterfactual.
-    "answer_visual_gain": answer_visual_gain_reward,
-    "answer_visual_gain_group": answer_visual_gain_group_reward,
+    "answer_visual_gain": answer_visual_gain,
+    "answer_visual_gain_group": answer_visual_gain_group,
     # ...and the completion's: where a chain of thought takes the image in (mean and sum forms).
-    "visual_gain": visual_gain_reward,
-    "visual_gain_sum": visual_gain_sum_reward,
+    "visual_gain": visual_gain,
+    "visual_gain_sum": visual_gain_sum,
     # The guarded form (docs/rewards.md): right and well-formed rollouts only, the largest token gain, flat steps.
-    "guarded_visual_gain": guarded_visual_gain_reward,
+    "guarded_visual_gain": guarded_visual_gain,
 }
 DEFAULT_REWARDS: tuple[str, ...] = ("mc_idx", "think_format", "mdi_balance")
 DEFAULT_REWARD_WEIGHTS: tuple[float, ...] = (4.0, 1.0, 1.0)
@@ -77,7 +77,7 @@ def required_reward_inputs(reward_func: Callable) -> tuple[str, ...]:
 
     Each is either a per-rollout signal the trainer provides (``trl_mdi.signals``) or a dataset column.
 
-    >>> required_reward_inputs(mc_idx_reward), required_reward_inputs(mdi_balance_reward)
+    >>> required_reward_inputs(mc_idx), required_reward_inputs(mdi_balance)
     (('label_idx',), ('mdi_balance',))
     """
     params = inspect.signature(reward_func).parameters.values()
@@ -122,7 +122,7 @@ def resolve_rewards(
 
     >>> fns, w = resolve_rewards(["mc_idx", "mdi_balance"], [4.0, 1.0])
     >>> [f.__name__ for f in fns], w
-    (['mc_idx_reward', 'mdi_balance_reward'], [4.0, 1.0])
+    (['mc_idx', 'mdi_balance'], [4.0, 1.0])
     """
     if not names:
         raise ValueError(f"no reward functions given; the default is {list(DEFAULT_REWARDS)}")
