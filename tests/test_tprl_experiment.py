@@ -173,3 +173,53 @@ def test_the_report_from_hand_made_records(tmp_path):
     assert rows and "shown: lower" in rows[0]
     R.write_results(path, body)
     assert json.dumps(body)  # plain text
+
+
+# ------------------------------------------------------------------------------------------------ the committed plan
+def _plan() -> str:
+    from benchmarks.results import RESULTS
+
+    text = RESULTS.read_text(encoding="utf-8")
+    assert R.SECTION in text and R.PLAN_END in text, "the pre-registered TPRL plan is missing from RESULTS.md"
+    return text[text.index(R.SECTION):text.index(R.PLAN_END) + len(R.PLAN_END)]
+
+
+def test_the_committed_plan_is_the_plan_commits_text_word_for_word():
+    """The plan in RESULTS.md is the text of the commit that added it: results go below its closing line only."""
+    import subprocess
+
+    from benchmarks.results import RESULTS
+
+    commit = R.plan_commit(RESULTS)
+    if commit is None:
+        pytest.skip("no git history here (the plan commit cannot be read)")
+    then = subprocess.run(["git", "show", f"{commit}:benchmarks/RESULTS.md"], cwd=RESULTS.parent, capture_output=True,
+                          text=True, check=True).stdout
+    assert R.SECTION in then
+    assert _plan() == then[then.index(R.SECTION):then.index(R.PLAN_END) + len(R.PLAN_END)]
+
+
+def test_the_plans_command_runs_the_development_records_choices():
+    """The plan's reproduce command, parsed by the experiment's own parser, carries what the committed development
+    record chose (rules D0-D5) and the seeds the plan names; the record is the one the summary was written from."""
+    import re
+    import shlex
+
+    from benchmarks import tprl_look_or_guess as E
+    from benchmarks.results import RESULTS
+
+    dev = json.loads((RESULTS.parent / "tprl_dev_record.json").read_text(encoding="utf-8"))
+    command = re.search(r"\*\*Reproduce\*\*: `python -m benchmarks\.tprl_look_or_guess (experiment[^`]*)`",
+                        _plan().replace("\n", " "))
+    assert command is not None
+    a = E.parse_args(shlex.split(command.group(1)))
+    assert a.learning_rate == dev["learning_rate"]["chosen"]
+    assert a.steps == dev["steps"]["chosen"]
+    assert a.pool_conflict_rate == float(dev["rate"]["chosen"])
+    assert (a.perturbation, a.attention_segment) == (dev["signals"]["perturbation"], dev["signals"]["segment"])
+    assert a.warmup_epochs == dev["warmup"]["chosen_epochs"]
+    assert dev["warmup"]["sha256"].startswith(a.warmup_sha256) and dev["warmup"]["sha256"] in _plan()
+    assert a.seeds == list(range(300, 316)) and sorted(a.arms) == sorted(D.ARMS)
+    summary = (RESULTS.parent / "tprl_dev_summary.md").read_text(encoding="utf-8")
+    assert f"**Chosen: {dev['warmup']['chosen_epochs']:g} epochs, weights sha256 `{dev['warmup']['sha256']}`.**" \
+        in summary
