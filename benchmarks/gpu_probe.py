@@ -8,10 +8,18 @@
     # a smoke run at tiny widths on the CPU (what tests/test_gpu_probe_script.py runs)
     .venv/bin/python -m benchmarks.gpu_probe --tiny --device cpu --out /tmp/gpu_probe_tiny.json
 
-The GPU half of ``attention_memory.py``'s comparison (same variants, same forward kwargs, its ``_call``):
+The GPU half of ``attention_memory.py``'s comparison (same forward kwargs, its (a)), with both exact routes of the
+probe (``trl_mdi.attention.routes``) measured side by side in one run (``--variants`` picks; (a) always runs):
 
-    (a)  model(..., logits_to_keep=1)                  plain no-grad forward, SDPA
-    (b)  measure_modality_attention(model, ...)       the probe (SDPA + one extra SDPA call per text layer)
+    (a)  model(..., logits_to_keep=1)                              plain no-grad forward, SDPA
+    (b)  measure_modality_attention(model, ...)                   the probe, indicator route (one extra SDPA call
+                                                                  per text layer; the default)
+    (c)  measure_modality_attention(model, ..., route="lse")      the probe, flex attention's log-sum-exp per key
+                                                                  group (compiled on CUDA: its first call, the
+                                                                  warm-up, compiles)
+
+A probe variant whose warm-up call fails (a kernel this card or torch lacks) is recorded with its error and left out;
+the others are measured. (b) and (c) are checked against the eager reference and against each other.
 
 Model: ``Qwen2_5_VLForConditionalGeneration`` with the text config of Qwen/Qwen2.5-VL-3B-Instruct (36 layers,
 hidden 2048, 16 heads / 2 KV heads, MLP 11008, vocab 151,936, tied embeddings, mRoPE [16, 24, 24]), built by the
@@ -79,7 +87,10 @@ from benchmarks.results import (
 SECTION = "## Attention probe on a GPU"
 CODE_PATHS = ("trl_mdi", "fixtures", "benchmarks")  # the files that decide the figures (code_version's scope)
 ARCH = "qwen2_5_vl"
-VARIANTS = ("a", "b")
+VARIANTS = {"a": "model(..., logits_to_keep=1), no-grad, SDPA",
+            "b": "measure_modality_attention(model, ...): the probe, indicator route (the default)",
+            "c": "measure_modality_attention(model, ..., route=\"lse\"): the probe, log-sum-exp route"}
+PROBE_ROUTES = {"b": "indicator", "c": "lse"}  # trl_mdi.attention.routes
 # Qwen/Qwen2.5-VL-3B-Instruct's text config (config.json of the checkpoint); the rest keeps the fixture's values,
 # which are the real ones (rope_theta 1e6, mRoPE split [16, 24, 24] at head_dim 128, no sliding window).
 TEXT_3B = {"num_layers": 36, "hidden_size": 2048, "num_heads": 16, "num_kv_heads": 2, "intermediate_size": 11008,
@@ -92,6 +103,7 @@ VISION = {"vision_depth": 4, "vision_hidden_size": 128, "vision_num_heads": 4, "
 GPU_DEFAULTS = {"lengths": (2048, 8192), "batches": (1, 2), "repeats": 10, "dtype": "bfloat16"}
 TINY_DEFAULTS = {"lengths": (128, 256), "batches": (1, 2), "repeats": 3, "dtype": "float32"}
 IMAGE_SHARE = 4  # a quarter of the prompt is image tokens
+GOAL_TIME, GOAL_MEM = 1.1, 1.05  # issue 46's goal for the probe on a GPU, (probe)/(a) at L 2048 and 8192, batch 1 and 2
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 MIB = 2**20
 
@@ -233,22 +245,34 @@ def sdpa_backends(run, length: int) -> dict[str, int]:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend
+    from torch.nn.attention.bias import CausalBias
 
     seen: dict[str, int] = {}
     original = F.scaled_dot_product_attention
+    inside_bias: list[bool] = []
 
     def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if k.shape[-2] == length:
+        # The probe's lower-right causal bias (no padding) chooses its kernel itself, as if there were no mask.
+        bias = isinstance(attn_mask, CausalBias)
+        if k.shape[-2] == length and not inside_bias:
             try:  # a private torch function: if it moves, say so rather than lose the shape's figures
-                choice = int(torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
-                                                     enable_gqa=enable_gqa))
+                choice = int(torch._fused_sdp_choice(q, k, v, None if bias else attn_mask, dropout_p, is_causal,
+                                                     scale=scale, enable_gqa=enable_gqa))
                 name = SDPBackend(choice).name
             except Exception as err:  # noqa: BLE001
                 name = f"unknown ({type(err).__name__})"
             role = "model" if q.shape[-2] == k.shape[-2] else "probe"
-            mask = "no mask" if attn_mask is None else f"{str(attn_mask.dtype).replace('torch.', '')} mask"
+            mask = ("no mask" if attn_mask is None else "lower-right causal bias" if bias
+                    else f"{str(attn_mask.dtype).replace('torch.', '')} mask")
             key = f"{role}: {name} ({mask})"
             seen[key] = seen.get(key, 0) + 1
+        if bias:  # what SDPA does with one (its __torch_function__ compares against the function this replaced); a
+            # kernel without lower-right support (the CPU's) calls SDPA again with the bias materialised: not counted
+            inside_bias.append(True)
+            try:
+                return CausalBias._dispatch(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+            finally:
+                inside_bias.pop()
         return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                         enable_gqa=enable_gqa)
 
@@ -281,14 +305,19 @@ class _EagerOnDevice:
         return argparse.Namespace(attentions=[None if a is None else a.cpu() for a in out.attentions])
 
 
-def probe_checks(result, model=None, cpu_batch=None, device=None) -> dict:
-    """Finite masses, their sums (1 per valid row and layer), the mean image mass; with ``model``, the largest
-    difference from the eager reference on ``cpu_batch``."""
-    import torch
-
+def eager_reference(model, cpu_batch, device):
+    """(B, layers, 4) masses from the eager model's materialised weights on ``cpu_batch`` (float64 sums)."""
     from fixtures.testing import eager_masses
 
-    masses = torch.stack([result.image, result.prompt_text, result.completion, result.special], dim=-1).cpu().double()
+    return eager_masses(_EagerOnDevice(model, device), cpu_batch)[0]
+
+
+def probe_checks(result, ref=None) -> dict:
+    """Finite masses, their sums (1 per valid row and layer), the mean image mass; with ``ref`` (the eager
+    reference), the largest difference from it."""
+    import torch
+
+    masses = _masses(result)
     valid = result.valid.cpu()
     out = {
         "finite": bool(torch.isfinite(masses[valid]).all()),
@@ -298,43 +327,85 @@ def probe_checks(result, model=None, cpu_batch=None, device=None) -> dict:
         "n_queries": [int(x) for x in result.n_queries],
         "num_layers": int(result.num_layers),
     }
-    if model is not None:
-        ref, _ = eager_masses(_EagerOnDevice(model, device), cpu_batch)
+    if ref is not None:
         out["max_abs_err_vs_eager"] = float((masses - ref).abs().max())
     return out
 
 
+def variant_call(variant: str, model, inputs: dict):
+    """The zero-argument callable of ``variant`` (``VARIANTS``) on ``inputs``: (a) as ``attention_memory``'s, the
+    probe variants with their route."""
+    if variant == "a":
+        return am.variant_call("a", model, inputs)
+    from trl_mdi.attention import measure_modality_attention
+
+    ids, mask, cm = inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
+    mm = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "completion_mask")}
+    return lambda: measure_modality_attention(model, ids, mask, cm, route=PROBE_ROUTES[variant], **mm)
+
+
+def _masses(result):
+    import torch
+
+    return torch.stack([result.image, result.prompt_text, result.completion, result.special], dim=-1).cpu().double()
+
+
 def measure_shape(model, processor, length: int, batch: int, args, device) -> dict:
-    """Memory, times and checks of (a) and (b) on one (L, batch)."""
+    """Memory, times and checks of every variant of ``args.variants`` on one (L, batch), side by side. A probe variant
+    that fails its warm-up call (a kernel this card or torch lacks, say) is recorded with its error and left out."""
     import torch
 
     cpu_batch = probe_batch(processor, length, batch)
     inputs = {k: v.to(device) for k, v in cpu_batch.items()}
-    runs = {v: am.variant_call(v, model, inputs) for v in VARIANTS}
-    for run in runs.values():  # kernels, workspaces, RoPE caches: outside the measurement
-        run()
+    runs, failed = {}, {}
+    for v in args.variants:  # kernels, workspaces, RoPE caches, flex's compilation: outside the measurement
+        run = variant_call(v, model, inputs)
+        try:
+            run()
+        except Exception as err:  # noqa: BLE001 - one route failing must not lose the others
+            if v == "a":
+                raise
+            failed[v] = f"{type(err).__name__}: {str(err)[:300]}"
+            _log(f"L={length} batch={batch}: variant {v} FAILED\n{traceback.format_exc()}")
+            continue
+        runs[v] = run
     _sync(device)
-    row = {"length": length, "batch": batch,
+    probes = [v for v in runs if v != "a"]
+    row = {"length": length, "batch": batch, "variants": list(runs), "failed_variants": failed,
            "left_pad": [int(x) for x in (inputs["attention_mask"].cumsum(dim=1) == 0).sum(dim=1)],
            "n_completion": [int(x) for x in inputs["completion_mask"].sum(dim=1)]}
-    row["peak_bytes"] = {v: peak_memory(runs[v], device) for v in VARIANTS}
+    row["peak_bytes"] = {v: peak_memory(runs[v], device) for v in runs}
     times = round_robin_times(runs, args.repeats, device)
     row["times_s"] = times
     row["median_s"] = {v: statistics.median(t) for v, t in times.items()}
-    row["ratio_mem"] = am.ratio(row["peak_bytes"]["b"], row["peak_bytes"]["a"])
-    row["ratio_time"] = am.ratio(row["median_s"]["b"], row["median_s"]["a"])
-    row["ratio_time_paired"] = statistics.median(b / a for a, b in zip(times["a"], times["b"]))
-    row["sdpa_backends"] = sdpa_backends(runs["b"], length)
-    eager = length <= args.eager_max_length
-    try:
-        row["checks"] = probe_checks(runs["b"](), model if eager else None, cpu_batch if eager else None, device)
-    except torch.OutOfMemoryError:  # the eager reference keeps every layer's weights: keep the figures without it
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        row["checks"] = probe_checks(runs["b"]())
-        row["checks"]["eager_skipped"] = "out of memory"
-    del inputs, runs
+    # (v)/(a) for each probe variant; "ratio_mem" / "ratio_time" / "ratio_time_paired" are (b)'s, as before.
+    row["ratios"] = {v: {"mem": am.ratio(row["peak_bytes"][v], row["peak_bytes"]["a"]),
+                         "time": am.ratio(row["median_s"][v], row["median_s"]["a"]),
+                         "time_paired": statistics.median(x / a for a, x in zip(times["a"], times[v]))}
+                     for v in probes}
+    if "b" in row["ratios"]:
+        row["ratio_mem"], row["ratio_time"], row["ratio_time_paired"] = (
+            row["ratios"]["b"]["mem"], row["ratios"]["b"]["time"], row["ratios"]["b"]["time_paired"])
+    row["sdpa_backends"] = sdpa_backends(runs[probes[0]], length) if probes else {}
+    ref, skipped = None, None
+    if probes and length <= args.eager_max_length:
+        try:
+            ref = eager_reference(model, cpu_batch, device)
+        except torch.OutOfMemoryError:  # the eager reference keeps every layer's weights: keep the figures without it
+            skipped = "out of memory"
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    results = {}
+    for v in probes:
+        results[v] = runs[v]()
+        key = "checks" if v == probes[0] else f"checks_{v}"
+        row[key] = probe_checks(results[v], ref) | ({"eager_skipped": skipped} if skipped else {})
+    if len(results) > 1:  # the routes against each other, on the card
+        first, *others = probes
+        row["max_abs_diff_vs_" + first] = {v: float((_masses(results[v]) - _masses(results[first])).nan_to_num(0.0)
+                                                    .abs().max()) for v in others}
+    del inputs, runs, results
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -421,10 +492,12 @@ def run(args) -> int:
                 torch.cuda.empty_cache()
         else:
             report["rows"].append(row)
-            _log(f"{tag}: peak MiB a {row['peak_bytes']['a'] / MIB:,.1f} b {row['peak_bytes']['b'] / MIB:,.1f} "
-                 f"(b/a {am.fmt_ratio(row['ratio_mem'])}); median ms a {1e3 * row['median_s']['a']:.2f} "
-                 f"b {1e3 * row['median_s']['b']:.2f} (b/a {am.fmt_ratio(row['ratio_time'])}); checks {row['checks']}; "
-                 f"SDPA {row['sdpa_backends']}")
+            _log(f"{tag}: " + "; ".join(
+                f"{v}: peak {row['peak_bytes'][v] / MIB:,.1f} MiB, median {1e3 * row['median_s'][v]:.2f} ms"
+                + (f" ({v}/a mem {am.fmt_ratio(row['ratios'][v]['mem'])}, time {am.fmt_ratio(row['ratios'][v]['time'])})"
+                   if v in row["ratios"] else "") for v in row["variants"])
+                 + f"; checks {row.get('checks')}; SDPA {row['sdpa_backends']}"
+                 + (f"; failed {row['failed_variants']}" if row["failed_variants"] else ""))
         report["total_s"] = time.time() - _T0
         write_json(Path(args.out), report)
     report["total_s"] = time.time() - _T0
@@ -446,6 +519,9 @@ def render(report: dict) -> str:
     cmd = " ".join(["python3", "-m", "benchmarks.gpu_probe", *report["argv"]])
     rows = report["rows"]
     cuda = "cuda" in m
+    side_by_side = any("variants" in r for r in rows)  # runs before issue 46 measured (a) and (b) only
+    with_c = any("c" in r["peak_bytes"] for r in rows)
+    failed = {v: why for r in rows for v, why in r.get("failed_variants", {}).items()}
     memory = ("peak `torch.cuda.max_memory_allocated()` minus `torch.cuda.memory_allocated()` before the call, after "
               "`reset_peak_memory_stats()`" if cuda else
               "peak RSS growth during the call (VmHWM after minus VmRSS before, glibc's mmap threshold fixed at 64 KiB; "
@@ -476,26 +552,35 @@ def render(report: dict) -> str:
         "quarter is one image, the rest chat-templated text; half completion (random tokens). Even rows: longest "
         "prompt, completion 3/4 of the max (right-padded); odd rows: prompt 1/8 shorter (left-padded), longest "
         "completion (batch 1: no padding). Same inputs and forward kwargs for both variants, `logits_to_keep=1` for both.",
-        "- (a) `model(..., logits_to_keep=1)`, no-grad, SDPA; (b) `measure_modality_attention(model, ...)`.",
+        "- (a) `model(..., logits_to_keep=1)`, no-grad, SDPA; (b) `measure_modality_attention(model, ...)`"
+        + ("." if not side_by_side else " (the indicator route); (c) `measure_modality_attention(model, ..., "
+           "route=\"lse\")` (flex attention's log-sum-exp per key group; `trl_mdi.attention.routes`), measured in the "
+           "same run" + "".join(f"; {v} failed here: {why}" for v, why in failed.items()) + "."),
         f"- Memory: {memory}, read while the output is alive: what the call adds over the weights and inputs.",
         f"- Time: median of {report['repeats']} calls per variant"
         + (", `torch.cuda.synchronize()` before and after each" if cuda else "")
         + ", one warm-up call per variant and shape first, variants called round robin; (b)/(a) of the medians "
         "(and, in the checks, the median of the per-round ratios).",
-        f"- Targets (as for the CPU table): (b)/(a) memory ≤ {am.MEM_TARGET}x, time ≤ {am.TIME_TARGET}x.",
+        f"- Targets (as for the CPU table): (b)/(a) memory ≤ {am.MEM_TARGET}x, time ≤ {am.TIME_TARGET}x"
+        + ("." if not side_by_side else f"; the GPU goal of issue 46: memory ≤ {GOAL_MEM}x, time ≤ {GOAL_TIME}x."),
         "",
         "| L | batch | image tokens | completion tokens | (a) peak MiB | (b) peak MiB | (b)/(a) mem "
-        "| (a) ms | (b) ms | (b)/(a) time |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| (a) ms | (b) ms | (b)/(a) time |" + (" (c) peak MiB | (c)/(a) mem | (c) ms | (c)/(a) time |" if with_c else ""),
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" * 4 if with_c else ""),
     ]
     for r in rows:
         p, s = r["peak_bytes"], r["median_s"]
-        out.append(
+        line = (
             f"| {r['length']} | {r['batch']} | {', '.join(map(str, r['checks']['n_image']))} "
             f"| {', '.join(map(str, r['n_completion']))} | {p['a'] / MIB:,.1f} | {p['b'] / MIB:,.1f} "
             f"| {am.fmt_ratio(r['ratio_mem'], am.MEM_TARGET)} | {1e3 * s['a']:,.2f} | {1e3 * s['b']:,.2f} "
             f"| {am.fmt_ratio(r['ratio_time'], am.TIME_TARGET)} |"
         )
+        if with_c:
+            c = r.get("ratios", {}).get("c")
+            line += (f" {p['c'] / MIB:,.1f} | {am.fmt_ratio(c['mem'], GOAL_MEM)} | {1e3 * s['c']:,.2f} "
+                     f"| {am.fmt_ratio(c['time'], GOAL_TIME)} |" if c else " — | — | — | — |")
+        out.append(line)
     for sk in report.get("skipped", []):
         out.append(f"\n- L={sk['length']} batch {sk['batch']} not measured: {sk['why']}")
     out += ["", f"Checks (the eager reference only up to L = {report['eager_max_length']}: it keeps every layer's "
@@ -509,6 +594,13 @@ def render(report: dict) -> str:
             bits.append(f"probe vs eager reference (materialised weights, float64 sums): max |Δ| = "
                         f"{c['max_abs_err_vs_eager']:.1e}")
         bits.append(f"time ratio, median of per-round pairs {r['ratio_time_paired']:.3f}")
+        if "checks_c" in r:
+            cc = r["checks_c"]
+            bits.append(f"(c): masses {'finite' if cc['finite'] else '**not finite**'}, sum error "
+                        f"{cc['max_abs_sum_error']:.1e}"
+                        + (f", vs eager {cc['max_abs_err_vs_eager']:.1e}" if "max_abs_err_vs_eager" in cc else "")
+                        + (f", max |(c) − (b)| = {r['max_abs_diff_vs_b']['c']:.1e}" if "max_abs_diff_vs_b" in r else "")
+                        + f", time ratio of per-round pairs {r['ratios']['c']['time_paired']:.3f}")
         bits.append("SDPA kernels (text layers, calls): " + ", ".join(f"{k} × {n}" for k, n in r["sdpa_backends"].items()))
         out.append(f"- L={r['length']} batch {r['batch']}: " + "; ".join(bits) + ".")
     return "\n".join(out) + "\n"
@@ -573,6 +665,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="timed calls per variant and shape (default 10; --tiny 3)")
     p.add_argument("--num-layers", type=int, help="text layers (default 36, --tiny 4): fewer for a quick check of "
                    "the 3B widths on a small machine")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                   help="what to measure side by side (default all): " + "; ".join(f"({k}) {v}" for k, v in VARIANTS.items())
+                   + ". (a) is always measured")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="weights and activations (default bfloat16; --tiny float32)")
     p.add_argument("--eager-max-length", type=int, default=2048, help="compare the probe with the eager reference "
@@ -587,6 +682,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for key in ("lengths", "batches", "repeats", "dtype"):
         if getattr(args, key) is None:
             setattr(args, key, defaults[key])
+    args.variants = ["a"] + [v for v in args.variants if v != "a"]
     args.argv = result_args(argv, ("--out",))
     return args
 

@@ -453,6 +453,10 @@ def test_vllm_modes_this_machine_cannot_run(mode, installed, cuda, expected):
 
     problem = vllm_problem(True, mode, installed, cuda)
     assert (problem is None) if expected is None else (expected in problem and "\n" not in problem)
+    if mode == "server" and expected is not None:  # the refusal names the command that serves the model on a GPU
+        problem = vllm_problem(True, mode, installed, cuda, "Qwen/Qwen2.5-VL-3B-Instruct")
+        assert ("`CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen2.5-VL-3B-Instruct " in problem
+                and """--weight-transfer-config '{"backend": "nccl"}'`""" in problem)
     assert vllm_problem(False, mode, installed, cuda) is None
 
 
@@ -493,7 +497,7 @@ def test_describe_outputs_finds_logs_in_the_default_folder(tmp_path, monkeypatch
 # ------------------------------------------------------------------------------------------ accelerate configs
 
 GPU_CONFIGS = ["single_gpu.yaml", "multi_gpu.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml",
-               "multi_node_zero3.yaml"]
+               "multi_node_zero3.yaml", "fsdp2.yaml"]
 HIDDEN_SIZE_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 
 
@@ -577,7 +581,7 @@ def readme_training_commands() -> list[list[str]]:
 
 def test_readme_training_commands_use_real_flags():
     commands = readme_training_commands()
-    assert len(commands) == 4
+    assert len(commands) == 5
     for flags in commands:
         run = parse_args(flags)  # unknown or misspelt flags raise here
         assert run.model.model_name_or_path == "Qwen/Qwen2.5-VL-3B-Instruct"

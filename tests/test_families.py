@@ -87,7 +87,7 @@ def test_probe_equals_eager_on_every_family(family):
 
 def test_soft_capped_attention_is_measured_with_its_cap(tiny_vlm_dir):
     """PaliGemma 2's Gemma 2 layers soft-cap their attention logits (s -> cap * tanh(s / cap), before the mask); the
-    probe applies the same cap (``trl_mdi.attention.probe.attend``). The tiny model's logits stay far below the real
+    probe applies the same cap (``trl_mdi.attention.routes.attend``). The tiny model's logits stay far below the real
     cap (50), so here every layer's cap is 0.05, where it flattens the weights: the probe still equals eager attention
     within 1e-5, and its masses differ from those at the real cap by about 5e-4, fifty times that."""
     path = tiny_vlm_dir("paligemma")

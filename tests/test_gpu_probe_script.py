@@ -63,7 +63,8 @@ def test_every_shape_is_measured_on_the_inputs_asked_for(report):
 def test_memory_and_times_are_measured_and_the_ratios_follow_from_them(report):
     data, _ = report
     for r in data["rows"]:
-        for v in ("a", "b"):
+        assert r["variants"] == ["a", "b", "c"] and r["failed_variants"] == {}  # side by side, in one run
+        for v in ("a", "b", "c"):
             assert r["peak_bytes"][v] > 0  # the MLP's (B, 1024, 128) float32 buffers alone are 512 KiB a row
             assert len(r["times_s"][v]) == REPEATS and all(t > 0 for t in r["times_s"][v])
             assert r["median_s"][v] == statistics.median(r["times_s"][v])
@@ -71,16 +72,20 @@ def test_memory_and_times_are_measured_and_the_ratios_follow_from_them(report):
         assert r["ratio_time"] == pytest.approx(r["median_s"]["b"] / r["median_s"]["a"])
         pairs = [b / a for a, b in zip(r["times_s"]["a"], r["times_s"]["b"])]
         assert r["ratio_time_paired"] == pytest.approx(statistics.median(pairs))
+        for v in ("b", "c"):
+            assert r["ratios"][v]["mem"] == pytest.approx(r["peak_bytes"][v] / r["peak_bytes"]["a"])
+            assert r["ratios"][v]["time"] == pytest.approx(r["median_s"][v] / r["median_s"]["a"])
 
 
 def test_probe_masses_sum_to_one_and_match_the_eager_reference(report):
     data, _ = report
     for r in data["rows"]:
-        c = r["checks"]
-        assert c["finite"] is True and c["num_layers"] == TINY_TEXT["num_layers"]
-        assert c["max_abs_sum_error"] < 1e-5
-        assert c["max_abs_err_vs_eager"] < 1e-5  # float32 at L=1024 <= --eager-max-length
-        assert 0 < c["image_mass_mean"] < 1
+        for c in (r["checks"], r["checks_c"]):  # the indicator route (b) and the log-sum-exp route (c)
+            assert c["finite"] is True and c["num_layers"] == TINY_TEXT["num_layers"]
+            assert c["max_abs_sum_error"] < 1e-5
+            assert c["max_abs_err_vs_eager"] < 1e-5  # float32 at L=1024 <= --eager-max-length
+            assert 0 < c["image_mass_mean"] < 1
+        assert r["max_abs_diff_vs_b"]["c"] < 1e-5
         # every text layer: one SDPA call of the model's own and one of the probe's
         by_role = {role: sum(n for k, n in r["sdpa_backends"].items() if k.startswith(role + ":"))
                    for role in ("model", "probe")}
@@ -112,12 +117,15 @@ def test_the_section_is_rendered_into_results(report, tmp_path):
     assert len(table) == len(BATCHES)
     for line, r in zip(table, data["rows"]):
         cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[10] == f"{r['peak_bytes']['c'] / 2**20:,.1f}" and cells[12] == f"{1e3 * r['median_s']['c']:,.2f}"
+        assert cells[13].startswith(f"{r['ratios']['c']['time']:.2f}")
         assert cells[1] == str(r["batch"])
         assert cells[4] == f"{r['peak_bytes']['a'] / 2**20:,.1f}" and cells[5] == f"{r['peak_bytes']['b'] / 2**20:,.1f}"
         assert cells[7] == f"{1e3 * r['median_s']['a']:,.2f}" and cells[8] == f"{1e3 * r['median_s']['b']:,.2f}"
         assert cells[9].startswith(f"{r['ratio_time']:.2f}")
     assert data["machine"]["name"] in section and f"transformers {data['machine']['transformers']}" in section
     assert "float32" in section and f"median of {REPEATS} calls" in section
+    assert 'route=\"lse\"' in section and "max |(c) − (b)|" in section
     _run("--write-results", str(path), "--results", str(results), timeout=120)
     assert results.read_text() == text  # replaced, not appended
 
@@ -174,8 +182,9 @@ def test_a_peak_read_as_zero_finishes_the_run_and_renders_a_dash(tmp_path):
                           cwd=BENCH.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert [r["peak_bytes"] for r in data["rows"]] == [{"a": 0, "b": 0}] and data["rows"][0]["ratio_mem"] is None
+    assert [r["peak_bytes"] for r in data["rows"]] == [{"a": 0, "b": 0, "c": 0}] and data["rows"][0]["ratio_mem"] is None
     from benchmarks import gpu_probe
 
     line = next(line for line in gpu_probe.render(data).splitlines() if line.startswith("| 256 |"))
-    assert [c.strip() for c in line.strip("|").split("|")][4:7] == ["0.0", "0.0", "—"]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[4:7] == ["0.0", "0.0", "—"] and cells[10:12] == ["0.0", "—"]

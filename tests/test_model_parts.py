@@ -100,5 +100,5 @@ def test_nothing_collected_and_no_head_are_clear_errors():
 
 def test_gathered_parameters_without_deepspeed_leaves_them_as_they_are():
     weight = torch.nn.Parameter(torch.arange(4.0))
-    with gathered_parameters([weight, None]):
-        assert weight.tolist() == [0.0, 1.0, 2.0, 3.0]
+    with gathered_parameters([weight, None]) as (full, bias):
+        assert full is weight and bias is None and weight.tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -511,3 +511,22 @@ def test_what_the_resume_checks_read():
     args = MDIGRPOConfig("out", use_cpu=True, bf16=False, per_device_train_batch_size=2, num_generations=2,
                          gradient_accumulation_steps=3)
     assert (args.steps_per_generation, args.num_iterations) == (3, 1)
+
+
+def test_server_mode_requests_go_through_the_clients_session():
+    """trl_mdi.vllm_server: the trainer bounds every request of TRL's vLLM client by wrapping the client's
+    ``requests.Session`` (``trainer.vllm_generation.vllm_client.session``), and waits for the server itself before TRL
+    builds the client. That covers every request only while (1) the client is that attribute, built in server mode,
+    (2) every request but the start-up health check goes through ``self.session`` (the health check, ``requests.get``,
+    is what wait_for_server runs first, with a timeout), (3) the session's retries live on its mounted adapters, and
+    (4) TRL places one run of image tokens per image (what check_server_images refuses otherwise)."""
+    from trl.generation import vllm_client, vllm_generation
+
+    assert "self.vllm_client = VLLMClient(" in inspect.getsource(vllm_generation.VLLMGeneration._init_vllm)
+    client = inspect.getsource(vllm_client.VLLMClient)
+    assert "self.session = requests.Session()" in client
+    assert "HTTPAdapter(max_retries=retry_strategy" in client and 'self.session.mount("http://", adapter)' in client
+    assert client.count("requests.get(") == 1 and client.count("requests.post(") == 0
+    assert "requests.get(url)" in inspect.getsource(vllm_client.VLLMClient.check_server)
+    place = inspect.getsource(vllm_generation.VLLMGeneration._place_features)
+    assert "The prompt must contain one run of image tokens per image." in place

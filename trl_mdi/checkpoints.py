@@ -11,7 +11,9 @@ Adam. Here:
 - **A failed save** (any exception inside it) removes the partial folder and raises :class:`CheckpointSaveError`
   naming the cause: ``No space left on device`` rather than torch's ``unexpected pos``.
 - **Resume checks** (:func:`resume_problems`), without loading anything: ``trainer_state.json``, the weights (full,
-  sharded, or LoRA's ``adapter_model.safetensors``; under DeepSpeed the ``global_step*/`` shards ``latest`` names),
+  sharded, or LoRA's ``adapter_model.safetensors``; under DeepSpeed the ``global_step*/`` shards ``latest`` names;
+  under FSDP the ``pytorch_model_fsdp_0/`` and ``optimizer_0/`` shard folders with every file their index names, or
+  the full-state-dict files),
   ``optimizer.pt`` and ``scheduler.pt``; files cut short (a safetensors file shorter than its header says, a torch
   zip without its end record, a marker's size that differs). Missing optimizer, scheduler or trainer state may be
   accepted with ``allow_partial_resume``; missing weights and cut files never.
@@ -91,6 +93,35 @@ def cut_file(path: Path) -> str | None:
     return None
 
 
+# FSDP's checkpoint layouts (accelerate's save_fsdp_model / save_fsdp_optimizer, which transformers' Trainer calls
+# under FSDP): SHARDED_STATE_DICT writes torch.distributed.checkpoint folders, every process its own files; the full
+# state dict, one file each from the main process.
+FSDP_MODEL_DIR, FSDP_OPTIMIZER_DIR = "pytorch_model_fsdp_0", "optimizer_0"
+FSDP_MODEL_FILE, FSDP_OPTIMIZER_FILE = "pytorch_model_fsdp.bin", "optimizer.bin"
+
+
+def fsdp_layout(folder: Path) -> bool:
+    """Whether ``folder`` is a checkpoint saved under FSDP (sharded or full state dict)."""
+    return (folder / FSDP_MODEL_DIR).is_dir() or (folder / FSDP_MODEL_FILE).is_file()
+
+
+def dcp_problems(shards: Path, what: str) -> list[Problem]:
+    """What a ``torch.distributed.checkpoint`` folder lacks: its ``.metadata`` index, or a shard file (``*.distcp``)
+    the index names (read without loading any tensor)."""
+    rel = shards.name
+    if not (shards / ".metadata").is_file():
+        return [Problem(f"{rel}/.metadata ({what}: the index of torch.distributed.checkpoint)")]
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        named = {item.relative_path for item in FileSystemReader(str(shards)).read_metadata().storage_data.values()}
+    except Exception as e:  # noqa: BLE001 - an index that does not read is a cut file, whatever torch raises
+        return [Problem(f"{rel}/.metadata", cut=f"unreadable ({type(e).__name__})")]
+    if not named:
+        return [Problem(f"{rel}/*.distcp ({what})")]
+    return [Problem(f"{rel}/{name}") for name in sorted(named) if not (shards / name).is_file()]
+
+
 def _weights_problems(folder: Path) -> list[Problem]:
     """The model's weights: under DeepSpeed the ``global_step*/`` shards (what DeepSpeed resumes from), else a full,
     sharded or LoRA adapter file."""
@@ -107,6 +138,9 @@ def _weights_problems(folder: Path) -> list[Problem]:
         if not any(shards.glob("*optim_states.pt")):
             out.append(Problem(f"{tag}/*optim_states.pt (the optimizer shards; DeepSpeed cannot resume without them)"))
         return out
+    if fsdp_layout(folder):
+        return (dcp_problems(folder / FSDP_MODEL_DIR, "the FSDP model shards") if (folder / FSDP_MODEL_DIR).is_dir()
+                else [])
     if (folder / "adapter_config.json").is_file():
         return [] if any((folder / n).is_file() for n in _ADAPTER) else [Problem("adapter_model.safetensors (LoRA)")]
     if not any((folder / n).is_file() for n in (*_WEIGHTS, *_ADAPTER)):
@@ -139,9 +173,17 @@ def resume_problems(folder: str | os.PathLike) -> list[Problem]:
         elif path.stat().st_size != size:
             problems.append(Problem(rel, cut=f"{path.stat().st_size} bytes found, {size} saved"))
     deepspeed = (folder / "latest").is_file() or any(folder.glob("global_step*"))
+    fsdp = fsdp_layout(folder)
     expected = [Problem(n, optional=True) for n in (TRAINER_STATE,) + (() if deepspeed else ("optimizer.pt",
                                                                                               "scheduler.pt"))
-                if not (folder / n).is_file() and not (n == "optimizer.pt" and (folder / "optimizer.bin").is_file())]
+                if not (folder / n).is_file() and not (n == "optimizer.pt" and (folder / "optimizer.bin").is_file())
+                and not (n == "optimizer.pt" and fsdp)]
+    if fsdp:  # FSDP's optimizer: a sharded folder or the full file
+        if (folder / FSDP_OPTIMIZER_DIR).is_dir():
+            expected += dcp_problems(folder / FSDP_OPTIMIZER_DIR, "the FSDP optimizer shards")
+        elif not (folder / FSDP_OPTIMIZER_FILE).is_file():
+            expected.append(Problem(f"{FSDP_OPTIMIZER_DIR}/ or {FSDP_OPTIMIZER_FILE} (the FSDP optimizer state)",
+                                    optional=True))
     named = {p.name for p in problems}
     problems += [p for p in expected + _weights_problems(folder) if p.name not in named]
     named = {p.name for p in problems}

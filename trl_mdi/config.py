@@ -132,6 +132,15 @@ class MDIGRPOConfig(GRPOConfig):
             several processes: `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, 30 s by default). Off: SIGTERM stops the run at
             once, the logs' last lines saying so.
 
+        > vLLM server mode (TRL's `vllm_mode="server"`)
+
+        vllm_server_request_timeout (`float`, *optional*, defaults to `600.0`):
+            Seconds each request to the vLLM server (image features, a generation, a weight sync) may wait for its
+            answer; then the run stops with an error naming the server and the request, instead of waiting forever
+            (TRL's client sets no timeout). A timed-out request is not retried: the server may still be working on
+            it. `None`: no limit. Before the weights load, the main process waits up to TRL's `vllm_server_timeout`
+            for the server to answer, and stops with the command that starts one if none does.
+
         > Online group filtering (online_filtering / filter_key / filter_low / filter_high)
 
         online_filtering (`bool`, *optional*, defaults to `False`):
@@ -299,6 +308,12 @@ class MDIGRPOConfig(GRPOConfig):
         default="skip",
         metadata={"help": "An image that cannot be decoded mid-run: 'skip' (its rollouts leave the update, counted in "
                   "data/bad_images) or 'error' (every process stops with an error naming the rows)."},
+    )
+    vllm_server_request_timeout: float | None = field(
+        default=600.0,
+        metadata={"help": "vllm_mode='server': seconds each request to the vLLM server may wait for its answer before "
+                  "the run stops with an error naming the server (None: wait forever, as TRL does). The wait for "
+                  "the server to come up at start is TRL's vllm_server_timeout."},
     )
     allow_partial_resume: bool = field(
         default=False,
@@ -488,6 +503,8 @@ FIELD_RULES: tuple[NumberRule, ...] = (
     NumberRule("max_grad_norm", float, 0, example="1.0"),
     NumberRule("warmup_ratio", float, 0, 1, optional=True, example="0.1"),
     NumberRule("mdi_balance_ratio", float, 1, low_open=True, example="2.0", why="balance uses log R"),
+    NumberRule("vllm_server_request_timeout", float, 0, low_open=True, optional=True, example="600",
+               why="seconds a request to the vLLM server may wait (None: no limit)"),
     NumberRule("filter_low", float, example="0.01"),
     NumberRule("filter_high", float, example="0.99"),
 )

@@ -128,6 +128,7 @@ from .vllm_prompts import (
     engine_prompt_ids,
     suppress_image_tokens,
 )
+from .vllm_server import bound_requests, check_server_images, server_mode, server_url, wait_for_server
 
 logger = logging.get_logger(__name__)
 
@@ -329,6 +330,9 @@ class MDIGRPOTrainer(GRPOTrainer):
                             dataset_columns(train_dataset, eval_dataset), model_config=model_config)
         kwargs["processing_class"] = processor_for_trl(kwargs["processing_class"])  # Mistral 3: text as lists
         config = effective_config(config, plan)
+        check_server_images(config, kwargs["processing_class"], plan.facts)
+        if server_mode(config) and config.process_index == 0:  # TRL's own wait can hang on a silent server
+            wait_for_server(server_url(config), config.vllm_server_timeout, model=plan.model_name)
         if (problem := typed_system_problem(kwargs["processing_class"])) and _first_prompt_has_system(train_dataset):
             logger.warning(f"The training prompts have a system turn, but the processor's {problem}.")
         self._record: BatchRecord | None = None
@@ -369,7 +373,8 @@ class MDIGRPOTrainer(GRPOTrainer):
         the probe turn out unable to measure the model, the default stack's mdi_balance leaves TRL's four parallel
         reward lists (tests/test_trl_contract.py pins them) and attention-only settings are switched off in the
         trainer's copy of the config and the live logs. Then the hooks the plan asks for are installed: the guard
-        for empty image inputs, the dummy vision pass, vLLM's bias against image tokens."""
+        for empty image inputs, the dummy vision pass, vLLM's bias against image tokens, and (vLLM server mode) a time
+        limit on every request of TRL's client (``trl_mdi.vllm_server``)."""
         loaded = plan.with_model(self.model, self.processing_class)
         if loaded == plan:
             loaded = plan  # the plan as decided (and printed) before the weights loaded
@@ -385,6 +390,9 @@ class MDIGRPOTrainer(GRPOTrainer):
             # why); its engine's own copy of the kwargs, never the user's config.
             self.vllm_generation.generation_kwargs = suppress_image_tokens(self.vllm_generation.generation_kwargs,
                                                                            plan.facts.image_token_ids)
+        if server_mode(self.args) and self.accelerator.is_main_process:  # TRL's client is the main process's
+            bound_requests(self.vllm_generation.vllm_client.session, self.args.vllm_server_request_timeout,
+                           server_url(self.args))
         self.vision_pass = (vision_pass_for_run(self.model, self.processing_class, self.accelerator.num_processes,
                                                 plan.facts.is_vlm, logger.info) if loaded.vision_pass else None)
         if loaded.counterfactual:

@@ -30,9 +30,11 @@ generated from with the old tower's features: on the tiny Qwen2.5-VL the second 
 the policy by up to 0.19 in log-prob, and by under 1e-6 with the cache reset before each sync
 (:func:`drop_stale_image_features`).
 
-Server mode is left as TRL makes it: there TRL computes the image features separately and places them on the runs of
-image tokens in its own expanded ids (``VLLMGeneration._place_features``), so the ids must stay expanded; whether the
-server's encoder cache goes stale across syncs is untested (server mode needs a CUDA GPU for its weight sync).
+Server mode is left as TRL makes it: there TRL has the server compute the image features separately and places them
+on the runs of image tokens in its own expanded ids (``VLLMGeneration._place_features``), so the ids must stay
+expanded; tests_vllm/test_server.py shows the server then generates from exactly the scored prompt (Qwen2.5-VL,
+Idefics3), and ``trl_mdi.vllm_server`` refuses the families whose images are several runs. Whether the server's
+encoder cache goes stale across weight syncs is untested (the sync needs a CUDA GPU).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ def measure_modality_attention(
     image_map_rows: Sequence[int] = (),
     token_segment: str | None = None,
     segments: str | dict | None = "thirds",
+    route: str = "indicator",
     **multimodal_inputs,
 ) -> ModalityAttention:
     """Measure, per row and text layer, the attention mass of the generated tokens on each key group.
@@ -55,6 +56,9 @@ def measure_modality_attention(
             (``ModalityAttention.query_image_mass``, (B, L), 0 at positions that are no query): a per-token
             perception signal. A segment the model does not have (1-2 layers, few softmax layers) falls back to
             ``"all"`` with a warning.
+        route: how each layer's masses are computed: ``"indicator"`` (default: one SDPA call whose values are the
+            key groups' indicator columns) or ``"lse"`` (flex attention's log-sum-exp over each group's keys); both
+            exact (``trl_mdi.attention.routes``).
         **multimodal_inputs: pixel_values, image_grid_thw, mm_token_type_ids, pixel_attention_mask, ...
             exactly as the processor or GRPOTrainer produce them.
 
@@ -93,7 +97,7 @@ def measure_modality_attention(
     # vocabulary (152k for Qwen2.5-VL) costs more memory than the whole rest of the forward.
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
     token_layers = _segment_layers(base, segments, token_segment) if token_segment else ()
-    with torch.no_grad(), probe_attention(model, layout_fn, image_map_rows, token_layers) as state:
+    with torch.no_grad(), probe_attention(model, layout_fn, image_map_rows, token_layers, route) as state:
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra, **multimodal_inputs)
     return state.result()
 

