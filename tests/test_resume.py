@@ -218,3 +218,122 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(all_families, tmp_
         "checkpoint was saved from LlavaForConditionalGeneration): ")
     assert "tensors found no weights in it" in message and "fit no tensor of the model" in message
     assert json.loads((tmp_path / "llava" / "config.json").read_text())["model_type"] == "llava"
+
+
+# ------------------------------------------------------------------------------------------------ resume settings
+@pytest.mark.slow
+def test_a_resume_with_other_settings_is_refused_before_its_weights_load_and_one_at_its_end_does_nothing(
+        tiny_vlm_dir, grpo_train_dataset, tmp_path, monkeypatch):
+    """Library use (issue 42, item 3). A changed num_generations was accepted (the epoch then ran backwards), and a
+    run already at max_steps trained one more step and saved a checkpoint past its end. Now the first is one line
+    naming the setting and both values, before the checkpoint's weights load; the second trains nothing, says so,
+    and leaves the model holding the checkpoint's weights (a script's save_model then writes those)."""
+    import trl_mdi.checkpoints as ck
+
+    model_dir, out = tiny_vlm_dir("qwen2_5_vl"), tmp_path / "out"
+    checkpoint = train_and_save(model_dir, out, grpo_train_dataset)
+    perturb_weight_files(checkpoint)
+    assert json.loads((checkpoint / MARKER).read_text())["resume"]["num_generations"] == 2
+    loads = []
+    monkeypatch.setattr(ck, "load_full_weights", lambda *a: (loads.append(a), load_full_weights(*a))[1])
+
+    other = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], train_dataset=grpo_train_dataset,
+                           args=make_args(out, max_steps=2, num_generations=4, per_device_train_batch_size=4))
+    with pytest.raises(CheckpointError) as e:
+        other.train(resume_from_checkpoint=str(checkpoint))
+    assert str(e.value) == (
+        f"cannot resume from {checkpoint}: num_generations: 2 in the run that saved {checkpoint}, 4 in this one. "
+        f"Resume with num_generations 2, or start a new run from its weights (--model_name_or_path {checkpoint}, "
+        "without --resume_from_checkpoint)")
+    assert loads == [] and other.state.global_step == 0
+    other.run_lock.release()
+
+    done = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward], train_dataset=grpo_train_dataset,
+                          args=make_args(out, max_steps=1))
+    result = done.train(resume_from_checkpoint=str(checkpoint))
+    assert result.global_step == 1 and done.state.global_step == 0 and len(loads) == 1
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
+    reference = AutoModelForImageTextToText.from_pretrained(checkpoint).state_dict()
+    assert not differing(done.model.state_dict(), reference)
+
+
+@pytest.mark.slow
+def test_the_entry_point_checks_a_resume_before_any_weight_loads(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path,
+                                                                   capsys, monkeypatch):
+    """The entry point: after a real run saved checkpoint-1, each setting a resume must keep, changed, is one line
+    naming it, both values and the way out, exit status 2, with no trainer built (so no weight loaded); a resume
+    already at max_steps prints that there is nothing to train and exits 0 (before: a different model failed after
+    the weights loaded, with an optimizer-group traceback; a changed num_generations or reward stack trained on)."""
+    from trl import GRPOTrainer
+
+    from trl_mdi.cli.command import main
+
+    out = tmp_path / "out"
+    flags = ["--dataset_path", prepared_aokvqa_dir, "--output_dir", out, "--max_steps", "1", "--save_steps", "1",
+             "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "4",
+             "--report_to", "none", "--realtime_rollout_logging", "false"]
+    qwen, llava = tiny_vlm_dir("qwen2_5_vl"), tiny_vlm_dir("llava")
+    assert main([str(f) for f in ["--model_name_or_path", qwen, *flags]]) == 0
+    checkpoint = out / "checkpoint-1"
+    capsys.readouterr()
+    built = []
+    monkeypatch.setattr(GRPOTrainer, "__init__", lambda *a, **k: built.append(a))
+
+    def run(model, *more):
+        code = main([str(f) for f in ["--model_name_or_path", model, *flags, "--max_steps", "2",
+                                      "--resume_from_checkpoint", "true", *more]])
+        captured = capsys.readouterr()
+        return code, [line for line in captured.err.splitlines() if line.startswith("error")], captured.out
+
+    prefix = f"error: cannot resume from {checkpoint}: "
+    fresh = (f"start a new run from its weights (--model_name_or_path {checkpoint}, without "
+             "--resume_from_checkpoint)")
+    for model, more, line in [
+        (qwen, ["--num_generations", "2"], f"num_generations: 4 in the run that saved {checkpoint}, 2 in this one. "
+                                           f"Resume with num_generations 4, or {fresh}"),
+        (llava, [], f"model: the run that saved it trained a qwen2_5_vl model ({qwen}), this one loads a llava "
+                    f"({llava}). Resume with the model it was saved from (--model_name_or_path {qwen})"),
+        (qwen, ["--per_device_train_batch_size", "8"],
+         "batch layout: per_device_train_batch_size 4 x gradient_accumulation_steps 1 x 1 processes (4 rollouts per "
+         "step, steps_per_generation 1, num_iterations 1) in the run that saved "
+         f"{checkpoint}, per_device_train_batch_size 8 x gradient_accumulation_steps 1 x 1 processes (8 rollouts per "
+         f"step, steps_per_generation 1, num_iterations 1) in this one. Resume with the saved layout, or {fresh}"),
+        (qwen, ["--reward_weights", "1", "1", "1"],
+         f"reward stack: mc_idx x4, think_format x1, mdi_balance x1 in the run that saved {checkpoint}, mc_idx x1, "
+         "think_format x1, mdi_balance x1 in this one. Resume with --reward_funcs mc_idx think_format mdi_balance "
+         f"--reward_weights 4 1 1, or {fresh}"),
+    ]:
+        code, errors, _ = run(model, *more)
+        assert (code, errors) == (2, [prefix + line]), (more, errors)
+    code, errors, printed = run(qwen, "--max_steps", "1")
+    assert code == 0 and not errors and f"nothing to train: {checkpoint} is at step 1 and max_steps is 1." in printed
+    assert built == [] and sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
+
+
+def test_the_number_of_processes_matters_where_the_checkpoint_is_per_process(tmp_path):
+    """DDP: 2 processes x 4 rows may resume as 4 x 2 (the same rollouts per step and per generation batch: the same
+    data order and update). DeepSpeed keeps its optimizer and weight shards per process: refused, naming both."""
+    from types import SimpleNamespace
+
+    from trl_mdi.checkpoints import check_resume_matches, mark_complete, resume_record
+
+    config = SimpleNamespace(model_type="m", _name_or_path="m", to_dict=lambda: {"hidden_size": 8})
+
+    def record(per_device, processes, deepspeed):
+        args = SimpleNamespace(num_generations=4, per_device_train_batch_size=per_device,
+                               gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1)
+        return resume_record(config, args, processes=processes, deepspeed=deepspeed, reward_names=["r"],
+                             reward_weights=None)
+
+    for deepspeed in (False, True):
+        folder = tmp_path / f"ds{deepspeed}" / "checkpoint-2"
+        folder.mkdir(parents=True)
+        mark_complete(folder, resume=record(4, 2, deepspeed))
+        check_resume_matches(folder, record(4, 2, deepspeed))
+        if not deepspeed:
+            check_resume_matches(folder, record(2, 4, deepspeed))
+            continue
+        with pytest.raises(CheckpointError) as e:
+            check_resume_matches(folder, record(2, 4, deepspeed))
+        assert "x 2 processes (8 rollouts per step" in str(e.value) and "x 4 processes (8 rollouts per step" in str(
+            e.value) and "(DeepSpeed saves its optimizer and weights per process)" in str(e.value)

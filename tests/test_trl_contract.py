@@ -497,6 +497,22 @@ def test_what_save_on_sigterm_relies_on():
     assert "model=self.model" in flat(CallbackHandler.call_event)
 
 
+def test_what_the_resume_checks_read():
+    """trl_mdi.checkpoints.already_trained reads trainer_state.json's global_step, max_steps and num_train_epochs (the
+    TrainerState fields transformers saves); resume_record reads GRPOConfig's batch fields, steps_per_generation
+    filled in by its __post_init__; train() returns TRL's TrainOutput(global_step, training_loss, metrics)."""
+    import dataclasses
+
+    from transformers import TrainerState
+    from transformers.trainer_utils import TrainOutput
+
+    assert {"global_step", "max_steps", "num_train_epochs"} <= {f.name for f in dataclasses.fields(TrainerState)}
+    assert TrainOutput._fields == ("global_step", "training_loss", "metrics")
+    args = MDIGRPOConfig("out", use_cpu=True, bf16=False, per_device_train_batch_size=2, num_generations=2,
+                         gradient_accumulation_steps=3)
+    assert (args.steps_per_generation, args.num_iterations) == (3, 1)
+
+
 def test_server_mode_requests_go_through_the_clients_session():
     """trl_mdi.vllm_server: the trainer bounds every request of TRL's vLLM client by wrapping the client's
     ``requests.Session`` (``trainer.vllm_generation.vllm_client.session``), and waits for the server itself before TRL

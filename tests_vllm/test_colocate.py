@@ -29,7 +29,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
 
 from fixtures import vllm_cpu
-from fixtures.testing import eager_group_masses, zen_image_dataset
+from fixtures.testing import eager_group_masses, stock_grpo_values, zen_image_dataset
 from fixtures.vllm_baseline import PromptFixedGRPOTrainer
 from trl_mdi import trainer as trainer_module
 from trl_mdi.attention import image_token_ids, probe_attention
@@ -51,7 +51,8 @@ def common_args(tmp_path) -> dict:
 
 
 def mdi_args(tmp_path, **overrides) -> MDIGRPOConfig:
-    return MDIGRPOConfig(**{**common_args(tmp_path), "rollout_log_path": str(tmp_path / "logs" / "rollouts.md"),
+    """MDIGRPOConfig with stock GRPOConfig's values where their defaults differ (the runs are compared with stock's)."""
+    return MDIGRPOConfig(**{**common_args(tmp_path), **stock_grpo_values(), "rollout_log_path": str(tmp_path / "logs" / "rollouts.md"),
                             "attention_diag_log_path": str(tmp_path / "logs" / "attention.md"), **overrides})
 
 

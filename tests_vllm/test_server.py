@@ -38,7 +38,7 @@ import torch
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 
-from fixtures.testing import free_port, zen_image_dataset
+from fixtures.testing import free_port, stock_grpo_values, zen_image_dataset
 from fixtures.vllm_server import VLLMServer, frozen_weight_sync
 from trl_mdi.config import MDIGRPOConfig
 from trl_mdi.trainer import MDIGRPOTrainer
@@ -60,7 +60,7 @@ def server_args(tmp_path, url: str, **overrides) -> MDIGRPOConfig:
         "logging_steps": 1, "save_strategy": "no", "seed": 0, "learning_rate": 1e-3, "disable_tqdm": True,
         "use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": url, "vllm_server_timeout": 30,
         "rollout_log_path": str(tmp_path / "logs" / "rollouts.md"),
-        "attention_diag_log_path": str(tmp_path / "logs" / "attention.md"), **overrides})
+        "attention_diag_log_path": str(tmp_path / "logs" / "attention.md"), **stock_grpo_values(), **overrides})
 
 
 @dataclass

@@ -282,6 +282,134 @@ def recorded_logs(folder: str | os.PathLike | None) -> dict[str, str] | None:
         return None
 
 
+# --------------------------------------------------------------------------------------------------- resume settings
+def resume_record(model_config, args, *, processes: int, deepspeed: bool, reward_names, reward_weights) -> dict:
+    """What a resume from a checkpoint must match, recorded in its marker at the save: the model (its type and every
+    size of its config), ``num_generations``, the batch layout (per process, and the world size), the reward stack.
+    ``args``: the run's config; ``reward_weights`` None means 1 each."""
+    names = [str(n) for n in reward_names]
+    weights = [float(w) for w in reward_weights] if reward_weights is not None else [1.0] * len(names)
+    return {
+        "model": {"name": str(getattr(model_config, "_name_or_path", "") or "") or "a model built in code",
+                  "type": str(model_config.model_type), "sizes": _config_sizes(model_config.to_dict())},
+        "num_generations": int(args.num_generations),
+        "batch": {"per_device_train_batch_size": int(args.per_device_train_batch_size),
+                  "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
+                  "steps_per_generation": int(args.steps_per_generation or args.gradient_accumulation_steps),
+                  "num_iterations": int(args.num_iterations), "processes": int(processes),
+                  "deepspeed": bool(deepspeed)},
+        "rewards": {"names": names, "weights": weights},
+    }
+
+
+def check_resume_matches(folder: str | os.PathLike | None, now: dict) -> None:
+    """:class:`CheckpointError` when this run (``now``, :func:`resume_record`) differs from the run that saved
+    ``folder`` in anything a resume must keep: one line naming the setting, both values and the way to proceed. The
+    batch layout must give the same rollouts per optimizer step and per generation batch (the data order and each
+    step's update depend on them); the number of processes itself only where the checkpoint is per process
+    (DeepSpeed). A checkpoint without a record (saved before it existed, or by plain TRL) is not checked.
+
+    >>> cfg = type("C", (), {"model_type": "m", "_name_or_path": "m", "to_dict": lambda self: {"hidden_size": 8}})()
+    >>> args = type("A", (), dict(num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+    ...                           steps_per_generation=1, num_iterations=1))()
+    >>> record = resume_record(cfg, args, processes=1, deepspeed=False, reward_names=["r"], reward_weights=None)
+    >>> _resume_mismatch(record, {**record, "num_generations": 8}, "ck")
+    'num_generations: 4 in the run that saved ck, 8 in this one. Resume with num_generations 4, or start a new run from its weights (--model_name_or_path ck, without --resume_from_checkpoint)'
+    """
+    if folder is None:
+        return
+    try:
+        saved = json.loads((Path(folder) / MARKER).read_text(encoding="utf-8")).get("resume")
+    except (OSError, ValueError, AttributeError):
+        return
+    if saved and (problem := _resume_mismatch(saved, now, str(folder))):
+        raise CheckpointError(f"cannot resume from {folder}: {problem}")
+
+
+def _resume_mismatch(saved: dict, now: dict, folder: str) -> str | None:
+    fresh = f"start a new run from its weights (--model_name_or_path {folder}, without --resume_from_checkpoint)"
+    a, b = saved["model"], now["model"]
+    if a["type"] != b["type"]:
+        return (f"model: the run that saved it trained a {a['type']} model ({a['name']}), this one loads a "
+                f"{b['type']} ({b['name']}). Resume with the model it was saved from (--model_name_or_path "
+                f"{a['name']})")
+    differ = [k for k in sorted(a["sizes"].keys() | b["sizes"].keys()) if a["sizes"].get(k) != b["sizes"].get(k)]
+    if differ:
+        k = differ[0]
+        return (f"model: its config's {k} is {a['sizes'].get(k)} in the model it was saved from ({a['name']}), "
+                f"{b['sizes'].get(k)} in this run's ({b['name']})"
+                + (f", and {len(differ) - 1} more sizes differ" if len(differ) > 1 else "")
+                + f". Resume with the model it was saved from (--model_name_or_path {a['name']})")
+    if saved["num_generations"] != now["num_generations"]:
+        return (f"num_generations: {saved['num_generations']} in the run that saved {folder}, "
+                f"{now['num_generations']} in this one. Resume with num_generations {saved['num_generations']}, or "
+                f"{fresh}")
+    x, y = saved["batch"], now["batch"]
+    if _layout(x)[1:] != _layout(y)[1:] or ((x["deepspeed"] or y["deepspeed"]) and x["processes"] != y["processes"]):
+        why = (" (DeepSpeed saves its optimizer and weights per process)"
+               if _layout(x)[1:] == _layout(y)[1:] else "")
+        return (f"batch layout: {_layout(x)[0]} in the run that saved {folder}, {_layout(y)[0]} in this one{why}. "
+                f"Resume with the saved layout, or {fresh}")
+    r, q = saved["rewards"], now["rewards"]
+    if r["names"] != q["names"] or any(abs(u - v) > 1e-9 for u, v in zip(r["weights"], q["weights"])):
+        return (f"reward stack: {_stack(r)} in the run that saved {folder}, {_stack(q)} in this one. Resume with "
+                f"--reward_funcs {' '.join(r['names'])} --reward_weights {' '.join(f'{w:g}' for w in r['weights'])}, "
+                f"or {fresh}")
+    return None
+
+
+def _layout(b: dict) -> tuple[str, int, int, int]:
+    """Words for a batch layout, then what must stay equal: rollouts per optimizer step, per generation batch, and
+    num_iterations."""
+    step = b["per_device_train_batch_size"] * b["gradient_accumulation_steps"] * b["processes"]
+    generation = b["per_device_train_batch_size"] * b["steps_per_generation"] * b["processes"]
+    words = (f"per_device_train_batch_size {b['per_device_train_batch_size']} x gradient_accumulation_steps "
+             f"{b['gradient_accumulation_steps']} x {b['processes']} processes ({step} rollouts per step, "
+             f"steps_per_generation {b['steps_per_generation']}, num_iterations {b['num_iterations']})")
+    return words, step, generation, b["num_iterations"]
+
+
+def _stack(r: dict) -> str:
+    return ", ".join(f"{n} x{w:g}" for n, w in zip(r["names"], r["weights"])) or "none"
+
+
+def _config_sizes(config: dict, prefix: str = "") -> dict[str, int]:
+    """Every size of a model config (``*_size``, ``num_*``, ``depth``, in sub-configs too) by dotted name: what a
+    checkpoint's tensors are shaped by."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_config_sizes(value, f"{prefix}{key}."))
+        elif isinstance(value, int) and not isinstance(value, bool) and (
+                key.endswith("_size") or key.startswith("num_") or key == "depth"):
+            out[prefix + key] = value
+    return out
+
+
+def already_trained(folder: str | os.PathLike | None, max_steps: int,
+                    num_train_epochs: float) -> tuple[int, str] | None:
+    """``(step, line to print)`` when ``folder``'s run has already reached this run's end (``max_steps``, or with
+    ``max_steps`` <= 0 the step count the saved run computed for the same ``num_train_epochs``): a resume would have
+    nothing to train (transformers would run one more step and save past the end). None otherwise."""
+    if folder is None:
+        return None
+    try:
+        state = json.loads((Path(folder) / TRAINER_STATE).read_text(encoding="utf-8"))
+        step = int(state["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if max_steps > 0:
+        end, what = max_steps, f"max_steps is {max_steps}"
+    elif state.get("max_steps") and state.get("num_train_epochs") == num_train_epochs:
+        end, what = int(state["max_steps"]), f"num_train_epochs {num_train_epochs:g} ends at step {state['max_steps']}"
+    else:
+        return None
+    if step < end:
+        return None
+    return step, (f"nothing to train: {folder} is at step {step} and {what}. Raise --max_steps (or "
+                  "--num_train_epochs) to train on from it")
+
+
 # --------------------------------------------------------------------------------------------------- loading weights
 def holds_full_weights(folder: str | os.PathLike) -> bool:
     """Whether ``folder`` holds a whole model's weights (``model.safetensors``, ``pytorch_model.bin`` or a shard index
@@ -446,15 +574,16 @@ def clear_marker(folder: str | os.PathLike) -> None:
     (Path(folder) / MARKER).unlink(missing_ok=True)
 
 
-def mark_complete(folder: str | os.PathLike, logs: dict[str, str] | None = None) -> None:
-    """Write the marker (every file and its size; ``logs``) once every process finished the save: atomically, a
-    temporary file renamed into place."""
+def mark_complete(folder: str | os.PathLike, logs: dict[str, str] | None = None, resume: dict | None = None) -> None:
+    """Write the marker (every file and its size; ``logs``; ``resume``: what a resume must match,
+    :func:`resume_record`) once every process finished the save: atomically, a temporary file renamed into place."""
     folder = Path(folder)
     files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
              if p.is_file() and p.name != MARKER and not p.name.startswith(f".{MARKER}")}
     tmp = folder / f".{MARKER}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"version": 1, "files": files, "logs": logs or {}}, f, indent=1)
+        json.dump({"version": 1, "files": files, "logs": logs or {}, **({"resume": resume} if resume else {})}, f,
+                  indent=1)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, folder / MARKER)
@@ -506,7 +635,7 @@ def _free_bytes(path: Path) -> int | None:
     return None
 
 
-__all__ = ["MARKER", "CheckpointError", "CheckpointSaveError", "Problem", "check_adapter_loaded",
-           "checkpoints_newest_first", "clear_marker", "cut_file", "describe", "holds_full_weights", "is_peft_model",
-           "load_full_weights", "mark_complete", "recorded_logs", "remove_partial", "resolve_resume", "resume_problems",
-           "save_failure"]
+__all__ = ["MARKER", "CheckpointError", "CheckpointSaveError", "Problem", "already_trained", "check_adapter_loaded",
+           "check_resume_matches", "checkpoints_newest_first", "clear_marker", "cut_file", "describe",
+           "holds_full_weights", "is_peft_model", "load_full_weights", "mark_complete", "recorded_logs", "remove_partial",
+           "resolve_resume", "resume_problems", "resume_record", "save_failure"]

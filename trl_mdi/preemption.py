@@ -141,6 +141,17 @@ class PreemptionCallback(TrainerCallback):
             control.should_training_stop = True
         return control
 
+    def outcome(self) -> Preempted | None:
+        """After training: the exception that ends the run, None when no SIGTERM stopped it. A stop whose save the
+        Trainer skipped (``save_strategy="best"`` saves a new best only) ends it all the same, saying so."""
+        if self.stopping is None:
+            return None
+        if self.exit is None:
+            self.exit = Preempted(f"SIGTERM during step {self.watch.step}: stopped at step {self.stopping} without a "
+                                  "checkpoint (save_strategy 'best' saved none); resume from the last one")
+            self.warn(str(self.exit))
+        return self.exit
+
     def on_save(self, args, state, control, **kwargs):
         if self.stopping is not None and state.global_step == self.stopping and self.exit is None:
             self.exit = self.on_stop(state.global_step, self.watch.step)

@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import DistributedType, gather_object
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
@@ -422,14 +422,20 @@ class MDIGRPOTrainer(GRPOTrainer):
                                                        allow_partial=self.args.allow_partial_resume)
         for note in notes:
             logger.warning(note)
+        if checkpoint is not None:
+            # Before its weights load: a run whose settings differ is refused by name; one already at its end stops.
+            checkpoints.check_resume_matches(checkpoint, self._resume_record())
+            if (done := checkpoints.already_trained(checkpoint, self.args.max_steps,
+                                                    self.args.num_train_epochs)) is not None:
+                return self._nothing_to_train(checkpoint, *done)
         if checkpoint is not None and self.live_logs is not None:
             self.live_logs.continue_logs(checkpoints.recorded_logs(checkpoint))
         with watch_sigterm(self.args.save_on_sigterm, lambda: self.state.global_step) as sigterm:
             stop = None
             if sigterm.installed and self.args.save_on_sigterm:
-                stop = PreemptionCallback(sigterm, lambda flag: any_process(flag, self._gather_cpu if
-                                                                            self.accelerator.num_processes > 1 else None),
-                                          self._warn_main, on_stop=self._stopped_on_sigterm)
+                gather = self._gather_cpu if self.accelerator.num_processes > 1 else None
+                stop = PreemptionCallback(sigterm, lambda flag: any_process(flag, gather), self._warn_main,
+                                          on_stop=self._stopped_on_sigterm)
                 self.add_callback(stop)
             try:
                 out = super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
@@ -441,14 +447,9 @@ class MDIGRPOTrainer(GRPOTrainer):
             finally:
                 if stop is not None:
                     self.remove_callback(stop)
-        if stop is not None and stop.stopping is not None:
+        if stop is not None and (exit_ := stop.outcome()) is not None:
             # End the run as SIGTERM would have (status 143), never as if training had finished (a script would go on
-            # to its final save_model / push_to_hub). No exit recorded: the Trainer skipped the save (save_strategy
-            # "best" saves only a new best).
-            exit_ = stop.exit or Preempted(f"SIGTERM during step {sigterm.step}: stopped at step {stop.stopping} without "
-                                           "a checkpoint (save_strategy 'best' saved none); resume from the last one")
-            if stop.exit is None:
-                self._warn_main(str(exit_))
+            # to its final save_model / push_to_hub).
             self.accelerator.end_training()  # trackers finished, the process group destroyed
             if self.run_lock is not None:
                 self.run_lock.release()
@@ -464,6 +465,25 @@ class MDIGRPOTrainer(GRPOTrainer):
             self.live_logs.stopped(step, stop)
         self._warn_main(str(stop))
         return stop
+
+    def _resume_record(self) -> dict:
+        """What a resume from this run's checkpoints must match (``trl_mdi.checkpoints.resume_record``)."""
+        return checkpoints.resume_record(unwrap_model(self.model).config, self.args,
+                                         processes=self.accelerator.num_processes,
+                                         deepspeed=self.is_deepspeed_enabled, reward_names=self.run_plan.reward_names,
+                                         reward_weights=self.run_plan.reward_weights)
+
+    def _nothing_to_train(self, checkpoint: str, step: int, message: str) -> TrainOutput:
+        """A resume from a checkpoint already at this run's end: no step, no save; said on the console. The model
+        takes the checkpoint's weights (outside DeepSpeed / FSDP, which load theirs only while training), so that a
+        script's save_model after train() writes the trained model, not the base one."""
+        self._warn_main(message)
+        if not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            self._load_from_checkpoint(checkpoint)
+        elif self.accelerator.is_main_process:
+            logger.warning(f"The trainer's model still holds the weights it was built with: load {checkpoint} to use "
+                           "the trained ones.")
+        return TrainOutput(global_step=step, training_loss=float("nan"), metrics={})
 
     def _warn_main(self, message: str) -> None:
         if self.accelerator.is_main_process:
@@ -510,7 +530,8 @@ class MDIGRPOTrainer(GRPOTrainer):
             super()._save_checkpoint(model, trial)
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
-                checkpoints.mark_complete(folder, logs=self.live_logs.log_paths() if self.live_logs else None)
+                checkpoints.mark_complete(folder, logs=self.live_logs.log_paths() if self.live_logs else None,
+                                          resume=self._resume_record())
         except Exception as e:
             raise checkpoints.save_failure(folder, e, remove=self.args.should_save) from e
 

@@ -32,7 +32,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..checkpoints import CheckpointError, resolve_resume
+from ..checkpoints import (
+    CheckpointError,
+    already_trained,
+    check_resume_matches,
+    resolve_resume,
+    resume_record,
+)
 from ..data import DatasetError, load_training_data
 from ..data.images import ProcessorImageCheck
 from ..data.lengths import check_prompt_lengths
@@ -110,6 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # again, for library use; "true" becomes the newest whole checkpoint).
         resume_from_checkpoint, _ = resolve_resume(t.resume_from_checkpoint, t.output_dir,
                                                    allow_partial=t.allow_partial_resume)
+        if (done := already_trained(resume_from_checkpoint, t.max_steps, t.num_train_epochs)) is not None:
+            log(done[1])  # a run already at its end: nothing loads, nothing is saved
+            return 0
         model_config = check_vlm(m.model_name_or_path, revision=m.model_revision,
                                  trust_remote_code=t.trust_remote_code)
         check_peft(m, model_config)
@@ -126,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              t.max_completion_length, image_check, data.image_column)
         t.model_init_kwargs = model_init_kwargs(m, t)
         plan = plan_entry_point(run, data, processor, model_config)
+        # What a resume must keep (model, num_generations, batch layout, reward stack), before any weight loads.
+        check_resume_matches(resume_from_checkpoint, resume_record(
+            model_config, t, processes=t.world_size, deepspeed=t.deepspeed_plugin is not None,
+            reward_names=plan.reward_names, reward_weights=plan.reward_weights))
     except (UsageError, DatasetError, CheckpointError) as e:
         return _fail(str(e))
     if is_main:
