@@ -258,7 +258,7 @@ def test_the_pre_registered_rules_in_their_order(case, want, rule):
 # ------------------------------------------------------------------------------------ TPRL's two-sided rules (issue 44)
 
 
-def tested(low, high, rejected=None, mean=None):
+def comparison(low, high, rejected=None, mean=None):
     """A holm_family entry: rejected means the interval at its level excludes 0 and the sign-flip agreed."""
     rejected = (low > 0 or high < 0) if rejected is None else rejected
     return {"rejected": rejected, "shown": rejected and low > 0, "text": "(test)",
@@ -269,23 +269,23 @@ BELOW = {"mean": -0.1, "low": -0.2, "high": -0.01}
 
 
 @pytest.mark.parametrize("case, want, rule", [
-    (dict(primary=tested(0.1, 0.5), placebo=ABOVE), "shown: helps", 4),
-    (dict(primary=tested(0.1, 0.5), placebo=None), "shown: helps", 4),  # M: no placebo arm
-    (dict(primary=tested(0.1, 0.5), neither={"mean": 0.10}, placebo=ABOVE), "refuted: hacking", 1),  # at the line
-    (dict(primary=tested(-0.5, -0.1), neither={"mean": 0.12}), "refuted: hacking", 1),  # hacking first, even a harm
-    (dict(primary=tested(-0.5, -0.1)), "shown: harms", 2),
-    (dict(primary=tested(-0.5, -0.1), placebo=ABOVE), "shown: harms", 2),
-    (dict(primary=tested(0.1, 0.5), placebo={"mean": 0.05, "low": -0.01, "high": 0.11}),
+    (dict(primary=comparison(0.1, 0.5), placebo=ABOVE), "shown: helps", 4),
+    (dict(primary=comparison(0.1, 0.5), placebo=None), "shown: helps", 4),  # M: no placebo arm
+    (dict(primary=comparison(0.1, 0.5), neither={"mean": 0.10}, placebo=ABOVE), "refuted: hacking", 1),  # at the line
+    (dict(primary=comparison(-0.5, -0.1), neither={"mean": 0.12}), "refuted: hacking", 1),  # hacking first, even a harm
+    (dict(primary=comparison(-0.5, -0.1)), "shown: harms", 2),
+    (dict(primary=comparison(-0.5, -0.1), placebo=ABOVE), "shown: harms", 2),
+    (dict(primary=comparison(0.1, 0.5), placebo={"mean": 0.05, "low": -0.01, "high": 0.11}),
      "refuted: not from the image", 3),
-    (dict(primary=tested(0.1, 0.5), placebo=BELOW), "refuted: not from the image", 3),
-    (dict(primary=tested(0.1, 0.5), placebo=ABOVE, ni={"mean": -0.02, "low": -0.031, "high": 0.0}),
+    (dict(primary=comparison(0.1, 0.5), placebo=BELOW), "refuted: not from the image", 3),
+    (dict(primary=comparison(0.1, 0.5), placebo=ABOVE, ni={"mean": -0.02, "low": -0.031, "high": 0.0}),
      "inconclusive", 6),  # helps, but a margin fails
-    (dict(primary=tested(-0.14, 0.14)), "refuted: too small", 5),  # neither a help nor a harm of 0.15 fits
-    (dict(primary=tested(0.01, 0.12), placebo=ABOVE), "shown: helps", 4),  # small but shown: the label says shown
-    (dict(primary=tested(-0.2, 0.14)), "inconclusive", 6),  # a harm of 0.2 still fits
-    (dict(primary=tested(0.05, 0.3, rejected=False)), "inconclusive", 6),  # t excludes 0, the sign-flip disagreed
-    (dict(primary=tested(-0.3, -0.05, rejected=False)), "inconclusive", 6),
-    (dict(primary=tested(0.1, 0.5), neither={"mean": float("nan")}, placebo=ABOVE), "shown: helps", 4),
+    (dict(primary=comparison(-0.14, 0.14)), "refuted: too small", 5),  # neither a help nor a harm of 0.15 fits
+    (dict(primary=comparison(0.01, 0.12), placebo=ABOVE), "shown: helps", 4),  # small but shown: the label says shown
+    (dict(primary=comparison(-0.2, 0.14)), "inconclusive", 6),  # a harm of 0.2 still fits
+    (dict(primary=comparison(0.05, 0.3, rejected=False)), "inconclusive", 6),  # t excludes 0, the sign-flip disagreed
+    (dict(primary=comparison(-0.3, -0.05, rejected=False)), "inconclusive", 6),
+    (dict(primary=comparison(0.1, 0.5), neither={"mean": float("nan")}, placebo=ABOVE), "shown: helps", 4),
 ])
 def test_tprl_rules_in_their_order(case, want, rule):
     ni = case.pop("ni", OK)
