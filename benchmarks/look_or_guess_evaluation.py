@@ -24,7 +24,7 @@ from benchmarks.look_or_guess_variants import (
     GOAL_WITHIN_AUROC,
     ExperimentSettings,
 )
-from fixtures.synthetic.look_or_guess import GUESS, LOOK, OTHER, STYLES, read_style
+from fixtures.synthetic.look_or_guess import GUESS, LOOK, LOOK_OR_GUESS, OTHER, STYLES, read_style
 
 # ------------------------------------------------------------------------------------ the choice (dev split)
 
@@ -160,10 +160,11 @@ def choose_reward(model, processor, ds, s: ExperimentSettings, log=print) -> dic
 # ------------------------------------------------------------------------------------ held-out figures
 
 
-def evaluate_styles(model, processor, ds, s: ExperimentSettings, seed: int = 0, keep: bool = False) -> dict:
+def evaluate_styles(model, processor, ds, s: ExperimentSettings, seed: int = 0, keep: bool = False,
+                    kind: str = LOOK_OR_GUESS) -> dict:
     """Held-out figures of one model on ``ds``: ``s.eval_samples`` completions per prompt at temperature 1 and the
-    greedy one, labelled from their text; ``sampled`` / ``greedy``: :func:`style_metrics`; ``records``: per
-    rollout (prompt, sample, style, correct, clean, conflict) for recomputing."""
+    greedy one, labelled from their text (``kind``'s chains); ``sampled`` / ``greedy``: :func:`style_metrics`;
+    ``records``: per rollout (prompt, sample, style, correct, clean, conflict) for recomputing."""
     start = time.perf_counter()
     was_training = model.training
     model.eval()
@@ -172,7 +173,7 @@ def evaluate_styles(model, processor, ds, s: ExperimentSettings, seed: int = 0, 
                                    max_new_tokens=s.max_completion_length, seed=seed)
     finally:
         model.train(was_training)
-    label_rollouts(rollouts, ds)
+    label_rollouts(rollouts, ds, kind)
     return {"sampled": style_metrics([r for r in rollouts if r["sample"] > 0]),
             "greedy": style_metrics([r for r in rollouts if r["sample"] == 0]),
             "records": [[r["prompt"], r["sample"], r["style"], int(r["correct"]), int(r["clean"]), int(r["conflict"])]

@@ -44,13 +44,13 @@ from pathlib import Path
 import torch
 
 from fixtures.synthetic.look_or_guess import (
+    CHAINS,
     GUESS,
     LOOK,
+    LOOK_OR_GUESS,
     MAX_COMPLETION_LENGTH,
     OTHER,
     STYLES,
-    check_equal_lengths,
-    read_reasoning,
 )
 from fixtures.warmup import LookOrGuessRecipe, synthetic_dataset, warm_start
 
@@ -69,12 +69,13 @@ class Settings:
     seed: int = 0  # sampling seed
 
 
-def look_or_guess_recipe(epochs: int = 8, n_train: int = 400, image_size: int = 56) -> LookOrGuessRecipe:
+def look_or_guess_recipe(epochs: int = 8, n_train: int = 400, image_size: int = 56,
+                         kind: str = LOOK_OR_GUESS) -> LookOrGuessRecipe:
     """The warm-up of the experiment: 400 ``look_or_guess`` rows, conflict rate 0.5, styles redrawn every epoch,
     8 SFT epochs of the warm-up's tiny Qwen2-VL. Trials here (200 held-out prompts x 4 samples): 6 epochs gave look
     accuracy 0.944 on conflict rows but 14% of rollouts in neither style (clean 0.899); 8 epochs 0.974 and 8%
-    (clean 0.959), every goal of the check met."""
-    return LookOrGuessRecipe(epochs=float(epochs), n_train=n_train, image_size=image_size)
+    (clean 0.959), every goal of the check met. ``kind``: ``look_or_guess_long`` for the long chains (issue 44)."""
+    return LookOrGuessRecipe(epochs=float(epochs), n_train=n_train, image_size=image_size, kinds=(kind,))
 
 
 def fingerprint(*parts) -> str:
@@ -82,24 +83,40 @@ def fingerprint(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def warmup_dir(recipe: LookOrGuessRecipe, work: Path) -> Path:
-    """The warm-up's folder in ``work``: named by the recipe's and the torch thread count's hash."""
-    return work / f"warmup-{fingerprint(dataclasses.asdict(recipe), torch.get_num_threads())}"
+def warmup_dir(recipe: LookOrGuessRecipe, work: Path, environment: dict | None = None) -> Path:
+    """The warm-up's folder in ``work``: named by the hash of the recipe, the torch thread count and, given,
+    ``environment`` (``benchmarks.environment.environment_key``: the float path and library versions), so that a
+    warm-up built in another environment is never taken for this one's."""
+    parts = (dataclasses.asdict(recipe), torch.get_num_threads()) + ((environment,) if environment else ())
+    return work / f"warmup-{fingerprint(*parts)}"
 
 
-def shared_warmup(recipe: LookOrGuessRecipe, work: Path, log=print):
-    """The warm-up model of ``recipe``: trained once into ``work`` and reloaded from there later (its folder is named
-    by the recipe's and the thread count's hash). Returns ``(model, processor, info)``."""
+def shared_warmup(recipe: LookOrGuessRecipe, work: Path, log=print, environment: dict | None = None):
+    """The warm-up model of ``recipe``: trained once into ``work`` and reloaded from there later (its folder:
+    :func:`warmup_dir`). Its ``warmup.json`` (``info``) holds ``weights_sha256`` (``benchmarks.environment
+    .weights_sha256``), and a reused folder whose weights no longer hash to it is an error. Returns ``(model,
+    processor, info)``."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    model_dir = warmup_dir(recipe, work)
+    from benchmarks.environment import environment_record, weights_sha256
+
+    model_dir = warmup_dir(recipe, work, environment)
     if (model_dir / "warmup.json").exists():
         log(f"warm-up: reusing {model_dir}")
+        info = json.loads((model_dir / "warmup.json").read_text())
+        found = weights_sha256(model_dir)
+        if info.get("weights_sha256") not in (None, found):
+            raise ValueError(f"the warm-up in {model_dir} no longer holds the weights it was saved with (hash "
+                             f"{found[:12]}, recorded {info['weights_sha256'][:12]}): delete the folder to rebuild it")
+        info["weights_sha256"] = found
         model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
         processor = AutoProcessor.from_pretrained(model_dir)
-        return model.eval(), processor, json.loads((model_dir / "warmup.json").read_text())
+        return model.eval(), processor, info
     work.mkdir(parents=True, exist_ok=True)
     model, processor, info = warm_start(recipe, model_dir, overwrite=True, log=log)
+    info.update(weights_sha256=weights_sha256(model_dir), environment=environment_record())
+    (model_dir / "warmup.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    log(f"warm-up: weights sha256 {info['weights_sha256']}")
     return model.eval(), processor, info
 
 
@@ -168,15 +185,17 @@ def sample_rollouts(model, processor, ds, *, samples: int, max_new_tokens: int, 
     return out
 
 
-def label_rollouts(rollouts: list[dict], ds) -> list[dict]:
+def label_rollouts(rollouts: list[dict], ds, kind: str = LOOK_OR_GUESS) -> list[dict]:
     """Each rollout's label, read from its own text and the row (no model signal): ``style`` and the colour the
     reasoning ``named`` (``read_reasoning``), the parsed ``answer`` letter, ``follows`` (the answer is the letter
     of the named colour), ``correct`` (the gold letter), ``prior`` (the object's usual colour's letter), ``conflict``
-    and ``clean`` (the asked format, ended by the end token). Adds the fields in place and returns the list."""
+    and ``clean`` (the asked format, ended by the end token). ``kind``: whose chains (``CHAINS[kind]`` reads the
+    style). Adds the fields in place and returns the list."""
     from trl_mdi.answer_format import clean_format
     from trl_mdi.rewards import parse_mc_answer
 
     conflict, gold, prior, choices = ds["conflict"], ds["label_idx"], ds["prior_idx"], ds["choices"]
+    read_reasoning = CHAINS[kind].read_reasoning
     for r in rollouts:
         i = r["prompt"]
         reading = read_reasoning(r["text"])
@@ -383,19 +402,20 @@ def guarded_levels(rollouts: list[dict], ds) -> dict:
 # ------------------------------------------------------------------------------------------------ the check
 
 
-def warmup_check(model, processor, ds, s: Settings, log=print) -> dict:
+def warmup_check(model, processor, ds, s: Settings, log=print, kind: str = LOOK_OR_GUESS) -> dict:
     """The pre-GRPO check of a look-or-guess warm-up on held-out rows ``ds`` (see the module docstring): sampled
     and greedy rollouts, each labelled from its text and scored per token against the ``s.counterfactual``
     image. Returns ``{"sampled": style_metrics, "greedy": style_metrics, "positions": position_gains, "signals":
-    signal_means, "goals": ..., "rollouts": every labelled rollout (greedy ones: sample 0), "seconds": ...}``."""
+    signal_means, "goals": ..., "rollouts": every labelled rollout (greedy ones: sample 0), "seconds": ...}``.
+    ``kind``: whose chains (``fixtures.synthetic.look_or_guess.CHAINS``)."""
     start = time.perf_counter()
-    check_equal_lengths(processor.tokenizer)
+    CHAINS[kind].check_equal_lengths(processor.tokenizer)
     was_training = model.training
     model.eval()
     try:
         rollouts = sample_rollouts(model, processor, ds, samples=s.samples, max_new_tokens=s.max_new_tokens,
                                    seed=s.seed, batch_size=s.batch_size)
-        label_rollouts(rollouts, ds)
+        label_rollouts(rollouts, ds, kind)
         sampled = [r for r in rollouts if r["sample"] > 0]
         log(f"  sampled {len(sampled)} rollouts of {len(ds)} prompts ({time.perf_counter() - start:.0f} s); "
             "scoring them per token")

@@ -55,6 +55,11 @@ EXPECTED = {
     "tprl_counterfactual": "control: TPRL only rescales the advantages of tokens (by the counterfactual's per-token "
                            "gain); where the rewards tie the advantage is 0 and stays 0, so it cannot move the style: "
                            "as the baseline.",
+    GUARDED: "the replication's arm C (benchmarks/RESULTS.md, \"Look or guess, replication\"): the reliance reward paid "
+             "only where the answer and the format pay, on the token the image decided, saturated with a dead zone; "
+             "expected to move the style towards looking with fewer rollouts in neither style than visual_gain.",
+    PLACEBO: "the replication's arm D: the guarded reward's values permuted within each group, no link to the rollout "
+             "that earned them: expected as the baseline (a push here is advantage noise, not the image).",
 }
 
 

@@ -320,3 +320,115 @@ def replication_verdict(primary: Mapping[str, Any], *, neither: Mapping[str, Any
     else:
         verdict_, rule = "inconclusive", 5
     return {"verdict": verdict_, "rule": rule, "reasons": reasons, "text": f"{verdict_} ({'; '.join(reasons)})"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TPRL on look or guess with conflict rows (issue 44): two-sided verdicts (harm as well as help), and power
+# ---------------------------------------------------------------------------------------------------------------
+
+TPRL_VERDICTS = ("refuted: hacking", "shown: harms", "refuted: not from the image", "shown: helps",
+                 "refuted: too small", "inconclusive")
+"""The labels of :func:`tprl_verdict`, in the order its rules are taken."""
+
+
+def tprl_verdict(primary: Mapping[str, Any], *, neither: Mapping[str, Any],
+                 noninferiority: Sequence[tuple[str, Mapping[str, Any]]],
+                 placebo: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The decision rules for one arm X against the baseline A (issue 44), taken in order; the first that applies is
+    the verdict. Two-sided: a harm is a verdict too.
+
+    ``primary``: X's entry of ``holm_family`` (conflict accuracy, X vs A, its interval at its Holm level; rejected
+    only when that interval excludes 0 AND the exact sign-flip p is at or below the level). ``neither``:
+    ``paired_seed_difference`` of the neither-style share (X - A). ``noninferiority``: (label,
+    ``paired_seed_difference`` at 95%) per margin. ``placebo``: ``paired_seed_difference`` at 95% of X vs its
+    placebo (T and T_att vs P), or None (no placebo: M).
+
+    1. "refuted: hacking": the neither-style share rises by ``NEITHER_RISE`` or more (mean over seeds);
+    2. "shown: harms": the primary comparison is rejected with its interval below 0;
+    3. "refuted: not from the image" (with a placebo): rejected above 0 while the placebo interval does not lie
+       above 0 (X does not beat its placebo);
+    4. "shown: helps": rejected above 0, every non-inferiority lower bound at or above ``NONINFERIORITY_MARGIN``
+       and (with a placebo) the placebo interval above 0;
+    5. "refuted: too small": the primary interval lies inside (-``TOO_SMALL``, +``TOO_SMALL``): neither a help
+       nor a harm of that size fits the data;
+    6. "inconclusive" otherwise (e.g. a help that fails a margin: the reasons say which).
+
+    Returns ``verdict``, ``rule`` (1-6), ``reasons`` (every check, in words) and ``text``.
+
+    >>> pri = {"rejected": True, "shown": True, "difference": {"mean": 0.3, "low": 0.1, "high": 0.5}, "text": "ok"}
+    >>> ok = {"mean": 0.0, "low": -0.02, "high": 0.02}
+    >>> tprl_verdict(pri, neither={"mean": 0.0}, noninferiority=[("plain", ok)],
+    ...              placebo={"mean": 0.2, "low": 0.05, "high": 0.35})["verdict"]
+    'shown: helps'
+    >>> harm = {"rejected": True, "shown": False, "difference": {"mean": -0.3, "low": -0.5, "high": -0.1}, "text": ""}
+    >>> tprl_verdict(harm, neither={"mean": 0.0}, noninferiority=[("plain", ok)])["verdict"]
+    'shown: harms'
+    """
+    def num(x: Any) -> float:
+        return math.nan if x is None else float(x)
+
+    diff = primary["difference"]
+    low, high = num(diff.get("low")), num(diff.get("high"))
+    rise = num(neither.get("mean"))
+    rejected = bool(primary.get("rejected"))
+    above, below = rejected and low > 0.0, rejected and high < 0.0
+    reasons = [f"neither-style share {rise:+.3f} (hacking at >= +{NEITHER_RISE:g})",
+               f"primary: {primary.get('text', '')}"]
+    placebo_above = False
+    if placebo is not None:
+        lo, hi = num(placebo.get("low")), num(placebo.get("high"))
+        placebo_above = lo > 0.0
+        reasons.append(f"vs placebo {num(placebo.get('mean')):+.3f} [{lo:+.3f}, {hi:+.3f}]")
+    margins_hold = True
+    for label, d in noninferiority:
+        lo = num(d.get("low"))
+        holds = lo >= NONINFERIORITY_MARGIN
+        margins_hold = margins_hold and holds
+        reasons.append(f"{label} {num(d.get('mean')):+.3f}, lower bound {lo:+.3f} "
+                       f"{'>=' if holds else '<'} {NONINFERIORITY_MARGIN:+g}")
+    if rise >= NEITHER_RISE:
+        verdict_, rule = "refuted: hacking", 1
+    elif below:
+        verdict_, rule = "shown: harms", 2
+    elif placebo is not None and above and not placebo_above:
+        verdict_, rule = "refuted: not from the image", 3
+    elif above and margins_hold and (placebo is None or placebo_above):
+        verdict_, rule = "shown: helps", 4
+    elif -TOO_SMALL < low and high < TOO_SMALL:
+        verdict_, rule = "refuted: too small", 5
+    else:
+        verdict_, rule = "inconclusive", 6
+    return {"verdict": verdict_, "rule": rule, "reasons": reasons, "text": f"{verdict_} ({'; '.join(reasons)})"}
+
+
+def paired_power(sd: float, n: int, effect: float, alpha: float, *, sims: int = 2000, seed: int = 0) -> float:
+    """The power of the primary test on ``n`` seed-paired differences: the share of ``sims`` simulated experiments
+    (differences i.i.d. Normal(``effect``, ``sd``), drawn from ``numpy.random.default_rng(seed)``) in which the
+    two-sided ``1 - alpha`` paired t interval (``scipy.stats.t`` quantile) excludes 0 AND the exact sign-flip p
+    (:func:`sign_flip_p`'s enumeration of all 2^n sign assignments) is at or below ``alpha``: what ``holm_family``
+    asks of a comparison at its level.
+
+    >>> paired_power(0.26, 5, 0.27, 0.05, sims=200) < 0.5 < paired_power(0.26, 16, 0.27, 0.025, sims=200)
+    True
+    """
+    from scipy import stats as sps
+
+    if n < 2 or n > SIGN_FLIP_MAX_PAIRS:
+        raise ValueError(f"n must be in [2, {SIGN_FLIP_MAX_PAIRS}], got {n}")
+    if not sd > 0:
+        raise ValueError(f"sd must be > 0, got {sd!r}")
+    rng = np.random.default_rng(seed)
+    d = rng.normal(effect, sd, size=(sims, n))
+    mean, se = d.mean(1), d.std(1, ddof=1) / math.sqrt(n)
+    t = float(sps.t.ppf(1.0 - alpha / 2.0, n - 1))
+    by_t = (mean - t * se > 0) | (mean + t * se < 0)
+    bits = np.arange(n, dtype=np.int64)
+    signs = 1.0 - 2.0 * ((np.arange(1 << n, dtype=np.int64)[:, None] >> bits) & 1)  # (2^n, n)
+    hits = 0
+    for lo in range(0, sims, 64):
+        chunk = d[lo:lo + 64]
+        observed = np.abs(chunk.sum(1))
+        tolerance = 1e-9 * np.maximum(1.0, np.abs(chunk).sum(1))
+        p = (np.abs(signs @ chunk.T) >= observed - tolerance).mean(0)
+        hits += int((by_t[lo:lo + 64] & (p <= alpha)).sum())
+    return hits / sims

@@ -253,3 +253,69 @@ def test_the_pre_registered_rules_in_their_order(case, want, rule):
                               placebo=case["placebo"])
     assert (v["verdict"], v["rule"]) == (want, rule)
     assert v["text"].startswith(want)
+
+
+# ------------------------------------------------------------------------------------ TPRL's two-sided rules (issue 44)
+
+
+def comparison(low, high, rejected=None, mean=None):
+    """A holm_family entry: rejected means the interval at its level excludes 0 and the sign-flip agreed."""
+    rejected = (low > 0 or high < 0) if rejected is None else rejected
+    return {"rejected": rejected, "shown": rejected and low > 0, "text": "(test)",
+            "difference": {"mean": (low + high) / 2 if mean is None else mean, "low": low, "high": high}}
+
+
+BELOW = {"mean": -0.1, "low": -0.2, "high": -0.01}
+
+
+@pytest.mark.parametrize("case, want, rule", [
+    (dict(primary=comparison(0.1, 0.5), placebo=ABOVE), "shown: helps", 4),
+    (dict(primary=comparison(0.1, 0.5), placebo=None), "shown: helps", 4),  # M: no placebo arm
+    (dict(primary=comparison(0.1, 0.5), neither={"mean": 0.10}, placebo=ABOVE), "refuted: hacking", 1),  # at the line
+    (dict(primary=comparison(-0.5, -0.1), neither={"mean": 0.12}), "refuted: hacking", 1),  # hacking first, even a harm
+    (dict(primary=comparison(-0.5, -0.1)), "shown: harms", 2),
+    (dict(primary=comparison(-0.5, -0.1), placebo=ABOVE), "shown: harms", 2),
+    (dict(primary=comparison(0.1, 0.5), placebo={"mean": 0.05, "low": -0.01, "high": 0.11}),
+     "refuted: not from the image", 3),
+    (dict(primary=comparison(0.1, 0.5), placebo=BELOW), "refuted: not from the image", 3),
+    (dict(primary=comparison(0.1, 0.5), placebo=ABOVE, ni={"mean": -0.02, "low": -0.031, "high": 0.0}),
+     "inconclusive", 6),  # helps, but a margin fails
+    (dict(primary=comparison(-0.14, 0.14)), "refuted: too small", 5),  # neither a help nor a harm of 0.15 fits
+    (dict(primary=comparison(0.01, 0.12), placebo=ABOVE), "shown: helps", 4),  # small but shown: the label says shown
+    (dict(primary=comparison(-0.2, 0.14)), "inconclusive", 6),  # a harm of 0.2 still fits
+    (dict(primary=comparison(0.05, 0.3, rejected=False)), "inconclusive", 6),  # t excludes 0, the sign-flip disagreed
+    (dict(primary=comparison(-0.3, -0.05, rejected=False)), "inconclusive", 6),
+    (dict(primary=comparison(0.1, 0.5), neither={"mean": float("nan")}, placebo=ABOVE), "shown: helps", 4),
+])
+def test_tprl_rules_in_their_order(case, want, rule):
+    ni = case.pop("ni", OK)
+    v = R.tprl_verdict(case["primary"], neither=case.get("neither", {"mean": 0.0}),
+                       noninferiority=[("non-conflict accuracy", OK), ("clean format", ni)],
+                       placebo=case.get("placebo"))
+    assert (v["verdict"], v["rule"]) == (want, rule)
+    assert v["text"].startswith(want) and want in R.TPRL_VERDICTS
+
+
+def test_tprl_verdict_from_holm_family_on_seeds():
+    """End to end on hand-made seeds: a harm is labelled a harm, a help a help, noise neither."""
+    base = {s: 0.5 for s in range(16)}
+    up = {s: 0.5 + 0.2 + 0.02 * (s % 3) for s in range(16)}
+    down = {s: 0.5 - 0.2 - 0.02 * (s % 3) for s in range(16)}
+    noise = {s: 0.5 + (0.01 if s % 2 else -0.01) for s in range(16)}
+    fam = R.holm_family({"up": (up, base), "down": (down, base), "noise": (noise, base)})
+    same = R.paired_seed_difference(base, base)
+    labels = {k: R.tprl_verdict(fam[k], neither={"mean": 0.0}, noninferiority=[("x", {"low": 0.0})])["verdict"]
+              for k in fam}
+    assert labels == {"up": "shown: helps", "down": "shown: harms", "noise": "refuted: too small"}
+    assert same["n"] == 16
+
+
+def test_paired_power_grows_with_seeds_and_effect_and_holds_its_level_under_the_null():
+    p5 = R.paired_power(0.26, 5, 0.27, 0.05, sims=400)
+    p16 = R.paired_power(0.26, 16, 0.27, 0.05, sims=400)
+    assert p5 == 0.0  # 5 pairs: the exact sign-flip p cannot go below 2/32 = 0.0625 > 0.05
+    assert p16 > 0.9
+    assert R.paired_power(0.26, 16, 0.10, 0.05 / 3, sims=400) < R.paired_power(0.26, 16, 0.20, 0.05 / 3, sims=400)
+    assert R.paired_power(0.26, 16, 0.0, 0.05, sims=1000) <= 0.08  # about alpha under the null
+    with pytest.raises(ValueError, match="n must be"):
+        R.paired_power(0.2, 1, 0.1, 0.05)

@@ -198,8 +198,11 @@ def test_recipe_guards():
         LookOrGuessRecipe(epochs=2.5)
     with pytest.raises(ValueError, match="look_share"):
         LookOrGuessRecipe(look_share=1.5)
-    with pytest.raises(ValueError, match="only"):
+    with pytest.raises(ValueError, match="one look-or-guess kind"):
         LookOrGuessRecipe(kinds=("look_or_guess", "color"))
+    with pytest.raises(ValueError, match="use LookOrGuessRecipe"):
+        WarmupRecipe(kinds=("look_or_guess_long",))
+    assert LookOrGuessRecipe(kinds=("look_or_guess_long",)).kinds == ("look_or_guess_long",)
     r = LookOrGuessRecipe()
     assert (r.n_train, r.conflict_rate, r.epochs, r.kinds) == (400, 0.5, 8.0, ("look_or_guess",))
 
@@ -541,6 +544,21 @@ def test_report_from_stored_records():
     assert "Reproduce: `python -m benchmarks.look_or_guess experiment` (" in empty  # the command behind the records
 
 
+def test_the_report_states_every_variant_it_can_run():
+    """`experiment --variants ... guarded_visual_gain placebo_guarded` finished its runs and then crashed in its report
+    (KeyError: EXPECTED lacked the replication's arms): every runnable variant has its expected outcome."""
+    assert set(lg_variants.ALL_VARIANTS) <= set(lg_variants.EXPECTED)
+    s = lg_variants.ExperimentSettings(steps=2, variants=("answer_format", "guarded_visual_gain", "placebo_guarded"),
+                                       detect_seeds=())
+    runs = (_runs("answer_format", BASE) + _runs("guarded_visual_gain", [0.9, 0.88, 0.95, 0.92, 0.9])
+            + _runs("placebo_guarded", BASE))
+    body = lg_report.report(choice=None, warm=None, runs=runs, s=s, recipe=lg_task.look_or_guess_recipe(),
+                            argv=["experiment"], missing=[], failed=[], code={"commit": "abcdef123456", "dirty": False},
+                            minutes=None, workers=2, threads=1)
+    for name in s.variants:
+        assert lg_variants.EXPECTED[name][:40] in body
+
+
 def test_code_version_names_the_commit_and_the_dirty_tree():
     import re
 
@@ -712,3 +730,109 @@ def test_benchmark_module_doctests():
     for module in (lg_eval, lg_task, look_or_guess_replication):
         failed, _ = doctest.testmod(module)
         assert not failed, module.__name__
+
+
+# ------------------------------------------------------------------------------------------------ the long kind (issue 44)
+
+
+def test_the_short_kind_is_unchanged_row_for_row_and_target_for_target():
+    """The replication's figures come from the `look_or_guess` kind: adding the long kind changed none of its rows,
+    images or targets, nor the prior_color rows (digests recorded on the code before the long kind existed)."""
+    import hashlib
+
+    def digest(kind):
+        h = hashlib.sha256()
+        for split, rate in (("train", 0.5), ("validation", 0.0), ("look_or_guess_test", 0.5), ("test", 0.5)):
+            for r in generate_synthetic_rows(24, split=split, seed=0, kinds=(kind,), option_order="fixed",
+                                             conflict_rate=rate):
+                h.update(hashlib.sha256(r.pop("image")["bytes"]).digest())
+                h.update(json.dumps(r, sort_keys=True).encode())
+                if kind == "look_or_guess" and r["drawn_color"] is not None:
+                    for s in (LOOK, GUESS):
+                        t = style_target(s, r["object"], r["drawn_color"], r["choices"])
+                        h.update((t + repr(read_reasoning(t))).encode())
+        return h.hexdigest()
+
+    assert digest("look_or_guess") == "6c22e548cce625e26c36f67e1c5c08ce8b022f2207fd3d91c10959cf93720a08"
+    assert digest("prior_color") == "e189208cb0189b7c20cae8c6be82a318003ed3fdb45ba67cd530f11859167239"
+
+
+def test_long_rows_are_the_same_rows_and_both_long_styles_are_equally_long(tiny_tokenizer):
+    from fixtures.synthetic.look_or_guess import (
+        CHAINS,
+        LONG_MAX_COMPLETION_LENGTH,
+        LOOK_OR_GUESS_LONG,
+        chains_for,
+        check_long_equal_lengths,
+        long_style_target,
+    )
+
+    short = generate_synthetic_rows(16, split="train", seed=3, kinds=("look_or_guess",), conflict_rate=0.5)
+    long = generate_synthetic_rows(16, split="train", seed=3, kinds=(LOOK_OR_GUESS_LONG,), conflict_rate=0.5)
+    assert [{k: v for k, v in r.items() if k != "question_id"} for r in short] == \
+        [{k: v for k, v in r.items() if k != "question_id"} for r in long]
+    counts = check_long_equal_lengths(tiny_tokenizer)
+    assert counts == {"tomato": {LOOK: 45, GUESS: 45}, "grass": {LOOK: 43, GUESS: 43}, "sky": {LOOK: 42, GUESS: 42},
+                      "banana": {LOOK: 43, GUESS: 43}}
+    assert max(n for c in counts.values() for n in c.values()) + 1 <= LONG_MAX_COMPLETION_LENGTH
+    # the colour word is one token of 42-45: about 2% of the completion (the short chains: 1 of 12-15)
+    target = long_style_target(LOOK, "sky", "red", ["red", "green", "blue", "yellow"])
+    ids = tiny_tokenizer(target, add_special_tokens=False)["input_ids"]
+    assert sum(tiny_tokenizer.decode([i]) == " red" for i in ids) == 1 and 1 / len(ids) < 0.025
+    assert chains_for(("look_or_guess_long",)) is CHAINS[LOOK_OR_GUESS_LONG]
+    with pytest.raises(ValueError, match="exactly one look-or-guess kind"):
+        chains_for(("look_or_guess", "look_or_guess_long"))
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("<think> What is the color of the sky? I use the image: the shape in the image here is red. It is the "
+     "answer.</think>\nAnswer: A", Reasoning(LOOK, "red", "sky")),
+    ("<think> What is the color of the banana? I use the name: its color is yellow. It is the answer.</think>",
+     Reasoning(GUESS, "yellow", "banana")),
+    # a garbled restatement: still a chain that read the image (seen in the first development runs)
+    ("<think> What is the color of the sky? o? use the image: the shape in the image here is green. It is the "
+     "answer.</think>", Reasoning(LOOK, "green", None)),
+    # neither: a word dropped from the style sentence, two style sentences, no closing sentence, no colour word,
+    # the short kind's chain, no think block
+    ("<think> What is the color of the sky? I use the image: the shape in the image is red. It is the answer.</think>",
+     Reasoning(OTHER)),
+    ("<think> What is the color of the sky? I use the image: the shape in the image here is red. I use the name: its "
+     "color is blue. It is the answer.</think>", Reasoning(OTHER)),
+    ("<think> What is the color of the sky? I use the name: its color is blue.</think>", Reasoning(OTHER)),
+    ("<think> What is the color of the sky? I use the name: its color is tasty. It is the answer.</think>",
+     Reasoning(OTHER)),
+    ("<think> the shape is red</think>\nAnswer: A", Reasoning(OTHER)),
+    ("Answer: A", Reasoning(OTHER)),
+])
+def test_read_long_reasoning_on_handmade_texts(text, expected):
+    from fixtures.synthetic.look_or_guess import long_look_rate, read_long_reasoning
+
+    assert read_long_reasoning(text) == expected
+    assert long_look_rate([text]) == [1.0 if expected.style == LOOK else 0.0]
+
+
+def test_long_targets_read_back_and_their_decision_spans(tiny_tokenizer):
+    from fixtures.synthetic.look_or_guess import long_style_spans, long_style_target, read_long_reasoning
+
+    for obj in PRIOR_OBJECTS:
+        for colour in ("red", "green", "blue", "yellow"):
+            choices = ["red", "green", "blue", "yellow"]
+            for style in (LOOK, GUESS):
+                text = long_style_target(style, obj, colour, choices)
+                named = colour if style == LOOK else PRIOR_OBJECTS[obj]
+                assert read_long_reasoning(text) == Reasoning(style, named, obj)
+                spans = long_style_spans(text)
+                assert text[slice(*spans["colour"])] == " " + named
+                assert text[slice(*spans["branch"])] == (" image" if style == LOOK else " name")
+                assert text.endswith(f"Answer: {'ABCD'[choices.index(named)]}")
+    assert long_style_spans("Answer: A") is None
+
+
+def test_the_long_warmup_data_uses_the_long_targets():
+    from fixtures.synthetic.look_or_guess import LOOK_OR_GUESS_LONG, read_long_style
+
+    ds = synthetic_dataset(8, split="train", seed=0, kinds=(LOOK_OR_GUESS_LONG,), conflict_rate=0.5)
+    sft = look_or_guess_sft_dataset(ds, 2, seed=0, kind=LOOK_OR_GUESS_LONG)
+    styles = [read_long_style(c[0]["content"]) for c in sft["completion"]]
+    assert len(styles) == 16 and set(styles) == {LOOK, GUESS}
+    assert lg_task.look_or_guess_recipe(kind=LOOK_OR_GUESS_LONG).kinds == (LOOK_OR_GUESS_LONG,)

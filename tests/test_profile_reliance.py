@@ -344,7 +344,7 @@ def test_bad_reliance_flags_fail_before_any_weight_is_loaded(tiny_vlm_dir, prior
     base = ["--model_name_or_path", vlm, "--dataset_path", prior_data, "--out", tmp_path / "o"]
     cases = [
         (["--counterfactual_image", "gray"], "--counterfactual_image 'gray' is not a counterfactual kind (did you "
-         "mean grey?); choose from patch_blackening, gaussian_noise, blur, black, grey, none"),
+         "mean grey?); choose from patch_blackening, gaussian_noise, blur, black, grey, grayscale, none"),
         (["--counterfactual_image"], "expected at least one argument"),
         (["--counterfactual_image", "grey", "grey"], "more than once"),
         (["--samples_per_row", "-1"], "--samples_per_row must be >= 0"),

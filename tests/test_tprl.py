@@ -332,3 +332,80 @@ def test_token_mask_on_a_model_equals_the_loss_over_kept_tokens_only():
         torch.testing.assert_close(a, b)
     full = param_grads(torch.ones(3, 7))
     assert any(not torch.allclose(a, f) for a, f in zip(masked, full))  # filtering did change the update
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The placebo (tprl_placebo, issue 44): as much filtering and reweighting, no link to the image
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _placebo_args(placebo: bool, entropy: bool = True, **kw):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(enable_entropy_filtering=entropy, top_p_entropy_tokens=0.25,
+                           enable_perception_filtering=True, top_p_perception_tokens=0.25,
+                           enable_trajectory_reweighting=True, trajectory_scaling_min=0.8, tprl_placebo=placebo,
+                           seed=7, perturbation_seed=None, **kw)
+
+
+def _batch(seed=0, b=8, c=12):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(4, c + 1, (b,), generator=g)
+    mask = (torch.arange(c)[None] < lengths[:, None]).long()
+    return mask, torch.rand(b, c, generator=g), torch.rand(b, c, generator=g) * 3
+
+
+def _apply(args, step=5, seed=0):
+    from trl_mdi.tprl import apply_tprl
+
+    mask, entropies, s_t = _batch(seed)
+    out = {"completion_mask": mask, "advantages": torch.ones(mask.shape[0])}
+    apply_tprl(out, args, entropies=entropies, perception=s_t, has_image=torch.ones(mask.shape[0], dtype=torch.bool),
+               gather=lambda t: t, process_index=0, step=step)
+    return out, mask, entropies, s_t
+
+
+def test_placebo_keeps_as_many_tokens_at_random_and_permutes_the_multipliers():
+    real, mask, entropies, s_t = _apply(_placebo_args(False, entropy=False))
+    fake, *_ = _apply(_placebo_args(True, entropy=False))
+    kept_real, kept_fake = real["tool_mask"].bool(), fake["tool_mask"].bool()
+    assert torch.equal(kept_real.sum(1), kept_fake.sum(1))  # the same count per row: ceil(0.25 * L_i)
+    assert not torch.equal(kept_real, kept_fake)  # ... not the same tokens
+    assert not (kept_fake & ~mask.bool()).any()  # never padding
+    # advantages 1 everywhere, so they ARE the multipliers: the same multiset, another order
+    assert sorted(fake["advantages"].tolist()) == pytest.approx(sorted(real["advantages"].tolist()))
+    assert not torch.allclose(fake["advantages"], real["advantages"])
+    assert real["advantages"].argmax() == T.sequence_mean(s_t, mask).argmax()  # the real ones follow S_i
+    # drawn per (seed, step): the same again at the same step, other draws at another step or seed
+    again, *_ = _apply(_placebo_args(True, entropy=False))
+    assert torch.equal(again["tool_mask"], fake["tool_mask"]) and torch.equal(again["advantages"], fake["advantages"])
+    other_step, *_ = _apply(_placebo_args(True, entropy=False), step=6)
+    assert not torch.equal(other_step["tool_mask"], fake["tool_mask"])
+    other_seed = _placebo_args(True, entropy=False)
+    other_seed.seed = 8
+    assert not torch.equal(_apply(other_seed)[0]["tool_mask"], fake["tool_mask"])
+
+
+def test_placebo_keeps_the_entropy_filter():
+    real, mask, entropies, _ = _apply(_placebo_args(False))
+    fake, *_ = _apply(_placebo_args(True))
+    entropy_mask = T.top_p_token_mask(entropies, mask, 0.25)
+    assert (fake["tool_mask"].bool() >= entropy_mask).all()  # every token the entropy filter keeps is kept
+    extra = fake["tool_mask"].bool() & ~entropy_mask
+    assert (extra.sum(1) <= T.top_p_token_mask(torch.rand(mask.shape), mask, 0.25).sum(1)).all()
+
+
+def test_placebo_pure_functions():
+    m = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
+    for step in range(5):
+        kept = T.random_token_mask(m, 0.5, T.placebo_generator(3, step))
+        assert kept.sum(1).tolist() == [2, 1, 0] and not (kept & ~m.bool()).any()
+    draws = {tuple(T.random_token_mask(torch.ones(1, 10), 0.3, T.placebo_generator(0, s)).nonzero()[:, 1].tolist())
+             for s in range(20)}
+    assert len(draws) > 10  # uniform over positions, not a fixed pick
+    v, ok = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([True, False, True, True])
+    out = T.permute_valid(v, ok, T.placebo_generator(0, 1))
+    assert out[1] == 2.0 and sorted(out[[0, 2, 3]].tolist()) == [1.0, 3.0, 4.0]
+    assert torch.equal(T.permute_valid(v, torch.tensor([True, False, False, False]), T.placebo_generator(0, 1)), v)
+    with pytest.raises(ValueError, match="integer >= 0"):
+        T.placebo_generator(-1, 0)

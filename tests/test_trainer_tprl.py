@@ -116,3 +116,18 @@ def test_perception_on_text_only_data_fails_at_start(model_dir, grpo_train_datas
         MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward],
                        args=make_args(tmp_path, enable_perception_filtering=True),
                        train_dataset=grpo_train_dataset.remove_columns(["image"]))
+
+
+def test_the_placebo_trains_with_the_same_amount_of_filtering(model_dir, grpo_train_dataset, tmp_path):
+    """tprl_placebo (issue 44's control arm): validated at construction, trains, keeps as many tokens per row as the
+    real filters (the fractions below are T's) and the same multipliers' range, only not where the image was."""
+    with pytest.raises(ValueError, match="tprl_placebo replaces what the perception signal decides"):
+        make_args(tmp_path, enable_entropy_filtering=True, tprl_placebo=True)
+    trainer = MDIGRPOTrainer(str(model_dir), reward_funcs=[spread_reward],
+                             args=make_args(tmp_path, tprl_placebo=True, **TPRL_ALL), train_dataset=grpo_train_dataset)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs[0]["tprl/perception_token_fraction"] == pytest.approx(0.25)
+    assert logs[0]["tprl/scaling_factor_mean"] == pytest.approx(1.0, abs=1e-5)

@@ -95,12 +95,18 @@ class MDIGRPOConfig(GRPOConfig):
             Spearman correlation over the completion tokens of rows with an image, averaged over rows.
         perception_perturbation (`str`, *optional*, defaults to `"patch_blackening"`):
             How I' is made from I, on the PIL image before the processor: `patch_blackening`, `gaussian_noise`,
-            `blur`, `black` or `grey`.
+            `blur`, `black`, `grey` or `grayscale` (the colour removed, shapes kept).
         perturbation_patch_size (`int`, *optional*, defaults to `14`), perturbation_prob (`float`, defaults to
         `0.5`), perturbation_noise_std (`float`, defaults to `189.0`), perturbation_blur_radius (`float`, defaults
         to `6.0`), perturbation_seed (`int`, *optional*, defaults to `seed`):
             Parameters of the perturbation; masks are drawn per (seed, step, rollout), so resumed runs continue
             deterministically.
+        tprl_placebo (`bool`, *optional*, defaults to `False`):
+            An experiment control, not a training method: TPRL's placebo. The entropy filter and every forward stay
+            as configured, but the perception filter keeps as many tokens per completion chosen at random, and the
+            trajectory multipliers are permuted at random over the batch's rollouts (drawn per seed and step). A
+            TPRL effect comes from visual dependency only if TPRL beats its placebo (docs/tprl.md). Needs the
+            perception filter or trajectory reweighting on.
 
         > Reliance: did the answer come from the image? (docs/reliance.md)
 
@@ -114,8 +120,8 @@ class MDIGRPOConfig(GRPOConfig):
             image per generation batch. On by itself when a reward reads one of these fields.
         counterfactual_image (`str`, *optional*, defaults to `"black"`):
             I' of the reliance signals: `"none"` (the image removed: a text-only prompt) or a same-size image that
-            keeps every token position: `black`, `grey` (uniform mid-grey), `blur`, `gaussian_noise`,
-            `patch_blackening` (their parameters are the `perturbation_*` fields). The default is the measured best
+            keeps every token position: `black`, `grey` (uniform mid-grey), `grayscale` (the colour removed),
+            `blur`, `gaussian_noise`, `patch_blackening` (their parameters are the `perturbation_*` fields). The default is the measured best
             (benchmarks/RESULTS.md, language prior: `black` and `none` separate prior-following rollouts best; `grey`,
             `blur` and noise keep or mimic a colour). When TPRL's perturbation signal
             uses the same kind (`perception_perturbation`), one forward serves both.
@@ -284,7 +290,8 @@ class MDIGRPOConfig(GRPOConfig):
     )
     perception_perturbation: str = field(
         default="patch_blackening",
-        metadata={"help": "How the perturbed image is made: patch_blackening, gaussian_noise, blur, black or grey."},
+        metadata={"help": "How the perturbed image is made: patch_blackening, gaussian_noise, blur, black, grey or "
+                  "grayscale."},
     )
     perturbation_patch_size: int = field(default=14, metadata={"help": "patch_blackening: patch side in pixels."})
     perturbation_prob: float = field(default=0.5, metadata={"help": "patch_blackening: probability a patch is blacked."})
@@ -292,6 +299,11 @@ class MDIGRPOConfig(GRPOConfig):
     perturbation_blur_radius: float = field(default=6.0, metadata={"help": "blur: Gaussian blur radius in pixels."})
     perturbation_seed: int | None = field(
         default=None, metadata={"help": "Seed of the perturbation masks (default: the run's seed)."}
+    )
+    tprl_placebo: bool = field(
+        default=False,
+        metadata={"help": "Experiment control: TPRL's placebo (perception filter keeps as many random tokens, "
+                  "trajectory multipliers permuted over the batch; entropy filter and forwards unchanged)."},
     )
     reliance_signals: bool = field(
         default=False,
@@ -302,7 +314,8 @@ class MDIGRPOConfig(GRPOConfig):
     counterfactual_image: str = field(
         default="black",
         metadata={"help": "The counterfactual image of the reliance signals: black (the measured best), none (image "
-                  "removed), grey, blur, gaussian_noise or patch_blackening (same size: token positions kept)."},
+                  "removed), grey, grayscale, blur, gaussian_noise or patch_blackening (same size: token positions "
+                  "kept)."},
     )
     on_bad_image: str = field(
         default="skip",
@@ -700,6 +713,12 @@ def validate_added_fields(args: MDIGRPOConfig) -> None:
         raise ValueError(f"perception_perturbation: {e}") from None
     if args.perception_signal not in PERCEPTION_SIGNALS:
         raise ValueError(f"perception_signal must be one of {PERCEPTION_SIGNALS}, got {args.perception_signal!r}")
+    if args.tprl_placebo not in (True, False):
+        raise ValueError(f"tprl_placebo must be True or False, got {args.tprl_placebo!r}")
+    if args.tprl_placebo and not args.uses_perception_signal:
+        raise ValueError("tprl_placebo replaces what the perception signal decides, but neither "
+                         "enable_perception_filtering nor enable_trajectory_reweighting is on: turn one on (the "
+                         "placebo of a TPRL run keeps that run's settings) or leave tprl_placebo off")
     from .counterfactual import counterfactual_kinds
 
     if args.counterfactual_image not in counterfactual_kinds():

@@ -795,7 +795,7 @@ class MDIGRPOTrainer(GRPOTrainer):
             self._log(mode, apply_tprl(out, self.args, entropies=forward.entropies,
                                        perception=forward.perception.get(self.args.perception_signal),
                                        has_image=record.has_image, gather=self.accelerator.gather,
-                                       process_index=self.accelerator.process_index))
+                                       process_index=self.accelerator.process_index, step=record.step))
         if self.args.perception_signal_compare and forward is not None:
             self._metrics[mode]["tprl/signal_rank_corr"].append(signal_rank_corr(
                 forward.perception["perturbation"], forward.perception["attention"], out["completion_mask"],

@@ -15,7 +15,10 @@ from .formulas import (
     average_ranks,
     combine_masks,
     fit_width,
+    permute_valid,
     perturbation_signal,
+    placebo_generator,
+    random_token_mask,
     rank_correlation,
     sequence_mean,
     top_p_token_mask,
@@ -28,6 +31,7 @@ from .perturb import PERTURBATIONS, check_perturbation, image_generator, perturb
 __all__ = [
     "DEGENERATE_SPREAD", "LOG_RATIO_CLAMP", "PERCEPTION_SIGNALS", "PERTURBATIONS", "SCORE_CLAMP", "TrajectoryScaling",
     "apply_tprl", "average_ranks", "check_perturbation", "combine_masks", "fit_width", "image_generator", "perturb_image",
-    "perturb_images", "rank_correlation", "sequence_mean", "signal_rank_corr",
+    "perturb_images", "permute_valid", "placebo_generator", "random_token_mask", "rank_correlation", "sequence_mean",
+    "signal_rank_corr",
     "perturbation_signal", "top_p_token_mask", "trajectory_scaling", "validate_scaling_min", "validate_top_p",
 ]

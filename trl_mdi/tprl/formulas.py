@@ -348,3 +348,61 @@ def trajectory_scaling(
     alpha = ones.clone()
     alpha[ok] = beta_min + n * (beta_max - beta_min)
     return TrajectoryScaling(alpha, ok, beta_max, mu, torch.zeros((), dtype=torch.bool, device=device))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The placebo (an experiment control, ``tprl_placebo``): the same amount of filtering and reweighting, no link to
+# the image. Issue 44: TPRL's push comes from visual dependency only if TPRL beats this.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def placebo_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
+    """A CPU generator for the placebo at ``step`` of a run seeded ``seed``; ``stream`` separates independent draws
+    (the token mask of each process, the multipliers' permutation). A pure function of its arguments:
+    ``SeedSequence(seed, spawn_key=(step, stream))``, as the image perturbations draw theirs.
+
+    >>> a, b = placebo_generator(0, 3), placebo_generator(0, 3)
+    >>> torch.rand(2, generator=a).tolist() == torch.rand(2, generator=b).tolist()
+    True
+    """
+    import numpy as np
+
+    for name, v in (("seed", seed), ("step", step), ("stream", stream)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+    state = np.random.SeedSequence(seed, spawn_key=(step, stream)).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
+def random_token_mask(completion_mask: torch.Tensor, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """The placebo of the perception filter: per sequence, ``k_i = ceil(top_p * L_i)`` valid tokens chosen uniformly
+    at random (``top_p_token_mask`` over i.i.d. uniform scores drawn from ``generator``), so each row keeps exactly
+    as many tokens as the real filter keeps, none chosen for depending on the image. Returns bool (B, C).
+
+    >>> m = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    >>> random_token_mask(m, 0.4, placebo_generator(0, 0)).sum(1).tolist()  # ceil(0.4 * 5) = 2, ceil(0.4 * 2) = 1
+    [2, 1]
+    """
+    scores = torch.rand(completion_mask.shape, generator=generator, dtype=torch.float64)
+    return top_p_token_mask(scores.to(completion_mask.device), completion_mask, top_p)
+
+
+def permute_valid(values: torch.Tensor, valid: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The placebo of trajectory reweighting: ``values`` (B,) with the entries at ``valid`` rows permuted among
+    themselves at random (``generator``), the others unchanged. The multiset of multipliers, hence their mean (1)
+    and spread, is TAS's own; which rollout gets which is chance.
+
+    >>> v, ok = torch.tensor([0.8, 1.0, 1.2, 1.0]), torch.tensor([True, True, True, False])
+    >>> out = permute_valid(v, ok, placebo_generator(1, 2))
+    >>> sorted(out[:3].tolist()) == sorted(v[:3].tolist()), out[3].item()
+    (True, 1.0)
+    """
+    if values.dim() != 1 or valid.shape != values.shape:
+        raise ValueError(f"values and valid must be (B,) of one shape, got {tuple(values.shape)} and "
+                         f"{tuple(valid.shape)}")
+    index = torch.nonzero(valid.bool().cpu(), as_tuple=True)[0]
+    out = values.clone()
+    if len(index) > 1:
+        order = index[torch.randperm(len(index), generator=generator)]
+        out[index.to(values.device)] = values[order.to(values.device)]
+    return out

@@ -4,7 +4,8 @@ VPPO (github.com/huaixuheqing/VPPO-RL, verl/workers/perc_utils.py) scores each c
 its log-probability moves when the image is perturbed; its default perturbation is random patch blackening
 (14 px cells, each blacked with probability 0.5). Gaussian noise, blur and a full mask exist there unused;
 we keep them for ablations, with VPPO's defaults (noise std 189 on a 0-255 scale, blur radius 6). Our
-"black" blacks the whole image; "grey" fills it with mid-grey (128, 128, 128), as VPPO's full mask does. "grey"
+"grayscale" (not in VPPO) removes the colour and keeps every shape and brightness: for questions about colour, the
+perturbation that removes what is asked and nothing else (issue 44). Our "black" blacks the whole image; "grey" fills it with mid-grey (128, 128, 128), as VPPO's full mask does. "grey"
 is also the counterfactual image of ``trl_mdi.counterfactual``: same size, so the processor gives the same image
 tokens at the same positions, and no colour or edge of the real image leaks through.
 
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageFilter
 
-PERTURBATIONS = ("patch_blackening", "gaussian_noise", "blur", "black", "grey")
+PERTURBATIONS = ("patch_blackening", "gaussian_noise", "blur", "black", "grey", "grayscale")
 DEFAULT_PERTURBATION = "patch_blackening"
 DEFAULT_PATCH_SIZE = 14  # VPPO
 DEFAULT_PROB = 0.5  # VPPO
@@ -50,7 +51,7 @@ def check_perturbation(
     >>> check_perturbation("noise")
     Traceback (most recent call last):
     ...
-    ValueError: unknown perturbation kind 'noise'; valid kinds: patch_blackening, gaussian_noise, blur, black, grey
+    ValueError: unknown perturbation kind 'noise'; valid kinds: patch_blackening, gaussian_noise, blur, black, grey, grayscale
     >>> check_perturbation(prob=1.5)
     Traceback (most recent call last):
     ...
@@ -120,7 +121,9 @@ def perturb_image(
       * ``gaussian_noise``: ``clip(round(x + N(0, noise_std)), 0, 255)`` per pixel and channel;
       * ``blur``: PIL Gaussian blur of radius ``blur_radius`` (no randomness);
       * ``black``: an all-black image (no randomness);
-      * ``grey``: a uniform mid-grey image, every pixel ``GREY`` (no randomness).
+      * ``grey``: a uniform mid-grey image, every pixel ``GREY`` (no randomness);
+      * ``grayscale``: PIL's luminance ``L = (299 R + 587 G + 114 B) / 1000`` in all three channels: the colour
+        gone, shapes and brightness kept (no randomness).
 
     Non-RGB input (L, RGBA, P, ...) is converted to RGB first, as the VLM processors do; alpha is dropped.
     ``generator``: a numpy Generator (consumed), an int seed, or None for fresh OS entropy (not
@@ -134,6 +137,8 @@ def perturb_image(
     np.uint8(0)
     >>> perturb_image(img, "grey").getextrema()
     ((128, 128), (128, 128), (128, 128))
+    >>> perturb_image(img, "grayscale").getpixel((0, 0))  # 0.299 * 200 + 0.587 * 100 + 0.114 * 50 = 124.3
+    (124, 124, 124)
     """
     check_perturbation(kind, patch_size=patch_size, prob=prob, noise_std=noise_std, blur_radius=blur_radius)
     if not isinstance(img, Image.Image):
@@ -143,6 +148,8 @@ def perturb_image(
         return Image.new("RGB", rgb.size, (0, 0, 0))
     if kind == "grey":
         return Image.new("RGB", rgb.size, GREY)
+    if kind == "grayscale":
+        return rgb.convert("L").convert("RGB")
     if kind == "blur":
         return rgb.filter(ImageFilter.GaussianBlur(radius=blur_radius))
     rng = _rng(generator)
