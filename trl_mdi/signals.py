@@ -314,7 +314,12 @@ SIGNALS: tuple[Signal, ...] = (
 # Batch-level counts logged beside the means, computed from the gathered values of their source.
 BATCH_METRICS: dict[str, str] = {
     "attention/rows_without_image": "fraction of rollouts without image tokens (no MDI)",
-    "attention/rows_unmeasured": "fraction of rollouts with no generated token to measure (empty completion)",
+    "attention/rows_unmeasured": ("fraction of rollouts with no generated token to measure: an empty completion, or "
+                                  "one cut off at `max_completion_length` when the probe rides one of TRL's own "
+                                  "forwards (under vLLM, or in the training forward) with `mask_truncated_completions` "
+                                  "on, the default: TRL masks such a completion out of its forwards, so its MDI is "
+                                  "empty and `mdi_balance` gives it no reward (the trainer's own extra forward measures "
+                                  "it)"),
     "attention/rows_mdi_inf": "fraction of rollouts in which some segment (or all layers) gives the image exactly zero "
                               "attention: that MDI is +inf and leaves its segment's mean (e.g. a sliding window that "
                               "hides every image key)",

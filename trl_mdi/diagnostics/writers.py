@@ -25,6 +25,7 @@ COUNTERFACTUALS = {
     "none": "the prompt without its image", "grey": "a grey image of the same size",
     "black": "a black image of the same size", "blur": "the image blurred",
     "gaussian_noise": "the image under Gaussian noise", "patch_blackening": "the image with patches blacked out",
+    "grayscale": "the image in grey tones (its colour removed)",
 }
 
 # Image placeholders of chat-templated prompt strings: Qwen-VL's vision span, runs of its pad token, "<image>".
