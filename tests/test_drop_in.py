@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, TrainingArgume
 from trl import GRPOConfig, GRPOTrainer
 
 import trl_mdi
+from fixtures.testing import stock_grpo_values
 from trl_mdi import MDIGRPOConfig, MDIGRPOTrainer
 
 
@@ -30,7 +31,7 @@ def grpo_kwargs(tmp_path, **overrides):
 # GRPOConfig's values where MDIGRPOConfig's defaults differ (issue 43), so that a run here compares with stock
 # GRPOTrainer's: a random tiny model never stops within 8 tokens, and with mask_truncated_completions every completion
 # would leave the loss (nothing would train, and TRL's masked forward leaves the probe nothing to measure).
-TRL_LOSS = dict(epsilon_high=None, mask_truncated_completions=False)
+TRL_LOSS = stock_grpo_values()
 
 
 def mdi_args(tmp_path, **overrides):
