@@ -223,3 +223,41 @@ def test_the_plans_command_runs_the_development_records_choices():
     summary = (RESULTS.parent / "tprl_dev_summary.md").read_text(encoding="utf-8")
     assert f"**Chosen: {dev['warmup']['chosen_epochs']:g} epochs, weights sha256 `{dev['warmup']['sha256']}`.**" \
         in summary
+
+
+def test_the_committed_run_records_are_the_plans_runs():
+    """Every record in ``benchmarks/tprl_records/`` (the plan's finished runs, gzipped, committed as they finish) is
+    a run of the plan: an arm and seed it names, from a clean checkout of the plan commit, the plan's warm-up, the
+    pinned float path, and a key that the plan's own command gives for that arm, seed and environment (a record
+    from other settings, code or environment would be rerun by ``experiment``, so it cannot stand here)."""
+    import gzip
+    import re
+    import shlex
+
+    from benchmarks import tprl_look_or_guess as E
+    from benchmarks.environment import PINNED, environment_key
+    from benchmarks.results import RESULTS
+
+    paths = sorted((RESULTS.parent / "tprl_records").glob("*.json.gz"))
+    if not paths:
+        pytest.skip("no run record committed yet")
+    command = re.search(r"\*\*Reproduce\*\*: `python -m benchmarks\.tprl_look_or_guess (experiment[^`]*)`",
+                        _plan().replace("\n", " "))
+    a = E.parse_args(shlex.split(command.group(1)))
+    s = D.TprlSettings(steps=a.steps, pool_conflict_rate=a.pool_conflict_rate, learning_rate=a.learning_rate,
+                       perturbation=a.perturbation, attention_segment=a.attention_segment, eval_split="test")
+    commit = R.plan_commit(RESULTS)
+    for path in paths:
+        rec = json.loads(gzip.decompress(path.read_bytes()))
+        name = path.name.removesuffix(".json.gz")
+        assert name == f"{rec['arm']}-s{rec['seed']}" == rec["label"], path.name
+        assert rec["arm"] in D.ARMS and rec["seed"] in a.seeds, name
+        assert not rec["code"].get("dirty"), (name, rec["code"])
+        if commit is not None:
+            assert rec["code"]["commit"].startswith(commit), (name, rec["code"]["commit"], commit)
+        assert rec["warmup_sha256"].startswith(a.warmup_sha256), name
+        assert rec["environment"]["float_path"] == PINNED, name
+        assert rec["settings"] == D.settings_dict(s), name
+        assert rec["key"] == D.run_key(s, D.ARMS[rec["arm"]], rec["seed"], environment_key(rec["environment"]),
+                                       rec["warmup_sha256"]), name
+        assert rec.get("final") and 0.0 <= rec["final"]["conflict"] <= 1.0, name
