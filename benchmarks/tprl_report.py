@@ -246,6 +246,23 @@ def learning_curve(runs: list[dict], arm: str, windows: int = 10) -> list[float]
     return out
 
 
+def style_accuracy(runs: list[dict], arm: str, style: str) -> dict[str, list[float]]:
+    """``arm``'s held-out conflict rows at the last step, per seed: the share of rollouts in ``style`` (``look``,
+    ``guess`` or ``other``, the reader's *neither*) and their accuracy (seeds with no such rollout give no accuracy).
+    Descriptive, not in the plan: it says whether the neither-style chains answer from the image (a look chain the
+    reader cannot parse) or from the name, which the hacking rule (the neither-style share) cannot tell."""
+    share, acc = [], []
+    for r in runs:
+        rows = ((r.get("eval") or {}).get("sampled") or {}).get("conflict")
+        if r["arm"] != arm or not rows or not rows.get("n"):
+            continue
+        part = rows.get(style) or {}
+        share.append(part.get("n", 0) / rows["n"])
+        if part.get("n"):
+            acc.append(part["accuracy"])
+    return {"share": share, "accuracy": acc}
+
+
 def plan_commit(results: Path) -> str | None:
     """The commit that added :data:`PLAN_END` to ``results`` (the plan commit), or None outside git or before it."""
     import subprocess
@@ -317,6 +334,18 @@ def report(runs: list[dict], results: Path, *, workers: int = 2, sims: int = 200
                  f"{_ms(by_seed(runs, x, 'conflict', 'mid').values())} | "
                  + " | ".join(_ms(by_seed(runs, x, o).values()) for o in ("plain", "clean", "neither", "guess", "look"))
                  + " |")
+    styles = {x: {st: style_accuracy(runs, x, st) for st in ("look", "guess", "other")} for x in ARMS}
+    if any(v["share"] for st in styles.values() for v in st.values()):
+        L += ["", "What each style answers on the conflict rows at the last step (descriptive, not in the plan: the "
+              "neither-style share is the hacking alarm, and this says whether those chains answer from the image, "
+              "as a look chain the reader cannot parse would, or from the name); share of the conflict rollouts and "
+              "the accuracy of that style, mean ± sd over seeds:", "",
+              "| arm | look: share | look: accuracy | guess: share | guess: accuracy | neither: share | "
+              "neither: accuracy |", "|---|---|---|---|---|---|---|"]
+        for x in ARMS:
+            if styles[x]["other"]["share"]:
+                L.append(f"| {x} | " + " | ".join(f"{_ms(styles[x][st]['share'])} | {_ms(styles[x][st]['accuracy'])}"
+                                                   for st in ("look", "guess", "other")) + " |")
     res = analyse(runs)
     L += ["", "Primary (conflict accuracy at the last step, paired by seed; Holm over T, T_att and M vs A, two-sided: "
           "the comparison with the smallest sign-flip p at 0.05/3, the next at 0.05/2, the last at 0.05, each only "

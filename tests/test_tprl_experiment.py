@@ -145,7 +145,12 @@ def _records():
             c = b + shift[arm] + wiggle[arm] * ((i % 3) - 1)
             final = {"conflict": c, "plain": 0.95, "clean": 0.93, "neither": 0.1, "guess": 0.3 - shift[arm] / 2,
                      "look": 0.5 + shift[arm] / 2}
+            # 40 conflict rollouts: 10 neither-style ones, right on 8 (A) or 4 (the others) of them
+            other = {"n": 10, "accuracy": 0.8 if arm == "A" else 0.4}
+            sampled = {"conflict": {"n": 40, "look": {"n": 20, "accuracy": 0.9}, "guess": {"n": 10, "accuracy": 0.1},
+                                    "other": other}}
             runs.append({"arm": arm, "seed": 200 + i, "final": final, "mid": {"outcomes": {**final, "conflict": c - 0.1}},
+                         "eval": {"sampled": sampled},
                          "steps": [{"rewards/long_look_rate/mean": 0.4 + 0.05 * k + shift[arm]} for k in range(4)],
                          "settings": s, "warmup_sha256": "ab" * 32, "wall_seconds": 300.0, "started_at": 0.0,
                          "ended_at": 600.0, "code": {"commit": "abcdef1234567890", "dirty": False},
@@ -169,6 +174,14 @@ def test_the_report_from_hand_made_records(tmp_path):
     assert "| A | 0.40 | 0.45 | 0.50 | 0.55 |" in body  # the learning curve, one window per step here
     assert "| 215 |" in body  # per seed
     assert "Power (simulated" in body
+    # what the neither-style chains answer (descriptive): share 10/40, accuracy per arm
+    assert "| A | 0.500 ± 0.000 | 0.900 ± 0.000 | 0.250 ± 0.000 | 0.100 ± 0.000 | 0.250 ± 0.000 | 0.800 ± 0.000 |" \
+        in body
+    assert "| M | 0.500 ± 0.000 | 0.900 ± 0.000 | 0.250 ± 0.000 | 0.100 ± 0.000 | 0.250 ± 0.000 | 0.400 ± 0.000 |" \
+        in body
+    assert "What each style answers" in body
+    bare = [{k: v for k, v in r.items() if k != "eval"} for r in _records()]
+    assert "What each style answers" not in R.report(bare, path, sims=10)  # records without evaluations: no table
     rows = [line for line in body.splitlines() if line.startswith("| M vs A |")]
     assert rows and "shown: lower" in rows[0]
     R.write_results(path, body)
