@@ -29,10 +29,26 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.environment import (
+    FLOAT_PATHS,
+    PINNED,
+    apply_torch_pins,
+    environment_key,
+    environment_record,
+    pin_float_path,
+)
 from benchmarks.results import ROOT, replace_section, run_pool, set_offline_env
 
 set_offline_env()
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep (see learning_curve.py)
+if __name__ == "__main__":
+    # The float path is chosen before torch is imported (torch, MKL and oneDNN read it once; spawned workers inherit
+    # it): the same seed gives the same figures on every machine of this kind (issue 44; benchmarks/environment.py).
+    _early = argparse.ArgumentParser(add_help=False)
+    _early.add_argument("--threads", type=int, default=1)
+    _early.add_argument("--float_path", choices=FLOAT_PATHS, default=PINNED)
+    _known = _early.parse_known_args()[0]
+    pin_float_path(_known.threads, _known.float_path)
 
 import torch  # noqa: E402
 
@@ -82,7 +98,7 @@ def cmd_warmup_check(a: argparse.Namespace) -> dict:
     recipe = look_or_guess_recipe(epochs=a.epochs, n_train=a.n_train, image_size=a.image_size)
     s = Settings(n_eval=a.n_eval, samples=a.samples, seed=a.seed, counterfactual=a.counterfactual or "black")
     work = Path(a.work_dir) if a.work_dir else DEFAULT_WORK
-    model, processor, info = shared_warmup(recipe, work, log)
+    model, processor, info = shared_warmup(recipe, work, log, getattr(a, "environment", None))
     result = warmup_check(model, processor, held_out_rows(recipe, s), s, log)
     result["warmup"] = info
     print("\n" + report_warmup_check(result, info))
@@ -145,8 +161,9 @@ def cmd_experiment(a: argparse.Namespace, run_jobs: bool = True) -> int:
                                                 if replication else DEFAULT_WORK)
     (work / "runs").mkdir(parents=True, exist_ok=True)
     code = code_version()
+    env = getattr(a, "environment", None)  # main() sets it: the float path and versions enter every key
     log(f"work dir {work}; code {code_label(code)}")
-    model_dir = warmup_dir(recipe, work)
+    model_dir = warmup_dir(recipe, work, env)
 
     def load(path: Path, key: str) -> dict | None:
         if not path.exists():
@@ -159,10 +176,10 @@ def cmd_experiment(a: argparse.Namespace, run_jobs: bool = True) -> int:
         return rec
 
     # 1. The counterfactual kind and the reward's form, on the development split (the runs depend on them).
-    path = work / f"choice-{choice_key(s, recipe, a.threads)}.json"
+    path = work / f"choice-{choice_key(s, recipe, a.threads, env)}.json"
     choice = load(path, path.stem[len("choice-"):])
     if choice is None and run_jobs:
-        model, processor, _ = shared_warmup(recipe, work, log)
+        model, processor, _ = shared_warmup(recipe, work, log, env)
         log("== the counterfactual kind and the reward form, on the development split")
         choice = choose_reward(model, processor, dev_rows(recipe, s), s, log)
         choice.update(fingerprint=path.stem[len("choice-"):], code=code)
@@ -174,14 +191,14 @@ def cmd_experiment(a: argparse.Namespace, run_jobs: bool = True) -> int:
         print("the development-split choice was not made yet: nothing to report")
         return 1
     if run_jobs and not (model_dir / "warmup.json").exists():
-        shared_warmup(recipe, work, log)
+        shared_warmup(recipe, work, log, env)
     s.counterfactual = choice["kind"]  # every run, the warm-up's figures and their keys use the chosen kind
     tprl = choice["tprl_perturbation"]
     variants = experiment_variants(choice["form"], tprl if tprl != choice["kind"] else None)
 
     # 2. Jobs: the warm-up's test figures, then every variant of a seed before the next seed.
-    common = dict(settings=s, recipe=recipe, work=work, threads=a.threads, started=started, model_dir=model_dir,
-                  code=code)
+    common = dict(settings=s, recipe=recipe, work=work, threads=a.threads, float_path=a.float_path, started=started,
+                  model_dir=model_dir, code=code)
     jobs, done = [], {}
 
     def plan(label: str, path: Path, key: str, **job) -> None:
@@ -196,14 +213,14 @@ def cmd_experiment(a: argparse.Namespace, run_jobs: bool = True) -> int:
         else:
             jobs.append({**common, **job, "label": label, "path": path, "key": key})
 
-    wkey = warmup_key(s, recipe, a.threads)
+    wkey = warmup_key(s, recipe, a.threads, env)
     plan("warmup", work / f"warmup-test-{wkey}.json", wkey, what="warmup")
     order = []
     for seed in s.seeds:
         for name in s.variants:
             label = f"{name}-s{seed}"
             order.append(label)
-            plan(label, work / "runs" / f"{label}.json", run_key(s, recipe, variants[name], seed, a.threads),
+            plan(label, work / "runs" / f"{label}.json", run_key(s, recipe, variants[name], seed, a.threads, env),
                  what="run", name=name, variant=variants[name], seed=seed)
     log(f"{len(done)} job(s) finished earlier, {len(jobs)} to run" + ("" if run_jobs else " (not run: report only)"))
     if run_jobs and jobs:
@@ -286,6 +303,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--counterfactual", help="the image the per-token gain compares with (warmup-check: default black; "
                    "experiment: default auto, chosen on the development split)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--float_path", choices=FLOAT_PATHS, default=PINNED,
+                   help="pinned (default): the float path of benchmarks/environment.py, set before torch is imported, "
+                   "the same on every machine of this kind; native: the machine's own kernels (its figures differ "
+                   "between machines)")
     p.add_argument("--work_dir", help=f"the cached warm-up (default {DEFAULT_WORK})")
     p.add_argument("--json", help="also write the result as JSON here")
     e = p.add_argument_group("experiment / report (the shortcut experiment and the detection table)")
@@ -323,6 +344,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    # torch threads, deterministic algorithms and, pinned, a check that this process took the pinned path (a caller
+    # that imported torch first gets the error naming the fix, before any work)
+    apply_torch_pins(a.threads, a.float_path)
+    a.environment = environment_key(environment_record())
     COMMANDS[a.command](a)
     return 0
 

@@ -158,6 +158,15 @@ def execute(job: dict) -> tuple[dict | None, str | None]:
     s, recipe, work = job["settings"], job["recipe"], job["work"]
 
     def body(log) -> dict:
+        from benchmarks.environment import apply_torch_pins, environment_record
+
+        if job.get("float_path"):  # deterministic algorithms, and a pinned job checks its worker took the pinned path
+            apply_torch_pins(job["threads"], job["float_path"])
+        out = _body(log)
+        out["environment"] = environment_record()
+        return out
+
+    def _body(log) -> dict:
         if "test" not in _DATA:
             _DATA["test"] = held_out_test_rows(recipe, s)
         if job["what"] == "warmup":

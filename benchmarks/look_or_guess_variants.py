@@ -148,18 +148,25 @@ RUN_INDEPENDENT = ("seeds", "variants", "detect_seeds", "gain_form", "position_s
 """Settings that decide nothing inside one run (which runs exist; the chosen form enters through the variant)."""
 
 
-def run_key(s: ExperimentSettings, recipe, variant, seed: int, threads: int) -> str:
+def run_key(s: ExperimentSettings, recipe, variant, seed: int, threads: int, environment: dict | None = None) -> str:
+    """The key a finished run is found by. ``environment`` (``benchmarks.environment.environment_key``: float path,
+    CPU capability, key library versions), given, enters it, so a record made in another environment is rerun."""
     return fingerprint({k: v for k, v in dataclasses.asdict(s).items() if k not in RUN_INDEPENDENT},
-                       dataclasses.asdict(recipe), dataclasses.asdict(variant), seed, threads)
+                       dataclasses.asdict(recipe), dataclasses.asdict(variant), seed, threads, *_env(environment))
 
 
-def warmup_key(s: ExperimentSettings, recipe, threads: int) -> str:
+def _env(environment: dict | None) -> tuple:
+    # no environment: the key of the records made before environments were keyed (issue 44), unchanged
+    return (environment,) if environment else ()
+
+
+def warmup_key(s: ExperimentSettings, recipe, threads: int, environment: dict | None = None) -> str:
     return fingerprint(dataclasses.asdict(recipe), {k: getattr(s, k) for k in (
         "n_test", "test_conflict_rate", "eval_samples", "detect_prompts", "detect_samples", "counterfactual",
-        "max_completion_length")}, threads)
+        "max_completion_length")}, threads, *_env(environment))
 
 
-def choice_key(s: ExperimentSettings, recipe, threads: int) -> str:
+def choice_key(s: ExperimentSettings, recipe, threads: int, environment: dict | None = None) -> str:
     return fingerprint(dataclasses.asdict(recipe), {k: getattr(s, k) for k in (
         "n_dev", "dev_samples", "pool_conflict_rate", "counterfactual", "dev_kinds", "gain_form",
-        "max_completion_length", "n_boot")}, threads)
+        "max_completion_length", "n_boot")}, threads, *_env(environment))

@@ -836,3 +836,55 @@ def test_the_long_warmup_data_uses_the_long_targets():
     styles = [read_long_style(c[0]["content"]) for c in sft["completion"]]
     assert len(styles) == 16 and set(styles) == {LOOK, GUESS}
     assert lg_task.look_or_guess_recipe(kind=LOOK_OR_GUESS_LONG).kinds == (LOOK_OR_GUESS_LONG,)
+
+
+def test_a_finished_job_is_keyed_by_its_environment():
+    """The replication's keys (a run, the warm-up's test figures, the development choice) take the environment
+    (float path, CPU capability, library versions), so a record made in another environment is rerun, never reused;
+    without one they are the keys of the records made before environments were keyed."""
+    s, recipe = lg_variants.ExperimentSettings(), LookOrGuessRecipe()
+    variant = next(iter(lg_variants.experiment_variants("visual_gain", None).values()))
+    pinned = {"float_path": "pinned", "torch_cpu_capability": "AVX2", "libraries": {"torch": "2.14.1"}}
+    native = {**pinned, "float_path": "native", "torch_cpu_capability": "AVX512"}
+    for key in (lambda e: lg_variants.run_key(s, recipe, variant, 100, 1, e),
+                lambda e: lg_variants.warmup_key(s, recipe, 1, e), lambda e: lg_variants.choice_key(s, recipe, 1, e)):
+        assert key(pinned) == key(dict(pinned)) != key(native)
+        assert key(None) not in (key(pinned), key(native))
+    assert lg_variants.run_key(s, recipe, variant, 100, 1) == lg_variants.run_key(s, recipe, variant, 100, 1, None)
+
+
+def test_the_benchmark_refuses_a_process_that_did_not_take_the_pinned_float_path(tmp_path, monkeypatch):
+    """``main`` runs pinned by default; this test process imported torch without the pins, so it stops before any
+    work with the error naming the fix (``python -m benchmarks.look_or_guess`` pins before torch is imported)."""
+    import torch
+
+    from benchmarks import look_or_guess
+    from benchmarks.environment import PINS
+
+    for name in PINS:
+        monkeypatch.delenv(name, raising=False)
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    try:
+        with pytest.raises(RuntimeError, match="pin_float_path|--float_path native"):
+            look_or_guess.main(["warmup-check", "--work_dir", str(tmp_path / "work")])
+    finally:  # the pins' torch settings must not leak into the rest of the suite
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+    assert not (tmp_path / "work").exists()
+
+
+def test_run_as_a_script_it_pins_the_float_path_before_torch(tmp_path):
+    """``python -m benchmarks.look_or_guess`` sets the pins before torch is imported, so the default (pinned) run
+    passes the check that refuses an unpinned process; ``report`` on an empty work dir then stops with nothing run."""
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks.environment import PINS
+    from benchmarks.results import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k not in PINS}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.look_or_guess", "report", "--work_dir",
+                           str(tmp_path / "work")], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing to report" in proc.stdout and "float path is not pinned" not in proc.stderr
