@@ -261,9 +261,14 @@ def restated_text(runs: list[dict], code: str | None) -> list[str]:
     return L
 
 
+NOTE = "### Note added after the results: the per-seed figures depend on the machine"
+"""The heading of the note below the results (issue 44), written by hand: rewriting the results keeps it."""
+
+
 def write_results(results: Path, body: str) -> None:
-    """Replace what follows the plan's closing line in ``results`` with ``body``; the plan and every other section
-    stay as they are. Raises ValueError when the plan is not there (commit the plan first)."""
+    """Replace what follows the plan's closing line in ``results`` with ``body``; the plan, the :data:`NOTE` below the
+    results (when there is one) and every other section stay as they are. Raises ValueError when the plan is not
+    there (commit the plan first)."""
     text = results.read_text()
     if SECTION not in text or PLAN_END not in text:
         raise ValueError(f"{results} holds no pre-registered plan ({SECTION!r} ... {PLAN_END!r}): commit it first")
@@ -271,4 +276,6 @@ def write_results(results: Path, body: str) -> None:
     end = text.index(PLAN_END, start) + len(PLAN_END)
     nxt = text.find("\n## ", end)
     rest = "" if nxt < 0 else text[nxt:]
-    results.write_text(text[:end] + "\n" + body.rstrip("\n") + "\n" + rest)
+    region = text[end:] if nxt < 0 else text[end:nxt]
+    note = region[region.index(NOTE):].rstrip("\n") + "\n" if NOTE in region else ""
+    results.write_text(text[:end] + "\n" + body.rstrip("\n") + "\n" + ("\n" + note if note else "") + rest)

@@ -660,6 +660,13 @@ def test_the_replication_report_keeps_the_plan_and_writes_below_it(tmp_path):
     rep.write_results(results, "\n### Results\n\nnewer\n")  # idempotent: the plan stays, the results are replaced
     assert rep.plan_text(results.read_text()) == plan and "newer" in results.read_text() and "\nnew\n" not in \
         results.read_text()
+    # a note added below the results by hand survives a rewrite of the results, between them and the next section
+    results.write_text(results.read_text().replace("newer\n", f"newer\n\n{rep.NOTE}\n\nby hand\n"))
+    rep.write_results(results, "\n### Results\n\nnewest\n")
+    text = results.read_text()
+    assert "newer" not in text and text.count(rep.NOTE) == 1 and rep.plan_text(text) == plan
+    assert text.index("newest") < text.index(rep.NOTE) < text.index("by hand") < text.index("## After")
+    assert text.endswith("by hand\n\n## After\n\nkept too\n")
     results.write_text("# no plan here\n")
     with pytest.raises(ValueError, match="commit it first"):
         rep.write_results(results, "x")
