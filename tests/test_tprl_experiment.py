@@ -197,6 +197,19 @@ def _plan() -> str:
     return text[text.index(R.SECTION):text.index(R.PLAN_END) + len(R.PLAN_END)]
 
 
+def _plan_command():
+    """The plan's reproduce command, parsed by the experiment's own parser."""
+    import re
+    import shlex
+
+    from benchmarks import tprl_look_or_guess as E
+
+    command = re.search(r"\*\*Reproduce\*\*: `python -m benchmarks\.tprl_look_or_guess (experiment[^`]*)`",
+                        _plan().replace("\n", " "))
+    assert command is not None, "the plan's reproduce command is missing"
+    return E.parse_args(shlex.split(command.group(1)))
+
+
 def test_the_committed_plan_is_the_plan_commits_text_word_for_word():
     """The plan in RESULTS.md is the text of the commit that added it: results go below its closing line only."""
     import subprocess
@@ -215,17 +228,11 @@ def test_the_committed_plan_is_the_plan_commits_text_word_for_word():
 def test_the_plans_command_runs_the_development_records_choices():
     """The plan's reproduce command, parsed by the experiment's own parser, carries what the committed development
     record chose (rules D0-D5) and the seeds the plan names; the record is the one the summary was written from."""
-    import re
-    import shlex
 
-    from benchmarks import tprl_look_or_guess as E
     from benchmarks.results import RESULTS
 
     dev = json.loads((RESULTS.parent / "tprl_dev_record.json").read_text(encoding="utf-8"))
-    command = re.search(r"\*\*Reproduce\*\*: `python -m benchmarks\.tprl_look_or_guess (experiment[^`]*)`",
-                        _plan().replace("\n", " "))
-    assert command is not None
-    a = E.parse_args(shlex.split(command.group(1)))
+    a = _plan_command()
     assert a.learning_rate == dev["learning_rate"]["chosen"]
     assert a.steps == dev["steps"]["chosen"]
     assert a.pool_conflict_rate == float(dev["rate"]["chosen"])
@@ -244,19 +251,14 @@ def test_the_committed_run_records_are_the_plans_runs():
     pinned float path, and a key that the plan's own command gives for that arm, seed and environment (a record
     from other settings, code or environment would be rerun by ``experiment``, so it cannot stand here)."""
     import gzip
-    import re
-    import shlex
 
-    from benchmarks import tprl_look_or_guess as E
     from benchmarks.environment import PINNED, environment_key
     from benchmarks.results import RESULTS
 
     paths = sorted((RESULTS.parent / "tprl_records").glob("*.json.gz"))
     if not paths:
         pytest.skip("no run record committed yet")
-    command = re.search(r"\*\*Reproduce\*\*: `python -m benchmarks\.tprl_look_or_guess (experiment[^`]*)`",
-                        _plan().replace("\n", " "))
-    a = E.parse_args(shlex.split(command.group(1)))
+    a = _plan_command()
     s = D.TprlSettings(steps=a.steps, pool_conflict_rate=a.pool_conflict_rate, learning_rate=a.learning_rate,
                        perturbation=a.perturbation, attention_segment=a.attention_segment, eval_split="test")
     commit = R.plan_commit(RESULTS)
