@@ -222,7 +222,8 @@ def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3",
-                                  "llava", "glm4v", "qwen3_vl_moe", "mistral3", "lfm2_vl", "paligemma"])
+                                  "llava", "glm4v", "qwen3_vl_moe", "mistral3", "lfm2_vl", "paligemma",
+                                  "glm4v_moe"])
 def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     """The attention maps of a two-image row (images of different sizes): the probe's per-image-token masses equal
     eager attention weights token by token, and the per-image split the maps use (each image's token grid) cuts
@@ -298,6 +299,7 @@ def test_families_without_a_plain_token_grid_get_no_map(tiny_vlm_dir, arch):
 
 
 @pytest.mark.parametrize("arch, markers", [("glm4v", ("<|begin_of_image|>", "<|end_of_image|>")),
+                                           ("glm4v_moe", ("<|begin_of_image|>", "<|end_of_image|>")),
                                            ("mistral3", ("[IMG_BREAK]", "[IMG_END]")),
                                            ("lfm2_vl", ("<|image_start|>", "<|image_end|>"))])
 def test_tokens_around_and_inside_an_image_run_are_text_keys(tiny_vlm_dir, arch, markers):
@@ -416,6 +418,27 @@ def test_paligemma_trains_as_it_generates_and_refuses_text_only_prompts(tiny_vlm
         trainer.train()
 
 
+def test_glm4v_moe_trains_with_trls_load_balancing_loss(tiny_vlm_dir, tmp_path):
+    """GLM-4.5V's text config names its expert count n_routed_experts, but TRL 1.16's fused forward reads num_experts
+    for the MoE load-balancing loss it turns on from the config's router_aux_loss_coef: the trainer gives the loaded
+    config that name (``model_facts.expert_count_for_trl``; without it every step stopped with an AttributeError).
+    The loss is on, logged and finite, beside a finite attention/mdi."""
+    from trl import GRPOConfig
+
+    from fixtures.testing import zen_image_dataset
+    from trl_mdi import MDIGRPOTrainer
+
+    args = GRPOConfig(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2, num_generations=2,
+                      max_completion_length=4, max_steps=1, save_strategy="no", disable_tqdm=True, logging_steps=1)
+    trainer = MDIGRPOTrainer(str(tiny_vlm_dir("glm4v_moe")), reward_funcs=[lambda completions, **k: [
+        float(len(c[0]["content"]) % 3) for c in completions]], args=args, train_dataset=zen_image_dataset(2))
+    text_config = trainer.model.config.text_config
+    assert trainer.aux_loss_enabled and text_config.num_experts == text_config.n_routed_experts == 4
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert math.isfinite(logs[0]["aux_loss"]) and 0 < logs[0]["attention/mdi"] < float("inf")
+
+
 def test_llava_maps_only_square_images(tiny_vlm_dir):
     """LLaVA 1.5's image processor centre-crops a square, so a non-square image's token grid covers only its middle:
     no map rather than one drawn over the whole image."""
@@ -432,12 +455,12 @@ def test_only_glm4v_garbles_a_typed_system_message(tiny_vlm_dir):
     """TRL hands every message's content as typed blocks; GLM-4.1V's official template prints a system message's
     content as it is, so the prompt holds the list's repr (``model_facts.typed_system_problem``, which the trainer
     warns about at construction when the prompts have a system turn). Every other family's template reads the
-    blocks."""
+    blocks; the tiny GLM-4.5V (glm4v_moe) carries GLM-4.1V's template (chat_templates/SOURCES.md), so it garbles too."""
     from trl_mdi.attention.model_facts import typed_system_problem
 
     garbled = {arch for arch in TINY_ARCHS
                if typed_system_problem(AutoProcessor.from_pretrained(tiny_vlm_dir(arch))) is not None}
-    assert garbled == {"glm4v"}
+    assert garbled == {"glm4v", "glm4v_moe"}
 
 
 def test_the_trainer_warns_when_glm4v_would_garble_the_prompts_system_turn(tiny_vlm_dir, tmp_path, caplog):

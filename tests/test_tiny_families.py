@@ -42,6 +42,7 @@ EXPECTED |= {
 EXPECTED |= {  # issue 45: the families users train first
     "lfm2_vl": ("Lfm2VlForConditionalGeneration", "Lfm2VlProcessor", "<image>", 4),  # 2 x 2, in <|image_start|> ... <|image_end|>
     "paligemma": ("PaliGemmaForConditionalGeneration", "PaliGemmaProcessor", "<image>", 4),  # 2 x 2 SigLIP patches
+    "glm4v_moe": ("Glm4vMoeForConditionalGeneration", "Glm4vProcessor", "<|image|>", 4),  # GLM-4.1V's processor
 }
 # Gemma 2's soft-capped attention (PaliGemma 2's decoder) has no SDPA kernel: transformers loads it eager.
 ATTN_IMPLEMENTATION = {"paligemma": "eager"}
@@ -73,6 +74,7 @@ TEMPLATE_MARKS |= {
     # No roles: the images, then the text (the processor adds <bos> after the last image and the closing newline).
     "paligemma": ("<image>What colour", "circle?"),
 }
+TEMPLATE_MARKS["glm4v_moe"] = TEMPLATE_MARKS["glm4v"]  # GLM-4.1V's template (chat_templates/SOURCES.md)
 QUESTION = "What colour is the circle?"
 
 
@@ -116,7 +118,7 @@ def test_build_save_reload_batch_forward_generate(arch, tiny_vlm_dir):
     texts = [processor.apply_chat_template(_messages(s), add_generation_prompt=True) for s in (False, True)]
     start, end = TEMPLATE_MARKS[arch]
     assert start in texts[0] and texts[0].endswith(end)
-    if arch == "glm4v":  # the official template prints a typed system message as the list's repr (docs say so)
+    if arch in ("glm4v", "glm4v_moe"):  # GLM-4.1V's template prints a typed system message as the list's repr (docs)
         assert "<|system|>\n[{'type': 'text', 'text': " in texts[1]
     else:
         assert SYSTEM_PROMPT in texts[1]

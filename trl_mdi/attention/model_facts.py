@@ -375,6 +375,28 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def expert_count_for_trl(model: torch.nn.Module) -> None:
+    """Give a MoE text config the ``num_experts`` TRL 1.16 reads, where the family names its routed-expert count
+    otherwise.
+
+    With an MoE model TRL enables its load-balancing loss (the config's ``router_aux_loss_coef``), and its fused
+    log-prob forward (``trl.trainer.utils``, ``_fused_forward``) reads the expert count as ``text_config.num_experts``
+    on transformers 5. GLM-4.5V's text config (``Glm4vMoeTextConfig``, from GLM-4.5-Air's) names it
+    ``n_routed_experts`` (``num_local_experts`` as an alias) and has no ``num_experts``, so every training step stopped
+    with "AttributeError: 'Glm4vMoeTextConfig' object has no attribute 'num_experts'", under stock TRL too. This sets
+    ``num_experts`` on the loaded model's text config to the same count (what the model's own load-balancing loss uses,
+    ``num_local_experts``); a config that has ``num_experts`` already, or no routed experts, is left as it is.
+
+    >>> from types import SimpleNamespace
+    >>> model = SimpleNamespace(config=SimpleNamespace(num_local_experts=4))
+    >>> expert_count_for_trl(model); model.config.num_experts
+    4
+    """
+    config = text_config_of(unwrap_model(model).config)
+    if not hasattr(config, "num_experts") and isinstance(getattr(config, "num_local_experts", None), int):
+        config.num_experts = config.num_local_experts
+
+
 def processor_for_trl(processing_class):
     """The processor as TRL 1.16's batched prompt tokenization needs it: text returned as unpadded lists.
 
