@@ -439,6 +439,38 @@ def test_glm4v_moe_trains_with_trls_load_balancing_loss(tiny_vlm_dir, tmp_path):
     assert math.isfinite(logs[0]["aux_loss"]) and 0 < logs[0]["attention/mdi"] < float("inf")
 
 
+def test_glm46v_is_glm4v_moe_under_another_class(tiny_vlm_dir, tmp_path):
+    """transformers' glm46v type (``Glm46VForConditionalGeneration``: GLM-4.1V's model class building its text and
+    vision parts from their own configs; ``Glm46VProcessor``: GLM-4.1V's processor) holds the tiny GLM-4.5V's decoder
+    when given its text config: saved and reloaded through the Auto classes, its facts are GLM-4.5V's and the probe
+    equals eager on the padded, mixed batch, all layers measured."""
+    from transformers import Glm46VConfig, Glm46VForConditionalGeneration, Glm46VProcessor
+
+    path = tiny_vlm_dir("glm4v_moe")
+    config, processor = AutoConfig.from_pretrained(path), AutoProcessor.from_pretrained(path)
+    ids = {key: getattr(config, key) for key in ("image_token_id", "video_token_id", "image_start_token_id",
+                                                 "image_end_token_id", "video_start_token_id", "video_end_token_id")}
+    glm46v = Glm46VConfig(text_config=config.text_config.to_dict(), vision_config=config.vision_config.to_dict(),
+                          **ids)
+    torch.manual_seed(0)
+    Glm46VForConditionalGeneration(glm46v).save_pretrained(tmp_path)
+    Glm46VProcessor(image_processor=processor.image_processor, tokenizer=processor.tokenizer,
+                    video_processor=processor.video_processor, chat_template=processor.chat_template,
+                    ).save_pretrained(tmp_path)
+    model, processor = _load(tmp_path), AutoProcessor.from_pretrained(tmp_path)
+    assert type(model).__name__ == "Glm46VForConditionalGeneration" and type(processor).__name__ == "Glm46VProcessor"
+    assert type(model.model.language_model).__name__ == "Glm4vMoeTextModel"
+    facts = model_facts(model.config, processor)
+    assert facts.model_type == "glm46v" and facts.measured_layers == (0, 1, 2)
+    assert (facts.image_token_ids, facts.image_marker_ids) == (tuple(ids.values())[:2], tuple(ids.values())[2:4])
+    batch = _batch(processor, facts)
+    res = measure_modality_attention(model, **batch)
+    ref, _ = _eager_masses(tmp_path, batch)
+    got = torch.stack([res.image, res.prompt_text, res.completion, res.special], dim=-1)[:, res.layers]
+    assert res.layers == [0, 1, 2] and (got.double() - ref).abs().max().item() < 1e-5
+    assert res.n_image[0] > 0 and res.n_image[1] == 0
+
+
 def test_llava_maps_only_square_images(tiny_vlm_dir):
     """LLaVA 1.5's image processor centre-crops a square, so a non-square image's token grid covers only its middle:
     no map rather than one drawn over the whole image."""

@@ -433,3 +433,22 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
 def test_invalid_family_requests_raise_value_error(arch, overrides, message):
     with pytest.raises(ValueError, match=message):
         build_tiny_vlm(arch, **overrides)
+
+
+def test_glm4v_moe_layers_and_experts(tiny_vlm_dir):
+    """GLM-4.5V's decoder as the real config lays it out: the first layer a dense MLP, every later one a sparse MoE
+    block (routed experts plus one shared expert) whose router picks num_experts_per_tok of them; GLM-4.1V's tower."""
+    model, processor = _load(tiny_vlm_dir("glm4v_moe"))
+    text = model.config.text_config
+    assert (text.first_k_dense_replace, text.n_routed_experts, text.num_experts_per_tok, text.n_shared_experts) == (
+        1, 4, 2, 1)
+    layers = model.model.language_model.layers
+    assert [type(layer.mlp).__name__ for layer in layers] == ["Glm4vMoeTextMLP"] + ["Glm4vMoeTextMoE"] * 2
+    assert type(model.model.visual).__name__ == "Glm4vMoeVisionModel"
+    text_in = processor.apply_chat_template(_messages(False), add_generation_prompt=True)
+    inputs = processor(text=[text_in], images=[[_image(56)]], return_tensors="pt")
+    with torch.no_grad():
+        out = model(**inputs, output_router_logits=True)
+    assert torch.isfinite(out.logits).all() and len(out.router_logits) == 2  # one per MoE layer
+    assert out.router_logits[0].shape[-1] == 4
+
