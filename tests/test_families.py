@@ -55,7 +55,7 @@ def family(request, tiny_vlm_dir):
     return arch, path, _load(path), AutoProcessor.from_pretrained(path)
 
 
-FAMILIES = [(a, {}) for a in TINY_ARCHS] + [("gemma3", {"sliding_window": 8})]
+FAMILIES = [(a, {}) for a in TINY_ARCHS] + [("gemma3", {"sliding_window": 8}), ("aya_vision", {"sliding_window": 8})]
 
 
 @pytest.mark.parametrize("family", FAMILIES, indirect=True, ids=[f"{a}{'-window8' if k else ''}" for a, k in FAMILIES])
@@ -283,7 +283,8 @@ def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     assert abs(sum(shares) - 100) <= 1
 
 
-@pytest.mark.parametrize("arch", ["idefics3", "llava_next", "gemma4", "smolvlm", "llava_onevision", "internvl"])
+@pytest.mark.parametrize("arch", ["idefics3", "llava_next", "gemma4", "smolvlm", "llava_onevision", "internvl",
+                                  "aya_vision"])
 def test_families_without_a_plain_token_grid_get_no_map(tiny_vlm_dir, arch):
     """No single row-major grid per image: no map rather than a wrong one. (InternVL: the tiles' grids, then the
     thumbnail's, one after another; LLaVA-OneVision: base view, tiles and newline tokens, as LLaVA-NeXT.)"""
@@ -301,7 +302,8 @@ def test_families_without_a_plain_token_grid_get_no_map(tiny_vlm_dir, arch):
 @pytest.mark.parametrize("arch, markers", [("glm4v", ("<|begin_of_image|>", "<|end_of_image|>")),
                                            ("glm4v_moe", ("<|begin_of_image|>", "<|end_of_image|>")),
                                            ("mistral3", ("[IMG_BREAK]", "[IMG_END]")),
-                                           ("lfm2_vl", ("<|image_start|>", "<|image_end|>"))])
+                                           ("lfm2_vl", ("<|image_start|>", "<|image_end|>")),
+                                           ("aya_vision", ("<|START_OF_IMG|>", "<|END_OF_IMG|>"))])
 def test_tokens_around_and_inside_an_image_run_are_text_keys(tiny_vlm_dir, arch, markers):
     """GLM-4.1V's begin / end-of-image tokens around its M-RoPE run and Pixtral's row-break / end tokens inside the run
     are facts of the model (``ModelFacts.image_marker_ids``), never image keys: the image group is exactly the
@@ -469,6 +471,35 @@ def test_glm46v_is_glm4v_moe_under_another_class(tiny_vlm_dir, tmp_path):
     got = torch.stack([res.image, res.prompt_text, res.completion, res.special], dim=-1)[:, res.layers]
     assert res.layers == [0, 1, 2] and (got.double() - ref).abs().max().item() < 1e-5
     assert res.n_image[0] > 0 and res.n_image[1] == 0
+
+
+def test_aya_vision_trains_on_the_log_probs_it_samples_from(tiny_vlm_dir, tmp_path):
+    """AyaVisionForConditionalGeneration never applies its Cohere 2 text config's logit_scale, but TRL 1.16's fused LM
+    head (every log-prob GRPO trains on) multiplies by it: the trainer builds TRL's head with the scale the model
+    uses (``model_facts.fused_head_as_the_model_computes``), so the trained log-probs are the model's own forward's
+    (0.3 nat off per token before; tests/test_reliance_trainer.py's signals failed that way). The config keeps its
+    scale and TRL's function is left as it was."""
+    from trl import GRPOConfig
+    from trl.trainer import grpo_trainer
+
+    from fixtures.testing import zen_image_dataset
+    from trl_mdi import MDIGRPOTrainer
+
+    original = grpo_trainer.add_fused_lm_head
+    args = GRPOConfig(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2, num_generations=2,
+                      max_completion_length=4, max_steps=1, save_strategy="no", disable_tqdm=True)
+    trainer = MDIGRPOTrainer(str(tiny_vlm_dir("aya_vision")), reward_funcs=[lambda completions, **k: [0.0] * len(
+        completions)], args=args, train_dataset=zen_image_dataset(2))
+    model, processor = trainer.model, trainer.processing_class
+    assert grpo_trainer.add_fused_lm_head is original and model.config.text_config.logit_scale == 0.0625
+    batch = grpo_batch(processor, ["What colour is the shape?"], [shape_image(56, 1)], [5], seed=2)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    extra = {k: v for k, v in batch.items() if k not in MODEL_KEYS}
+    with torch.no_grad():
+        fused = model(input_ids=ids, attention_mask=mask, **extra, labels=ids, fused_lm_head=True).log_probs
+        own = torch.log_softmax(model(input_ids=ids, attention_mask=mask, **extra).logits[:, :-1].float(), -1)
+    own = own.gather(-1, ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(fused[:, -5:], own[:, -5:], atol=1e-5, rtol=0)
 
 
 def test_llava_maps_only_square_images(tiny_vlm_dir):

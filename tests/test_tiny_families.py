@@ -43,12 +43,15 @@ EXPECTED |= {  # issue 45: the families users train first
     "lfm2_vl": ("Lfm2VlForConditionalGeneration", "Lfm2VlProcessor", "<image>", 4),  # 2 x 2, in <|image_start|> ... <|image_end|>
     "paligemma": ("PaliGemmaForConditionalGeneration", "PaliGemmaProcessor", "<image>", 4),  # 2 x 2 SigLIP patches
     "glm4v_moe": ("Glm4vMoeForConditionalGeneration", "Glm4vProcessor", "<|image|>", 4),  # GLM-4.1V's processor
+    # 2 x 2 tiles + a global view, 4 tokens each (the processor also counts <|START_OF_IMG|>, <|END_OF_IMG|>,
+    # TILE_GLOBAL and the four TILE_<i> labels: 27).
+    "aya_vision": ("AyaVisionForConditionalGeneration", "AyaVisionProcessor", "<|IMG_PATCH|>", 20),
 }
 # Gemma 2's soft-capped attention (PaliGemma 2's decoder) has no SDPA kernel: transformers loads it eager.
 ATTN_IMPLEMENTATION = {"paligemma": "eager"}
 # Tokens the processor counts per image besides the placeholder (InternVL: <img> and </img>; Mistral 3: its row
 # markers).
-EXTRA_COUNTED = {"internvl": 2, "mistral3": 2}  # Mistral 3: [IMG_BREAK] and [IMG_END]
+EXTRA_COUNTED = {"internvl": 2, "mistral3": 2, "aya_vision": 7}  # Mistral 3: [IMG_BREAK] and [IMG_END]
 # What each official template writes around the generation prompt.
 TEMPLATE_MARKS = {
     "qwen3_5": (
@@ -75,6 +78,8 @@ TEMPLATE_MARKS |= {
     "paligemma": ("<image>What colour", "circle?"),
 }
 TEMPLATE_MARKS["glm4v_moe"] = TEMPLATE_MARKS["glm4v"]  # GLM-4.1V's template (chat_templates/SOURCES.md)
+TEMPLATE_MARKS["aya_vision"] = ("<BOS_TOKEN><|START_OF_TURN_TOKEN|><|USER_TOKEN|><image>What",
+                                "<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")
 QUESTION = "What colour is the circle?"
 
 
@@ -451,4 +456,26 @@ def test_glm4v_moe_layers_and_experts(tiny_vlm_dir):
         out = model(**inputs, output_router_logits=True)
     assert torch.isfinite(out.logits).all() and len(out.router_logits) == 2  # one per MoE layer
     assert out.router_logits[0].shape[-1] == 4
+
+
+def test_aya_vision_tiles_and_layers(tiny_vlm_dir):
+    """Aya Vision's decoder alternates sliding-window (RoPE) and full attention (no positional embedding) layers; an
+    image is cut into up to 4 tiles plus a global view (one tile, no global view, when it fits one), each view's 2 x 2
+    image tokens after its label, all between <|START_OF_IMG|> and <|END_OF_IMG|>; such a layout gets no map."""
+    from trl_mdi.diagnostics.maps import image_token_grids
+
+    model, processor = _load(tiny_vlm_dir("aya_vision"))
+    assert model.config.text_config.layer_types == ["sliding_attention", "full_attention"] * 2
+    text = processor.apply_chat_template(_messages(False), add_generation_prompt=True)
+    for image, labels in [(_image(56), ["TILE_1", "TILE_2", "TILE_3", "TILE_4", "TILE_GLOBAL"]),
+                          (_image(32), ["TILE_GLOBAL"]), (Image.new("RGB", (64, 32)), ["TILE_1", "TILE_2", "TILE_GLOBAL"])]:
+        inputs = processor(text=[text], images=[[image]], return_tensors="pt")
+        tokens = processor.tokenizer.convert_ids_to_tokens(inputs["input_ids"][0].tolist())
+        run = tokens[tokens.index("<|START_OF_IMG|>"):tokens.index("<|END_OF_IMG|>") + 1]
+        assert run == ["<|START_OF_IMG|>", *[t for label in labels for t in [label] + ["<|IMG_PATCH|>"] * 4],
+                       "<|END_OF_IMG|>"], (image.size, run)
+        assert inputs["pixel_values"].shape[0] == len(labels)
+        with torch.no_grad():
+            assert torch.isfinite(model(**inputs).logits).all()
+    assert image_token_grids(processor, [_image(56)]) is None
 

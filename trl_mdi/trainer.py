@@ -68,6 +68,7 @@ from .answer_tokens import answer_tokens
 from .attention import ModalityAttention, probe_attention, trailing_completion_layout
 from .attention.model_facts import (
     expert_count_for_trl,
+    fused_head_as_the_model_computes,
     load_model_config,
     processor_for_trl,
     typed_system_problem,
@@ -358,9 +359,10 @@ class MDIGRPOTrainer(GRPOTrainer):
             if config.realtime_rollout_logging else None
         )
         launch_world = int(os.environ.get("WORLD_SIZE", "1"))  # TRL's colocated vLLM resets it to accelerate's view
-        super().__init__(model, reward_funcs=list(plan.reward_funcs) if plan.reward_funcs else reward_funcs,
-                         args=config, train_dataset=lazy_images(train_dataset), eval_dataset=lazy_images(eval_dataset),
-                         **kwargs)
+        with fused_head_as_the_model_computes(plan.facts.model_type):  # Aya Vision: TRL's head would scale its logits
+            super().__init__(model, reward_funcs=list(plan.reward_funcs) if plan.reward_funcs else reward_funcs,
+                             args=config, train_dataset=lazy_images(train_dataset),
+                             eval_dataset=lazy_images(eval_dataset), **kwargs)
         check_filter_key(config, self.reward_func_names)
         check_world_size(self.accelerator.num_processes, self.accelerator.distributed_type != DistributedType.NO,
                          launch_world)
