@@ -409,8 +409,8 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
 @pytest.mark.parametrize(
     ("arch", "overrides", "message"),
     [
-        ("qwen2_5_vl", {"full_attention_interval": 2}, "to qwen3_5, gemma3, qwen3_5_moe, gemma4, lfm2_vl and paligemma only"),
-        ("qwen3_5", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4 and paligemma only"),
+        ("qwen2_5_vl", {"full_attention_interval": 2}, "to qwen3_5, gemma3, qwen3_5_moe, gemma4, lfm2_vl, paligemma and aya_vision only"),
+        ("qwen3_5", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4, paligemma and aya_vision only"),
         ("qwen3_5", {"full_attention_interval": 0}, "positive integer"),
         ("gemma3", {"sliding_window": -1}, "positive integer"),
         ("gemma3", {"image_size": 40}, "pooling"),
@@ -419,7 +419,7 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
         ("qwen3_5", {"image_size": 32}, r"image_size applies to gemma3, llava_next, idefics3, smolvlm\b.* only, not qwen3_5"),
         ("llava", {"image_size": 36}, "not a multiple of image_patch_size"),
         ("internvl", {"image_size": 24}, "pixel-shuffle"),
-        ("qwen3_5", {"num_experts": 4}, "apply to qwen3_5_moe and qwen3_vl_moe only"),
+        ("qwen3_5", {"num_experts": 4}, "apply to qwen3_5_moe, qwen3_vl_moe and glm4v_moe only"),
         ("qwen3_5_moe", {"num_experts_per_tok": 5}, "exceeds num_experts 4"),
         ("qwen3_5_moe", {"image_patch_size": 8}, "image_patch_size applies to"),
         ("gemma4", {"image_size": 64}, "set image_patch_size instead"),
@@ -431,7 +431,7 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
         ("glm4v", {"image_size": 32}, "set min_pixels/max_pixels instead"),
         ("qwen3_vl_moe", {"num_experts_per_tok": 5}, "exceeds num_experts 4"),
         ("lfm2_vl", {"image_size": 32}, "set image_patch_size instead"),
-        ("lfm2_vl", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4 and paligemma only"),
+        ("lfm2_vl", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4, paligemma and aya_vision only"),
         ("paligemma", {"image_size": 40}, "not a multiple of image_patch_size"),
     ],
 )
