@@ -456,9 +456,9 @@ def processor_for_trl(processing_class):
     - ``return_tensors="pt"`` (``PixtralProcessor``, Mistral 3): any batch whose prompts differ in length fails inside
       TRL with "Unable to create tensor, you should probably activate truncation and/or padding".
     - ``padding=True`` (``AyaVisionProcessor``, also ``Cohere2VisionProcessor`` and ``Gemma4Processor``): the shorter
-      prompts of a batch come back padded with pad tokens, which TRL then keeps as prompt tokens that generation and
-      every log-prob forward attend to (Aya Vision, whose images cost different numbers of tiles: the counterfactual
-      signals were 3e-3 off the model's own on such batches).
+      prompts of a batch come back led by pad tokens, which TRL then keeps as prompt tokens that generation and every
+      log-prob forward attend to (Aya Vision: any two prompts whose images cost different numbers of tiles,
+      ``tests/test_trl_contract.py``).
 
     This returns a shallow copy whose own ``text_kwargs`` leaves those defaults out (images keep theirs: TRL takes image
     tensors); a processor without such a default, or a tokenizer, is returned as it is. The user's object is not
