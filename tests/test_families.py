@@ -55,7 +55,7 @@ def family(request, tiny_vlm_dir):
     return arch, path, _load(path), AutoProcessor.from_pretrained(path)
 
 
-FAMILIES = [(a, {}) for a in TINY_ARCHS] + [("gemma3", {"sliding_window": 8})]
+FAMILIES = [(a, {}) for a in TINY_ARCHS] + [("gemma3", {"sliding_window": 8}), ("aya_vision", {"sliding_window": 8})]
 
 
 @pytest.mark.parametrize("family", FAMILIES, indirect=True, ids=[f"{a}{'-window8' if k else ''}" for a, k in FAMILIES])
@@ -222,7 +222,8 @@ def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3",
-                                  "llava", "glm4v", "qwen3_vl_moe", "mistral3", "lfm2_vl", "paligemma"])
+                                  "llava", "glm4v", "qwen3_vl_moe", "mistral3", "lfm2_vl", "paligemma",
+                                  "glm4v_moe"])
 def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     """The attention maps of a two-image row (images of different sizes): the probe's per-image-token masses equal
     eager attention weights token by token, and the per-image split the maps use (each image's token grid) cuts
@@ -282,7 +283,8 @@ def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     assert abs(sum(shares) - 100) <= 1
 
 
-@pytest.mark.parametrize("arch", ["idefics3", "llava_next", "gemma4", "smolvlm", "llava_onevision", "internvl"])
+@pytest.mark.parametrize("arch", ["idefics3", "llava_next", "gemma4", "smolvlm", "llava_onevision", "internvl",
+                                  "aya_vision"])
 def test_families_without_a_plain_token_grid_get_no_map(tiny_vlm_dir, arch):
     """No single row-major grid per image: no map rather than a wrong one. (InternVL: the tiles' grids, then the
     thumbnail's, one after another; LLaVA-OneVision: base view, tiles and newline tokens, as LLaVA-NeXT.)"""
@@ -298,8 +300,10 @@ def test_families_without_a_plain_token_grid_get_no_map(tiny_vlm_dir, arch):
 
 
 @pytest.mark.parametrize("arch, markers", [("glm4v", ("<|begin_of_image|>", "<|end_of_image|>")),
+                                           ("glm4v_moe", ("<|begin_of_image|>", "<|end_of_image|>")),
                                            ("mistral3", ("[IMG_BREAK]", "[IMG_END]")),
-                                           ("lfm2_vl", ("<|image_start|>", "<|image_end|>"))])
+                                           ("lfm2_vl", ("<|image_start|>", "<|image_end|>")),
+                                           ("aya_vision", ("<|START_OF_IMG|>", "<|END_OF_IMG|>"))])
 def test_tokens_around_and_inside_an_image_run_are_text_keys(tiny_vlm_dir, arch, markers):
     """GLM-4.1V's begin / end-of-image tokens around its M-RoPE run and Pixtral's row-break / end tokens inside the run
     are facts of the model (``ModelFacts.image_marker_ids``), never image keys: the image group is exactly the
@@ -416,6 +420,88 @@ def test_paligemma_trains_as_it_generates_and_refuses_text_only_prompts(tiny_vlm
         trainer.train()
 
 
+def test_glm4v_moe_trains_with_trls_load_balancing_loss(tiny_vlm_dir, tmp_path):
+    """GLM-4.5V's text config names its expert count n_routed_experts, but TRL 1.16's fused forward reads num_experts
+    for the MoE load-balancing loss it turns on from the config's router_aux_loss_coef: the trainer gives the loaded
+    config that name (``model_facts.expert_count_for_trl``; without it every step stopped with an AttributeError).
+    The loss is on, logged and finite, beside a finite attention/mdi."""
+    from trl import GRPOConfig
+
+    from fixtures.testing import zen_image_dataset
+    from trl_mdi import MDIGRPOTrainer
+
+    args = GRPOConfig(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2, num_generations=2,
+                      max_completion_length=4, max_steps=1, save_strategy="no", disable_tqdm=True, logging_steps=1)
+    trainer = MDIGRPOTrainer(str(tiny_vlm_dir("glm4v_moe")), reward_funcs=[lambda completions, **k: [
+        float(len(c[0]["content"]) % 3) for c in completions]], args=args, train_dataset=zen_image_dataset(2))
+    text_config = trainer.model.config.text_config
+    assert trainer.aux_loss_enabled and text_config.num_experts == text_config.n_routed_experts == 4
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert math.isfinite(logs[0]["aux_loss"]) and 0 < logs[0]["attention/mdi"] < float("inf")
+
+
+def test_glm46v_is_glm4v_moe_under_another_class(tiny_vlm_dir, tmp_path):
+    """transformers' glm46v type (``Glm46VForConditionalGeneration``: GLM-4.1V's model class building its text and
+    vision parts from their own configs; ``Glm46VProcessor``: GLM-4.1V's processor) holds the tiny GLM-4.5V's decoder
+    when given its text config: saved and reloaded through the Auto classes, its facts are GLM-4.5V's and the probe
+    equals eager on the padded, mixed batch, all layers measured."""
+    from transformers import Glm46VConfig, Glm46VForConditionalGeneration, Glm46VProcessor
+
+    path = tiny_vlm_dir("glm4v_moe")
+    config, processor = AutoConfig.from_pretrained(path), AutoProcessor.from_pretrained(path)
+    ids = {key: getattr(config, key) for key in ("image_token_id", "video_token_id", "image_start_token_id",
+                                                 "image_end_token_id", "video_start_token_id", "video_end_token_id")}
+    glm46v = Glm46VConfig(text_config=config.text_config.to_dict(), vision_config=config.vision_config.to_dict(),
+                          **ids)
+    torch.manual_seed(0)
+    Glm46VForConditionalGeneration(glm46v).save_pretrained(tmp_path)
+    Glm46VProcessor(image_processor=processor.image_processor, tokenizer=processor.tokenizer,
+                    video_processor=processor.video_processor, chat_template=processor.chat_template,
+                    ).save_pretrained(tmp_path)
+    model, processor = _load(tmp_path), AutoProcessor.from_pretrained(tmp_path)
+    assert type(model).__name__ == "Glm46VForConditionalGeneration" and type(processor).__name__ == "Glm46VProcessor"
+    assert type(model.model.language_model).__name__ == "Glm4vMoeTextModel"
+    facts = model_facts(model.config, processor)
+    assert facts.model_type == "glm46v" and facts.measured_layers == (0, 1, 2)
+    assert (facts.image_token_ids, facts.image_marker_ids) == (tuple(ids.values())[:2], tuple(ids.values())[2:4])
+    batch = _batch(processor, facts)
+    res = measure_modality_attention(model, **batch)
+    ref, _ = _eager_masses(tmp_path, batch)
+    got = torch.stack([res.image, res.prompt_text, res.completion, res.special], dim=-1)[:, res.layers]
+    assert res.layers == [0, 1, 2] and (got.double() - ref).abs().max().item() < 1e-5
+    assert res.n_image[0] > 0 and res.n_image[1] == 0
+
+
+def test_aya_vision_trains_on_the_log_probs_it_samples_from(tiny_vlm_dir, tmp_path):
+    """AyaVisionForConditionalGeneration never applies its Cohere 2 text config's logit_scale, but TRL 1.16's fused LM
+    head (every log-prob GRPO trains on) multiplies by it: the trainer builds TRL's head with the scale the model
+    uses (``model_facts.fused_head_as_the_model_computes``), so the trained log-probs are the model's own forward's
+    (0.3 nat off per token before; tests/test_reliance_trainer.py's signals failed that way). The config keeps its
+    scale and TRL's function is left as it was."""
+    from trl import GRPOConfig
+    from trl.trainer import grpo_trainer
+
+    from fixtures.testing import zen_image_dataset
+    from trl_mdi import MDIGRPOTrainer
+
+    original = grpo_trainer.add_fused_lm_head
+    args = GRPOConfig(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2, num_generations=2,
+                      max_completion_length=4, max_steps=1, save_strategy="no", disable_tqdm=True)
+    trainer = MDIGRPOTrainer(str(tiny_vlm_dir("aya_vision")), reward_funcs=[lambda completions, **k: [0.0] * len(
+        completions)], args=args, train_dataset=zen_image_dataset(2))
+    model, processor = trainer.model, trainer.processing_class
+    assert grpo_trainer.add_fused_lm_head is original and model.config.text_config.logit_scale == 0.0625
+    batch = grpo_batch(processor, ["What colour is the shape?"], [shape_image(56, 1)], [5], seed=2)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    extra = {k: v for k, v in batch.items() if k not in MODEL_KEYS}
+    with torch.no_grad():
+        fused = model(input_ids=ids, attention_mask=mask, **extra, labels=ids, fused_lm_head=True).log_probs
+        own = torch.log_softmax(model(input_ids=ids, attention_mask=mask, **extra).logits[:, :-1].float(), -1)
+    own = own.gather(-1, ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(fused[:, -5:], own[:, -5:], atol=1e-5, rtol=0)
+
+
 def test_llava_maps_only_square_images(tiny_vlm_dir):
     """LLaVA 1.5's image processor centre-crops a square, so a non-square image's token grid covers only its middle:
     no map rather than one drawn over the whole image."""
@@ -432,12 +518,12 @@ def test_only_glm4v_garbles_a_typed_system_message(tiny_vlm_dir):
     """TRL hands every message's content as typed blocks; GLM-4.1V's official template prints a system message's
     content as it is, so the prompt holds the list's repr (``model_facts.typed_system_problem``, which the trainer
     warns about at construction when the prompts have a system turn). Every other family's template reads the
-    blocks."""
+    blocks; the tiny GLM-4.5V (glm4v_moe) carries GLM-4.1V's template (chat_templates/SOURCES.md), so it garbles too."""
     from trl_mdi.attention.model_facts import typed_system_problem
 
     garbled = {arch for arch in TINY_ARCHS
                if typed_system_problem(AutoProcessor.from_pretrained(tiny_vlm_dir(arch))) is not None}
-    assert garbled == {"glm4v"}
+    assert garbled == {"glm4v", "glm4v_moe"}
 
 
 def test_the_trainer_warns_when_glm4v_would_garble_the_prompts_system_turn(tiny_vlm_dir, tmp_path, caplog):

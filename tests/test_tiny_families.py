@@ -42,12 +42,16 @@ EXPECTED |= {
 EXPECTED |= {  # issue 45: the families users train first
     "lfm2_vl": ("Lfm2VlForConditionalGeneration", "Lfm2VlProcessor", "<image>", 4),  # 2 x 2, in <|image_start|> ... <|image_end|>
     "paligemma": ("PaliGemmaForConditionalGeneration", "PaliGemmaProcessor", "<image>", 4),  # 2 x 2 SigLIP patches
+    "glm4v_moe": ("Glm4vMoeForConditionalGeneration", "Glm4vProcessor", "<|image|>", 4),  # GLM-4.1V's processor
+    # 2 x 2 tiles + a global view, 4 tokens each (the processor also counts <|START_OF_IMG|>, <|END_OF_IMG|>,
+    # TILE_GLOBAL and the four TILE_<i> labels: 27).
+    "aya_vision": ("AyaVisionForConditionalGeneration", "AyaVisionProcessor", "<|IMG_PATCH|>", 20),
 }
 # Gemma 2's soft-capped attention (PaliGemma 2's decoder) has no SDPA kernel: transformers loads it eager.
 ATTN_IMPLEMENTATION = {"paligemma": "eager"}
 # Tokens the processor counts per image besides the placeholder (InternVL: <img> and </img>; Mistral 3: its row
 # markers).
-EXTRA_COUNTED = {"internvl": 2, "mistral3": 2}  # Mistral 3: [IMG_BREAK] and [IMG_END]
+EXTRA_COUNTED = {"internvl": 2, "mistral3": 2, "aya_vision": 7}  # Mistral 3: [IMG_BREAK] and [IMG_END]
 # What each official template writes around the generation prompt.
 TEMPLATE_MARKS = {
     "qwen3_5": (
@@ -73,6 +77,9 @@ TEMPLATE_MARKS |= {
     # No roles: the images, then the text (the processor adds <bos> after the last image and the closing newline).
     "paligemma": ("<image>What colour", "circle?"),
 }
+TEMPLATE_MARKS["glm4v_moe"] = TEMPLATE_MARKS["glm4v"]  # GLM-4.1V's template (chat_templates/SOURCES.md)
+TEMPLATE_MARKS["aya_vision"] = ("<BOS_TOKEN><|START_OF_TURN_TOKEN|><|USER_TOKEN|><image>What",
+                                "<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")
 QUESTION = "What colour is the circle?"
 
 
@@ -116,7 +123,7 @@ def test_build_save_reload_batch_forward_generate(arch, tiny_vlm_dir):
     texts = [processor.apply_chat_template(_messages(s), add_generation_prompt=True) for s in (False, True)]
     start, end = TEMPLATE_MARKS[arch]
     assert start in texts[0] and texts[0].endswith(end)
-    if arch == "glm4v":  # the official template prints a typed system message as the list's repr (docs say so)
+    if arch in ("glm4v", "glm4v_moe"):  # GLM-4.1V's template prints a typed system message as the list's repr (docs)
         assert "<|system|>\n[{'type': 'text', 'text': " in texts[1]
     else:
         assert SYSTEM_PROMPT in texts[1]
@@ -402,8 +409,8 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
 @pytest.mark.parametrize(
     ("arch", "overrides", "message"),
     [
-        ("qwen2_5_vl", {"full_attention_interval": 2}, "to qwen3_5, gemma3, qwen3_5_moe, gemma4, lfm2_vl and paligemma only"),
-        ("qwen3_5", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4 and paligemma only"),
+        ("qwen2_5_vl", {"full_attention_interval": 2}, "to qwen3_5, gemma3, qwen3_5_moe, gemma4, lfm2_vl, paligemma and aya_vision only"),
+        ("qwen3_5", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4, paligemma and aya_vision only"),
         ("qwen3_5", {"full_attention_interval": 0}, "positive integer"),
         ("gemma3", {"sliding_window": -1}, "positive integer"),
         ("gemma3", {"image_size": 40}, "pooling"),
@@ -412,7 +419,7 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
         ("qwen3_5", {"image_size": 32}, r"image_size applies to gemma3, llava_next, idefics3, smolvlm\b.* only, not qwen3_5"),
         ("llava", {"image_size": 36}, "not a multiple of image_patch_size"),
         ("internvl", {"image_size": 24}, "pixel-shuffle"),
-        ("qwen3_5", {"num_experts": 4}, "apply to qwen3_5_moe and qwen3_vl_moe only"),
+        ("qwen3_5", {"num_experts": 4}, "apply to qwen3_5_moe, qwen3_vl_moe and glm4v_moe only"),
         ("qwen3_5_moe", {"num_experts_per_tok": 5}, "exceeds num_experts 4"),
         ("qwen3_5_moe", {"image_patch_size": 8}, "image_patch_size applies to"),
         ("gemma4", {"image_size": 64}, "set image_patch_size instead"),
@@ -424,10 +431,51 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
         ("glm4v", {"image_size": 32}, "set min_pixels/max_pixels instead"),
         ("qwen3_vl_moe", {"num_experts_per_tok": 5}, "exceeds num_experts 4"),
         ("lfm2_vl", {"image_size": 32}, "set image_patch_size instead"),
-        ("lfm2_vl", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4 and paligemma only"),
+        ("lfm2_vl", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4, paligemma and aya_vision only"),
         ("paligemma", {"image_size": 40}, "not a multiple of image_patch_size"),
     ],
 )
 def test_invalid_family_requests_raise_value_error(arch, overrides, message):
     with pytest.raises(ValueError, match=message):
         build_tiny_vlm(arch, **overrides)
+
+
+def test_glm4v_moe_layers_and_experts(tiny_vlm_dir):
+    """GLM-4.5V's decoder as the real config lays it out: the first layer a dense MLP, every later one a sparse MoE
+    block (routed experts plus one shared expert) whose router picks num_experts_per_tok of them; GLM-4.1V's tower."""
+    model, processor = _load(tiny_vlm_dir("glm4v_moe"))
+    text = model.config.text_config
+    assert (text.first_k_dense_replace, text.n_routed_experts, text.num_experts_per_tok, text.n_shared_experts) == (
+        1, 4, 2, 1)
+    layers = model.model.language_model.layers
+    assert [type(layer.mlp).__name__ for layer in layers] == ["Glm4vMoeTextMLP"] + ["Glm4vMoeTextMoE"] * 2
+    assert type(model.model.visual).__name__ == "Glm4vMoeVisionModel"
+    text_in = processor.apply_chat_template(_messages(False), add_generation_prompt=True)
+    inputs = processor(text=[text_in], images=[[_image(56)]], return_tensors="pt")
+    with torch.no_grad():
+        out = model(**inputs, output_router_logits=True)
+    assert torch.isfinite(out.logits).all() and len(out.router_logits) == 2  # one per MoE layer
+    assert out.router_logits[0].shape[-1] == 4
+
+
+def test_aya_vision_tiles_and_layers(tiny_vlm_dir):
+    """Aya Vision's decoder alternates sliding-window (RoPE) and full attention (no positional embedding) layers; an
+    image is cut into up to 4 tiles plus a global view (one tile, no global view, when it fits one), each view's 2 x 2
+    image tokens after its label, all between <|START_OF_IMG|> and <|END_OF_IMG|>; such a layout gets no map."""
+    from trl_mdi.diagnostics.maps import image_token_grids
+
+    model, processor = _load(tiny_vlm_dir("aya_vision"))
+    assert model.config.text_config.layer_types == ["sliding_attention", "full_attention"] * 2
+    text = processor.apply_chat_template(_messages(False), add_generation_prompt=True)
+    for image, labels in [(_image(56), ["TILE_1", "TILE_2", "TILE_3", "TILE_4", "TILE_GLOBAL"]),
+                          (_image(32), ["TILE_GLOBAL"]), (Image.new("RGB", (64, 32)), ["TILE_1", "TILE_2", "TILE_GLOBAL"])]:
+        inputs = processor(text=[text], images=[[image]], return_tensors="pt")
+        tokens = processor.tokenizer.convert_ids_to_tokens(inputs["input_ids"][0].tolist())
+        run = tokens[tokens.index("<|START_OF_IMG|>"):tokens.index("<|END_OF_IMG|>") + 1]
+        assert run == ["<|START_OF_IMG|>", *[t for label in labels for t in [label] + ["<|IMG_PATCH|>"] * 4],
+                       "<|END_OF_IMG|>"], (image.size, run)
+        assert inputs["pixel_values"].shape[0] == len(labels)
+        with torch.no_grad():
+            assert torch.isfinite(model(**inputs).logits).all()
+    assert image_token_grids(processor, [_image(56)]) is None
+

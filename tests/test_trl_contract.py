@@ -369,6 +369,38 @@ def test_what_the_fault_handling_relies_on():
     assert T.PREFIX_CHECKPOINT_DIR == "checkpoint"
 
 
+def test_tokenize_prompts_keeps_pad_tokens_which_aya_vision_needs_the_trainers_copy_for(tiny_vlm_dir):
+    """TRL 1.16's ``_tokenize_prompts`` keeps each row's ``input_ids`` as its prompt, reading no attention mask.
+    ``AyaVisionProcessor`` defaults its text to ``padding=True``, so in a batch whose images cost different numbers of
+    tiles the shorter prompt comes back led by pad tokens, which generation and every log-prob forward would attend
+    to; ``processor_for_trl``'s copy returns each prompt unpadded, as TRL expects (the user's processor untouched)."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from fixtures.testing import shape_image
+    from trl_mdi.attention.model_facts import processor_for_trl
+
+    processor = AutoProcessor.from_pretrained(tiny_vlm_dir("aya_vision"))
+    pad = processor.tokenizer.pad_token_id
+    # A square image: 4 tiles and a global view; a 32-pixel one: the global view alone.
+    prompts = [[{"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "text", "text": "What colour is the shape?"}]}]
+               for image in (shape_image(56, 1), Image.new("RGB", (32, 32)))]
+
+    def tokenize(proc):
+        trl_self = SimpleNamespace(_is_vlm=True, environment_factories=None, tools=None, chat_template=None,
+                                   chat_template_kwargs={}, processing_class=proc)
+        return GRPOTrainer._tokenize_prompts(trl_self, prompts)[0]
+
+    padded = tokenize(processor)
+    assert len(padded[0]) == len(padded[1]) and padded[1][0] == pad and pad not in padded[0]
+    unpadded = tokenize(processor_for_trl(processor))
+    assert unpadded[0] == padded[0] and unpadded[1] == [t for t in padded[1] if t != pad]
+    assert processor.text_kwargs == {"padding_side": "left", "padding": True}  # the user's object as it was
+
+
 def test_tokenize_prompts_takes_text_as_lists_which_pixtral_needs_the_trainers_copy_for(tiny_vlm_dir, tmp_path):
     """TRL 1.16's ``_tokenize_prompts`` tokenizes a whole batch in one ``apply_chat_template`` call, unpadded, and
     keeps ``input_ids`` as lists. ``PixtralProcessor`` (Mistral 3) defaults its text to ``return_tensors="pt"``, so a

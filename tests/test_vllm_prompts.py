@@ -33,6 +33,7 @@ COLLAPSE_EXACT = {"qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"
 # tokenizer-only rendering too; Qwen3-VL-MoE: Qwen3-VL's processor. Mistral 3's processor adds [IMG_BREAK] / [IMG_END]
 # inside the image's tokens: not exact, refused.
 COLLAPSE_EXACT |= {"glm4v", "qwen3_vl_moe"}
+COLLAPSE_EXACT |= {"glm4v_moe"}  # GLM-4.5V: GLM-4.1V's processor and template
 assert COLLAPSE_EXACT < set(TINY_ARCHS)
 
 

@@ -17,6 +17,7 @@ from trl_mdi.vllm_prompts import collapse_image_runs, collapse_problem, probe_co
 COLLAPSE_EXACT = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "llava_next",
                   "llava", "llava_onevision"]
 COLLAPSE_EXACT += ["glm4v", "qwen3_vl_moe"]  # Mistral 3: [IMG_BREAK] / [IMG_END] inside the run, refused
+COLLAPSE_EXACT += ["glm4v_moe"]  # GLM-4.5V: GLM-4.1V's processor and template
 # vLLM 0.31's processors for these fail on the tiny models themselves (not on the ids): Gemma 3's and PaliGemma's
 # newline handling looks up "\n" in the vocabulary (the tiny byte-level tokenizer has "Ċ" instead: KeyError), Gemma
 # 4's reads a vision-config attribute transformers 5.17's Gemma4VisionConfig lacks (default_output_length).

@@ -66,7 +66,14 @@ from . import checkpoints
 from . import signals as S
 from .answer_tokens import answer_tokens
 from .attention import ModalityAttention, probe_attention, trailing_completion_layout
-from .attention.model_facts import load_model_config, processor_for_trl, typed_system_problem, unwrap_model
+from .attention.model_facts import (
+    expert_count_for_trl,
+    fused_head_as_the_model_computes,
+    load_model_config,
+    processor_for_trl,
+    typed_system_problem,
+    unwrap_model,
+)
 from .attention.model_parts import choice_logits, hidden_states_at
 from .batch import (
     check_counterfactual_encodes,
@@ -352,9 +359,10 @@ class MDIGRPOTrainer(GRPOTrainer):
             if config.realtime_rollout_logging else None
         )
         launch_world = int(os.environ.get("WORLD_SIZE", "1"))  # TRL's colocated vLLM resets it to accelerate's view
-        super().__init__(model, reward_funcs=list(plan.reward_funcs) if plan.reward_funcs else reward_funcs,
-                         args=config, train_dataset=lazy_images(train_dataset), eval_dataset=lazy_images(eval_dataset),
-                         **kwargs)
+        with fused_head_as_the_model_computes(plan.facts.model_type):  # Aya Vision: TRL's head would scale its logits
+            super().__init__(model, reward_funcs=list(plan.reward_funcs) if plan.reward_funcs else reward_funcs,
+                             args=config, train_dataset=lazy_images(train_dataset),
+                             eval_dataset=lazy_images(eval_dataset), **kwargs)
         check_filter_key(config, self.reward_func_names)
         check_world_size(self.accelerator.num_processes, self.accelerator.distributed_type != DistributedType.NO,
                          launch_world)
@@ -374,7 +382,8 @@ class MDIGRPOTrainer(GRPOTrainer):
         reward lists (tests/test_trl_contract.py pins them) and attention-only settings are switched off in the
         trainer's copy of the config and the live logs. Then the hooks the plan asks for are installed: the guard
         for empty image inputs, the dummy vision pass, vLLM's bias against image tokens, and (vLLM server mode) a time
-        limit on every request of TRL's client (``trl_mdi.vllm_server``)."""
+        limit on every request of TRL's client (``trl_mdi.vllm_server``); a MoE text config gets the expert count
+        under the name TRL's forward reads (``expert_count_for_trl``: GLM-4.5V)."""
         loaded = plan.with_model(self.model, self.processing_class)
         if loaded == plan:
             loaded = plan  # the plan as decided (and printed) before the weights loaded
@@ -385,6 +394,7 @@ class MDIGRPOTrainer(GRPOTrainer):
         # ZeRO-3 / DDP image-less processes run the vision tower on a dummy, times zero.
         if plan.facts.is_vlm:
             drop_empty_image_inputs(self.model)
+        expert_count_for_trl(self.model)  # GLM-4.5V: the MoE expert count under the name TRL's forward reads
         if colocated_vlm(self.args, plan.facts):
             # TRL keeps the engine from sampling image placeholders under HF generate only (suppress_image_tokens says
             # why); its engine's own copy of the kwargs, never the user's config.

@@ -9,6 +9,7 @@ predicted here are exactly the layers the probe then records.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,9 +136,12 @@ placeholders, ``IMAGE_TOKEN_ATTRIBUTES``); a marker's embedding is a learned tex
 image, so mass on it says nothing about how much the model reads the picture. ``ModelFacts.image_marker_ids`` lists
 them so that logs and tests can name them; they are never added to ``image_token_ids``."""
 
-IMAGE_MARKER_TOKEN_ATTRIBUTES = ("image_start_token", "image_end_token", "image_thumbnail_token")
+IMAGE_MARKER_TOKEN_ATTRIBUTES = ("image_start_token", "image_end_token", "image_thumbnail_token",
+                                 "start_of_img_token", "end_of_img_token", "tile_global_token")
 """Processor attributes naming such markers as token strings, looked up in its tokenizer: LFM2-VL's ``<|image_start|>``
-/ ``<|image_end|>`` around each image and ``<|img_thumbnail|>`` before a tiled image's thumbnail. Text keys, as above."""
+/ ``<|image_end|>`` around each image and ``<|img_thumbnail|>`` before a tiled image's thumbnail; Aya Vision's
+``<|START_OF_IMG|>`` / ``<|END_OF_IMG|>`` around each image and ``TILE_GLOBAL`` before its global view. Text keys, as
+above."""
 
 _VISION_WORDS = frozenset({"vision", "visual", "vit", "img", "image"})
 
@@ -375,33 +379,108 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def expert_count_for_trl(model: torch.nn.Module) -> None:
+    """Give a MoE text config the ``num_experts`` TRL 1.16 reads, where the family names its routed-expert count
+    otherwise.
+
+    With an MoE model TRL enables its load-balancing loss (the config's ``router_aux_loss_coef``), and its fused
+    log-prob forward (``trl.trainer.utils``, ``_fused_forward``) reads the expert count as ``text_config.num_experts``
+    on transformers 5. GLM-4.5V's text config (``Glm4vMoeTextConfig``, from GLM-4.5-Air's) names it
+    ``n_routed_experts`` (``num_local_experts`` as an alias) and has no ``num_experts``, so every training step stopped
+    with "AttributeError: 'Glm4vMoeTextConfig' object has no attribute 'num_experts'", under stock TRL too. This sets
+    ``num_experts`` on the loaded model's text config to the same count (what the model's own load-balancing loss uses,
+    ``num_local_experts``); a config that has ``num_experts`` already, or no routed experts, is left as it is.
+
+    >>> from types import SimpleNamespace
+    >>> model = SimpleNamespace(config=SimpleNamespace(num_local_experts=4))
+    >>> expert_count_for_trl(model); model.config.num_experts
+    4
+    """
+    config = text_config_of(unwrap_model(model).config)
+    if not hasattr(config, "num_experts") and isinstance(getattr(config, "num_local_experts", None), int):
+        config.num_experts = config.num_local_experts
+
+
+# Families whose model forward leaves the text config's ``logit_scale`` unapplied, and why: {model_type: reason}.
+LOGIT_SCALE_UNUSED = {
+    "aya_vision": "AyaVisionForConditionalGeneration computes its logits as lm_head(hidden) and never multiplies them "
+    "by its Cohere 2 text config's logit_scale (Cohere2ForCausalLM does)",
+}
+
+
+@contextlib.contextmanager
+def fused_head_as_the_model_computes(model_type: str):
+    """While TRL builds its trainer, make its fused LM head score log-probs as the model's own forward computes logits.
+
+    TRL 1.16's ``GRPOTrainer.__init__`` patches the model with a fused LM head (``trl.trainer.utils.add_fused_lm_head``)
+    that computes every log-prob it trains on from ``hidden @ W`` times the text config's ``logit_scale``. A family in
+    ``LOGIT_SCALE_UNUSED`` samples (``generate``) from unscaled logits, so TRL's log-probs came from another
+    distribution than the one that generated the completions (the tiny Aya Vision, with Cohere 2's default scale
+    0.0625: up to 0.3 nat off per token). Inside this context TRL's patch reads a scale of 1 for such a model;
+    the config keeps its value (saved checkpoints and vLLM read it). Other families: nothing changes.
+    """
+    if model_type not in LOGIT_SCALE_UNUSED:
+        yield
+        return
+    from trl.trainer import grpo_trainer
+
+    original = grpo_trainer.add_fused_lm_head
+
+    def add_fused_lm_head(model, *args, **kwargs):
+        text_config = model.config.get_text_config()
+        scale = getattr(text_config, "logit_scale", None)
+        text_config.logit_scale = 1.0  # read once, when TRL builds the head
+        try:
+            return original(model, *args, **kwargs)
+        finally:
+            text_config.logit_scale = scale
+
+    grpo_trainer.add_fused_lm_head = add_fused_lm_head
+    try:
+        yield
+    finally:
+        grpo_trainer.add_fused_lm_head = original
+
+
+# Text defaults of a processor class that TRL 1.16's batched prompt tokenization cannot take (``processor_for_trl``).
+_TEXT_DEFAULTS_TRL_CANNOT_TAKE = ("return_tensors", "padding", "padding_side")
+
+
 def processor_for_trl(processing_class):
     """The processor as TRL 1.16's batched prompt tokenization needs it: text returned as unpadded lists.
 
     ``GRPOTrainer._tokenize_prompts`` renders and tokenizes a whole batch in one ``apply_chat_template`` call without
-    padding, and expects lists of ids back. ``PixtralProcessor`` (Mistral 3) sets ``return_tensors="pt"`` as its text
-    default (its class attribute ``text_kwargs``), so any batch whose prompts differ in length fails inside TRL with
-    "Unable to create tensor, you should probably activate truncation and/or padding". This returns a shallow copy
-    whose own ``text_kwargs`` leaves that default out (images keep theirs: TRL takes image tensors); a processor without
-    such a default, or a tokenizer, is returned as it is. The user's object is not changed, and nothing of this is
-    saved with the processor (``text_kwargs`` is no saved attribute).
+    padding, and takes each row's ``input_ids`` as its prompt (it reads no attention mask). Two class defaults of
+    some processors' text kwargs (``text_kwargs``) break that:
+
+    - ``return_tensors="pt"`` (``PixtralProcessor``, Mistral 3): any batch whose prompts differ in length fails inside
+      TRL with "Unable to create tensor, you should probably activate truncation and/or padding".
+    - ``padding=True`` (``AyaVisionProcessor``, also ``Cohere2VisionProcessor`` and ``Gemma4Processor``): the shorter
+      prompts of a batch come back led by pad tokens, which TRL then keeps as prompt tokens that generation and every
+      log-prob forward attend to (Aya Vision: any two prompts whose images cost different numbers of tiles,
+      ``tests/test_trl_contract.py``).
+
+    This returns a shallow copy whose own ``text_kwargs`` leaves those defaults out (images keep theirs: TRL takes image
+    tensors); a processor without such a default, or a tokenizer, is returned as it is. The user's object is not
+    changed, and nothing of this is saved with the processor (``text_kwargs`` is no saved attribute).
 
     >>> class Proc:
-    ...     text_kwargs = {"return_tensors": "pt", "padding": False}
+    ...     text_kwargs = {"return_tensors": "pt", "padding": True, "padding_side": "left", "truncation": False}
     >>> fixed = processor_for_trl(Proc())
     >>> fixed.text_kwargs, Proc.text_kwargs["return_tensors"]
-    ({'padding': False}, 'pt')
+    ({'truncation': False}, 'pt')
     >>> tok = object()
     >>> processor_for_trl(tok) is tok
     True
     """
     defaults = getattr(processing_class, "text_kwargs", None)
-    if not isinstance(defaults, dict) or defaults.get("return_tensors") is None:
+    if not isinstance(defaults, dict) or not any(defaults.get(key) not in (None, False)
+                                                 for key in _TEXT_DEFAULTS_TRL_CANNOT_TAKE):
         return processing_class
     import copy
 
     fixed = copy.copy(processing_class)
-    fixed.text_kwargs = {k: v for k, v in defaults.items() if k != "return_tensors"}
+    fixed.text_kwargs = {k: v for k, v in defaults.items() if k not in _TEXT_DEFAULTS_TRL_CANNOT_TAKE}
     return fixed
 
 
