@@ -15,7 +15,7 @@ from fixtures.testing import eager_masses, grpo_batch, shape_image
 from fixtures.tiny import TINY_ARCHS
 from trl_mdi import signals as S
 from trl_mdi.attention import image_token_ids, measure_modality_attention
-from trl_mdi.attention.model_facts import ZERO3_TRAINING_PROBLEMS, model_facts
+from trl_mdi.attention.model_facts import ZERO3_TRAINING_PROBLEMS, model_facts, transformers_forward_problem
 
 
 def rows_of(res, segments="thirds"):
@@ -463,3 +463,54 @@ def test_the_trainer_warns_when_glm4v_would_garble_the_prompts_system_turn(tiny_
                            train_dataset=dataset(system))
         warned = [r.getMessage() for r in caplog.records if "typed system message" in r.getMessage()]
         assert len(warned) == int(system), (system, warned)
+
+
+@pytest.mark.parametrize("chunk", [512, 8])
+def test_llama4_is_measured_exactly_where_transformers_runs_it(tiny_vlm_dir, chunk):
+    """Llama 4 (a build-only family: the trainer refuses it, see below) through the probe API on the padded, mixed
+    batch. Where transformers runs its forward (5.17 to 5.23), the probe equals eager attention on every layer, the
+    RoPE layers' chunked attention and the NoPE layers' global attention alike; with 8-token chunks, smaller than the
+    prompt, the RoPE layers (0 and 2) show no generated token the image (mass 0, counted image-blind) while the NoPE
+    layers (1 and 3) do. Where it does not (transformers 5.24: ``TRANSFORMERS_FORWARD_PROBLEMS``), the forward fails
+    as the table says, in eager attention too."""
+    path = tiny_vlm_dir("llama4", attention_chunk_size=chunk)
+    facts = model_facts(AutoConfig.from_pretrained(path))
+    assert facts.layer_types == ("chunked_attention", "full_attention") * 2 and facts.measured_layers == (0, 1, 2, 3)
+    batch = _batch(AutoProcessor.from_pretrained(path), facts)
+    if transformers_forward_problem("llama4") is not None:
+        for attn in (None, "eager"):
+            with pytest.raises(AttributeError, match="image_outputs"):
+                _load(path, attn)(**batch)
+        return
+    res = measure_modality_attention(_load(path), **batch)
+    ref, _ = _eager_masses(path, batch)
+    got = torch.stack([res.image, res.prompt_text, res.completion, res.special], dim=-1)[:, res.layers]
+    err = (got.double() - ref).abs().max().item()
+    assert res.layers == [0, 1, 2, 3] and err < 1e-5, f"llama4: max |probe - eager| = {err:.2e}"
+    if chunk == 8:
+        assert (res.image[[0, 2]][:, [0, 2]] == 0).all() and (res.image[[0, 2]][:, [1, 3]] > 0).all()
+        assert res.image_blind_layers().tolist() == [2, 0, 2]
+    else:
+        assert (res.image[[0, 2]] > 0).all() and res.image_blind_layers().tolist() == [0, 0, 0]
+
+
+def test_llama4_training_is_refused_at_construction(tiny_vlm_dir, tmp_path):
+    """TRL 1.16's log-prob forward (its fused LM head) runs ``model.base_model`` and reads ``last_hidden_state``;
+    Llama4ForConditionalGeneration has no backbone module (its base_model_prefix "model" names no attribute, so
+    base_model is the model itself), so the first training step of TRL's own GRPOTrainer stops with AttributeError
+    (seen on transformers 5.23; on 5.24 its forward fails before that). The trainer refuses Llama 4 at construction,
+    by path and as an object, before TRL builds anything, naming the reason and the fix."""
+    from unittest import mock
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    from fixtures.testing import zen_image_dataset
+    from trl_mdi import MDIGRPOTrainer
+
+    path = str(tiny_vlm_dir("llama4"))
+    args = GRPOConfig(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2, num_generations=2)
+    for given in (path, AutoModelForImageTextToText.from_pretrained(path)):
+        with mock.patch.object(GRPOTrainer, "__init__", side_effect=AssertionError("TRL was built")):
+            with pytest.raises(ValueError, match=r"'llama4' cannot be trained with TRL 1\.16's GRPOTrainer: .*"
+                                                 r"last_hidden_state.* Fix: "):
+                MDIGRPOTrainer(given, reward_funcs=[lambda **k: []], args=args, train_dataset=zen_image_dataset(2))

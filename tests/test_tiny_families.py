@@ -424,6 +424,9 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
         ("glm4v", {"image_size": 32}, "set min_pixels/max_pixels instead"),
         ("qwen3_vl_moe", {"num_experts_per_tok": 5}, "exceeds num_experts 4"),
         ("lfm2_vl", {"image_size": 32}, "set image_patch_size instead"),
+        ("qwen2_5_vl", {"attention_chunk_size": 8}, "attention_chunk_size applies to llama4 only"),
+        ("llama4", {"image_patch_size": 3}, "16-pixel tile must be image_patch_size 3 times a multiple"),
+        ("llama4", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4 and paligemma only"),
         ("lfm2_vl", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4 and paligemma only"),
         ("paligemma", {"image_size": 40}, "not a multiple of image_patch_size"),
     ],
@@ -431,3 +434,37 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
 def test_invalid_family_requests_raise_value_error(arch, overrides, message):
     with pytest.raises(ValueError, match=message):
         build_tiny_vlm(arch, **overrides)
+
+
+def test_llama4_builds_with_its_processor_template_and_layer_kinds(tiny_vlm_dir):
+    """Llama 4 (build-only: the trainer refuses it, tests/test_families.py): the saved folder reloads as the real
+    classes; the instruct template renders; the processor expands <|image|> into one tile's 2 x 2 pixel-shuffled
+    <|patch|> tokens (the model's image token) between <|image_start|><|image|> and <|image_end|>, with bfloat16 pixels;
+    RoPE layers attend in chunks, every second layer is a global NoPE layer, and MoE alternates with dense MLPs."""
+    from trl_mdi.batch import image_fields_for_model
+
+    model, processor = _load(tiny_vlm_dir("llama4"))
+    assert type(model).__name__ == "Llama4ForConditionalGeneration" and type(processor).__name__ == "Llama4Processor"
+    assert 100_000 < model.num_parameters() < 1_000_000
+    text = model.config.text_config
+    assert text.layer_types == ["chunked_attention", "full_attention"] * 2 and text.no_rope_layers == [1, 0, 1, 0]
+    assert text.attention_chunk_size == 512 and text.moe_layers == [1, 3]
+    assert [type(layer.feed_forward).__name__ for layer in model.language_model.model.layers] == [
+        "Llama4TextMLP", "Llama4TextMoe"] * 2
+    rendered = processor.apply_chat_template(_messages(True), add_generation_prompt=True)
+    assert rendered.startswith("<|begin_of_text|><|header_start|>system<|header_end|>\n\n" + SYSTEM_PROMPT)
+    assert rendered.endswith(f"<|image|>{QUESTION}<|eot|><|header_start|>assistant<|header_end|>\n\n")
+    inputs = processor(text=[rendered], images=[[_image(56)]], return_tensors="pt")
+    tokens = processor.tokenizer.convert_ids_to_tokens(inputs["input_ids"][0].tolist())
+    start = tokens.index("<|image_start|>")
+    assert tokens[start:start + 7] == ["<|image_start|>", "<|image|>", *["<|patch|>"] * 4, "<|image_end|>"]
+    assert model.config.image_token_id == processor.tokenizer.convert_tokens_to_ids("<|patch|>")
+    assert inputs["pixel_values"].dtype == torch.bfloat16 and inputs["pixel_values"].shape == (1, 3, 16, 16)
+    # TRL's unbatched encoding: one bfloat16 tile stack per image, concatenated and cast as the model takes them.
+    fields = processor.apply_chat_template([[{"role": "user", "content": [{"type": "image", "image": _image(56)}]}]] * 2,
+                                           add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert isinstance(fields["pixel_values"], list) and len(fields["pixel_values"]) == 2
+    pixels = image_fields_for_model(fields, processor, torch.float32)["pixel_values"]
+    assert pixels.dtype == torch.float32 and pixels.shape == (2, 3, 16, 16)
+    features = model.get_image_features(pixels).last_hidden_state  # the vision tower runs on every transformers
+    assert features.shape[:2] == (2, 4) and torch.isfinite(features).all()
