@@ -542,7 +542,8 @@ TRAINING_PROBLEMS = {
         "last_hidden_state, but Llama4ForConditionalGeneration has no backbone module (its base_model_prefix \"model\" "
         "names no attribute, so base_model is the model itself, whose output has logits and no last_hidden_state): "
         "the first training step stops with \"AttributeError: 'Llama4CausalLMOutputWithPast' object has no attribute "
-        "'last_hidden_state'\", under TRL's own GRPOTrainer too"),
+        "'last_hidden_state'\". TRL's own GRPOTrainer stops earlier, at its first generation: it turns the processor's "
+        "bfloat16 per-image tile stacks into a tensor through numpy (\"Got unsupported ScalarType BFloat16\")"),
 }
 """Families TRL's GRPOTrainer cannot train whatever the run's settings, and why: {model_type: reason}."""
 
