@@ -222,7 +222,7 @@ def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3",
-                                  "llava", "glm4v", "qwen3_vl_moe", "mistral3", "lfm2_vl", "paligemma"])
+                                  "llava", "glm4v", "qwen3_vl_moe", "mistral3", "lfm2_vl", "paligemma", "gemma3n"])
 def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     """The attention maps of a two-image row (images of different sizes): the probe's per-image-token masses equal
     eager attention weights token by token, and the per-image split the maps use (each image's token grid) cuts
@@ -269,7 +269,7 @@ def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
         assert len(runs) == 1
         runs = torch.split(img_pos, [h * w for h, w in grids])
     assert [p.shape[1] for p in parts] == [len(r) for r in runs] == [h * w for h, w in grids]
-    if arch not in ("gemma3", "llava", "paligemma"):  # Qwen grids follow the size; Gemma 3, LLaVA, PaliGemma: a square
+    if arch not in ("gemma3", "llava", "paligemma", "gemma3n"):  # Qwen grids follow the size; the others: a square
         assert parts[0].shape[1] != parts[1].shape[1]
     # What the live log draws: one entry per image, its masses from its own run, shares adding up to 1.
     (record,) = attention_map_records(res, [images, [shape_image(56, 3)]], [0], "thirds", processor)
@@ -514,3 +514,27 @@ def test_llama4_training_is_refused_at_construction(tiny_vlm_dir, tmp_path):
             with pytest.raises(ValueError, match=r"'llama4' cannot be trained with TRL 1\.16's GRPOTrainer: .*"
                                                  r"last_hidden_state.* Fix: "):
                 MDIGRPOTrainer(given, reward_funcs=[lambda **k: []], args=args, train_dataset=zen_image_dataset(2))
+
+
+def test_gemma3n_shared_kv_layers_are_measured_exactly_window_included(tiny_vlm_dir):
+    """Gemma 3n's last layers share K/V: layers 2 (sliding) and 3 (full) compute no keys or values and attend with
+    those of the last earlier layer of their kind (0 and 1), each with its own query and its own kind's mask. The
+    probe measures every layer, shared ones included, equal to eager attention; with an 8-token window, smaller than
+    the prompt, the sliding layers (0 and the shared 2) show no generated token the image, the full ones (1 and the
+    shared 3) do."""
+    path = tiny_vlm_dir("gemma3n", sliding_window=8)
+    config = AutoConfig.from_pretrained(path)
+    assert config.text_config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    facts = model_facts(config)
+    assert facts.layer_types == ("sliding_attention", "full_attention") * 2 and facts.measured_layers == (0, 1, 2, 3)
+    model = _load(path)
+    assert [hasattr(layer.self_attn, "k_proj") for layer in model.model.language_model.layers] == [True, True, False,
+                                                                                                    False]
+    batch = _batch(AutoProcessor.from_pretrained(path), facts)
+    res = measure_modality_attention(model, **batch)
+    ref, _ = _eager_masses(path, batch)
+    got = torch.stack([res.image, res.prompt_text, res.completion, res.special], dim=-1)[:, res.layers]
+    err = (got.double() - ref).abs().max().item()
+    assert res.layers == [0, 1, 2, 3] and err < 1e-5, f"gemma3n: max |probe - eager| = {err:.2e}"
+    assert (res.image[[0, 2]][:, [0, 2]] == 0).all() and (res.image[[0, 2]][:, [1, 3]] > 0).all()
+    assert res.image_blind_layers().tolist() == [2, 0, 2]
