@@ -408,8 +408,8 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
 @pytest.mark.parametrize(
     ("arch", "overrides", "message"),
     [
-        ("qwen2_5_vl", {"full_attention_interval": 2}, "to qwen3_5, gemma3, qwen3_5_moe, gemma4, lfm2_vl and paligemma only"),
-        ("qwen3_5", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4 and paligemma only"),
+        ("qwen2_5_vl", {"full_attention_interval": 2}, "to qwen3_5, gemma3, qwen3_5_moe, gemma4, lfm2_vl, paligemma, gemma3n and llama4 only"),
+        ("qwen3_5", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4, paligemma and gemma3n only"),
         ("qwen3_5", {"full_attention_interval": 0}, "positive integer"),
         ("gemma3", {"sliding_window": -1}, "positive integer"),
         ("gemma3", {"image_size": 40}, "pooling"),
@@ -418,7 +418,7 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
         ("qwen3_5", {"image_size": 32}, r"image_size applies to gemma3, llava_next, idefics3, smolvlm\b.* only, not qwen3_5"),
         ("llava", {"image_size": 36}, "not a multiple of image_patch_size"),
         ("internvl", {"image_size": 24}, "pixel-shuffle"),
-        ("qwen3_5", {"num_experts": 4}, "apply to qwen3_5_moe and qwen3_vl_moe only"),
+        ("qwen3_5", {"num_experts": 4}, "apply to qwen3_5_moe, qwen3_vl_moe and llama4 only"),
         ("qwen3_5_moe", {"num_experts_per_tok": 5}, "exceeds num_experts 4"),
         ("qwen3_5_moe", {"image_patch_size": 8}, "image_patch_size applies to"),
         ("gemma4", {"image_size": 64}, "set image_patch_size instead"),
@@ -432,8 +432,10 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
         ("lfm2_vl", {"image_size": 32}, "set image_patch_size instead"),
         ("qwen2_5_vl", {"attention_chunk_size": 8}, "attention_chunk_size applies to llama4 only"),
         ("llama4", {"image_patch_size": 3}, "16-pixel tile must be image_patch_size 3 times a multiple"),
-        ("llama4", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4 and paligemma only"),
-        ("lfm2_vl", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4 and paligemma only"),
+        ("llama4", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4, paligemma and gemma3n only"),
+        ("gemma3n", {"image_size": 32}, "gemma3n takes no image knob"),
+        ("gemma3n", {"attention_chunk_size": 8}, "attention_chunk_size applies to llama4 only"),
+        ("lfm2_vl", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4, paligemma and gemma3n only"),
         ("paligemma", {"image_size": 40}, "not a multiple of image_patch_size"),
     ],
 )
