@@ -468,7 +468,7 @@ def test_the_trainer_warns_when_glm4v_would_garble_the_prompts_system_turn(tiny_
 @pytest.mark.parametrize("chunk", [512, 8])
 def test_llama4_is_measured_exactly_where_transformers_runs_it(tiny_vlm_dir, chunk):
     """Llama 4 (a build-only family: the trainer refuses it, see below) through the probe API on the padded, mixed
-    batch. Where transformers runs its forward (5.17 to 5.23), the probe equals eager attention on every layer, the
+    batch. Where transformers runs its forward (below 5.24; tested on 5.23), the probe equals eager attention on every layer, the
     RoPE layers' chunked attention and the NoPE layers' global attention alike; with 8-token chunks, smaller than the
     prompt, the RoPE layers (0 and 2) show no generated token the image (mass 0, counted image-blind) while the NoPE
     layers (1 and 3) do. Where it does not (transformers 5.24: ``TRANSFORMERS_FORWARD_PROBLEMS``), the forward fails

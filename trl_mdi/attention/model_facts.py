@@ -506,7 +506,7 @@ TRANSFORMERS_FORWARD_PROBLEMS = {
         "its Llama4ForConditionalGeneration.forward builds its output from `outputs.image_outputs`, which the output "
         "of its language model (MoeCausalLMOutputWithPast) does not have, so every forward stops with AttributeError "
         "after computing the logits: generation and TRL's log-prob forward alike, with or without an image "
-        "(transformers 5.17 to 5.23 run it, and there the probe is exact)"),
+        "(transformers 5.23 runs it, and there the probe is exact; 5.17 builds the output as 5.23 does)"),
 }
 """Families whose every forward fails from a transformers release on (no later release is known to fix them):
 {model_type: (first failing version, what fails)}. tests/test_families.py checks each entry against the installed
