@@ -15,7 +15,7 @@ from fixtures.testing import eager_masses, grpo_batch, shape_image
 from fixtures.tiny import TINY_ARCHS
 from trl_mdi import signals as S
 from trl_mdi.attention import image_token_ids, measure_modality_attention
-from trl_mdi.attention.model_facts import ZERO3_TRAINING_PROBLEMS, model_facts
+from trl_mdi.attention.model_facts import ZERO3_TRAINING_PROBLEMS, model_facts, transformers_forward_problem
 
 
 def rows_of(res, segments="thirds"):
@@ -223,7 +223,7 @@ def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3",
                                   "llava", "glm4v", "qwen3_vl_moe", "mistral3", "lfm2_vl", "paligemma",
-                                  "glm4v_moe"])
+                                  "glm4v_moe", "gemma3n"])
 def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     """The attention maps of a two-image row (images of different sizes): the probe's per-image-token masses equal
     eager attention weights token by token, and the per-image split the maps use (each image's token grid) cuts
@@ -270,7 +270,7 @@ def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
         assert len(runs) == 1
         runs = torch.split(img_pos, [h * w for h, w in grids])
     assert [p.shape[1] for p in parts] == [len(r) for r in runs] == [h * w for h, w in grids]
-    if arch not in ("gemma3", "llava", "paligemma"):  # Qwen grids follow the size; Gemma 3, LLaVA, PaliGemma: a square
+    if arch not in ("gemma3", "llava", "paligemma", "gemma3n"):  # Qwen grids follow the size; the others: a square
         assert parts[0].shape[1] != parts[1].shape[1]
     # What the live log draws: one entry per image, its masses from its own run, shares adding up to 1.
     (record,) = attention_map_records(res, [images, [shape_image(56, 3)]], [0], "thirds", processor)
@@ -549,3 +549,78 @@ def test_the_trainer_warns_when_glm4v_would_garble_the_prompts_system_turn(tiny_
                            train_dataset=dataset(system))
         warned = [r.getMessage() for r in caplog.records if "typed system message" in r.getMessage()]
         assert len(warned) == int(system), (system, warned)
+
+
+@pytest.mark.parametrize("chunk", [512, 8])
+def test_llama4_is_measured_exactly_where_transformers_runs_it(tiny_vlm_dir, chunk):
+    """Llama 4 (a build-only family: the trainer refuses it, see below) through the probe API on the padded, mixed
+    batch. Where transformers runs its forward (below 5.24; tested on 5.23), the probe equals eager attention on every layer, the
+    RoPE layers' chunked attention and the NoPE layers' global attention alike; with 8-token chunks, smaller than the
+    prompt, the RoPE layers (0 and 2) show no generated token the image (mass 0, counted image-blind) while the NoPE
+    layers (1 and 3) do. Where it does not (transformers 5.24: ``TRANSFORMERS_FORWARD_PROBLEMS``), the forward fails
+    as the table says, in eager attention too."""
+    path = tiny_vlm_dir("llama4", attention_chunk_size=chunk)
+    facts = model_facts(AutoConfig.from_pretrained(path))
+    assert facts.layer_types == ("chunked_attention", "full_attention") * 2 and facts.measured_layers == (0, 1, 2, 3)
+    batch = _batch(AutoProcessor.from_pretrained(path), facts)
+    if transformers_forward_problem("llama4") is not None:
+        for attn in (None, "eager"):
+            with pytest.raises(AttributeError, match="image_outputs"):
+                _load(path, attn)(**batch)
+        return
+    res = measure_modality_attention(_load(path), **batch)
+    ref, _ = _eager_masses(path, batch)
+    got = torch.stack([res.image, res.prompt_text, res.completion, res.special], dim=-1)[:, res.layers]
+    err = (got.double() - ref).abs().max().item()
+    assert res.layers == [0, 1, 2, 3] and err < 1e-5, f"llama4: max |probe - eager| = {err:.2e}"
+    if chunk == 8:
+        assert (res.image[[0, 2]][:, [0, 2]] == 0).all() and (res.image[[0, 2]][:, [1, 3]] > 0).all()
+        assert res.image_blind_layers().tolist() == [2, 0, 2]
+    else:
+        assert (res.image[[0, 2]] > 0).all() and res.image_blind_layers().tolist() == [0, 0, 0]
+
+
+def test_llama4_training_is_refused_at_construction(tiny_vlm_dir, tmp_path):
+    """TRL 1.16's log-prob forward (its fused LM head) runs ``model.base_model`` and reads ``last_hidden_state``;
+    Llama4ForConditionalGeneration has no backbone module (its base_model_prefix "model" names no attribute, so
+    base_model is the model itself), so the first training step of TRL's own GRPOTrainer stops with AttributeError
+    (seen on transformers 5.23; on 5.24 its forward fails before that). The trainer refuses Llama 4 at construction,
+    by path and as an object, before TRL builds anything, naming the reason and the fix."""
+    from unittest import mock
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    from fixtures.testing import zen_image_dataset
+    from trl_mdi import MDIGRPOTrainer
+
+    path = str(tiny_vlm_dir("llama4"))
+    args = GRPOConfig(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2, num_generations=2)
+    for given in (path, AutoModelForImageTextToText.from_pretrained(path)):
+        with mock.patch.object(GRPOTrainer, "__init__", side_effect=AssertionError("TRL was built")):
+            with pytest.raises(ValueError, match=r"'llama4' cannot be trained with TRL 1\.16's GRPOTrainer: .*"
+                                                 r"last_hidden_state.* Fix: "):
+                MDIGRPOTrainer(given, reward_funcs=[lambda **k: []], args=args, train_dataset=zen_image_dataset(2))
+
+
+def test_gemma3n_shared_kv_layers_are_measured_exactly_window_included(tiny_vlm_dir):
+    """Gemma 3n's last layers share K/V: layers 2 (sliding) and 3 (full) compute no keys or values and attend with
+    those of the last earlier layer of their kind (0 and 1), each with its own query and its own kind's mask. The
+    probe measures every layer, shared ones included, equal to eager attention; with an 8-token window, smaller than
+    the prompt, the sliding layers (0 and the shared 2) show no generated token the image, the full ones (1 and the
+    shared 3) do."""
+    path = tiny_vlm_dir("gemma3n", sliding_window=8)
+    config = AutoConfig.from_pretrained(path)
+    assert config.text_config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    facts = model_facts(config)
+    assert facts.layer_types == ("sliding_attention", "full_attention") * 2 and facts.measured_layers == (0, 1, 2, 3)
+    model = _load(path)
+    assert [hasattr(layer.self_attn, "k_proj") for layer in model.model.language_model.layers] == [True, True, False,
+                                                                                                    False]
+    batch = _batch(AutoProcessor.from_pretrained(path), facts)
+    res = measure_modality_attention(model, **batch)
+    ref, _ = _eager_masses(path, batch)
+    got = torch.stack([res.image, res.prompt_text, res.completion, res.special], dim=-1)[:, res.layers]
+    err = (got.double() - ref).abs().max().item()
+    assert res.layers == [0, 1, 2, 3] and err < 1e-5, f"gemma3n: max |probe - eager| = {err:.2e}"
+    assert (res.image[[0, 2]][:, [0, 2]] == 0).all() and (res.image[[0, 2]][:, [1, 3]] > 0).all()
+    assert res.image_blind_layers().tolist() == [2, 0, 2]

@@ -46,7 +46,12 @@ EXPECTED |= {  # issue 45: the families users train first
     # 2 x 2 tiles + a global view, 4 tokens each (the processor also counts <|START_OF_IMG|>, <|END_OF_IMG|>,
     # TILE_GLOBAL and the four TILE_<i> labels: 27).
     "aya_vision": ("AyaVisionForConditionalGeneration", "AyaVisionProcessor", "<|IMG_PATCH|>", 20),
+    # MobileNet-v5's fusion adapter set to a 2 x 2 grid, between <start_of_image> and <end_of_image>.
+    "gemma3n": ("Gemma3nForConditionalGeneration", "Gemma3nProcessor", "<image_soft_token>", 4),
 }
+# Gemma 3n's timm tower is the real MobileNet-v5 at full depth, and timm fixes its adapter's output at 2048 channels:
+# about 4.1M parameters (fixtures/tiny/gemma3n_family.py says why it cannot be shallower).
+MAX_PARAMETERS = {"gemma3n": 5_000_000}
 # Gemma 2's soft-capped attention (PaliGemma 2's decoder) has no SDPA kernel: transformers loads it eager.
 ATTN_IMPLEMENTATION = {"paligemma": "eager"}
 # Tokens the processor counts per image besides the placeholder (InternVL: <img> and </img>; Mistral 3: its row
@@ -76,6 +81,7 @@ TEMPLATE_MARKS |= {
     "lfm2_vl": ("<|startoftext|><|im_start|>user\n<image>What", "<|im_end|>\n<|im_start|>assistant\n"),
     # No roles: the images, then the text (the processor adds <bos> after the last image and the closing newline).
     "paligemma": ("<image>What colour", "circle?"),
+    "gemma3n": ("<bos><start_of_turn>user\n<image_soft_token>What", "<end_of_turn>\n<start_of_turn>model\n"),
 }
 TEMPLATE_MARKS["glm4v_moe"] = TEMPLATE_MARKS["glm4v"]  # GLM-4.1V's template (chat_templates/SOURCES.md)
 TEMPLATE_MARKS["aya_vision"] = ("<BOS_TOKEN><|START_OF_TURN_TOKEN|><|USER_TOKEN|><image>What",
@@ -108,7 +114,7 @@ def test_build_save_reload_batch_forward_generate(arch, tiny_vlm_dir):
     path = tiny_vlm_dir(arch)
     model, processor = _load(path)
     assert type(model).__name__ == model_cls and type(processor).__name__ == processor_cls
-    assert 100_000 < model.num_parameters() < 1_000_000
+    assert 100_000 < model.num_parameters() < MAX_PARAMETERS.get(arch, 1_000_000)
     assert model.num_parameters() == json.loads((path / "tiny_vlm.json").read_text())["num_params"]
     attn = model.config.get_text_config()._attn_implementation
     assert model.dtype == torch.float32 and attn == ATTN_IMPLEMENTATION.get(arch, "sdpa")
@@ -409,8 +415,8 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
 @pytest.mark.parametrize(
     ("arch", "overrides", "message"),
     [
-        ("qwen2_5_vl", {"full_attention_interval": 2}, "to qwen3_5, gemma3, qwen3_5_moe, gemma4, lfm2_vl, paligemma and aya_vision only"),
-        ("qwen3_5", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4, paligemma and aya_vision only"),
+        ("qwen2_5_vl", {"full_attention_interval": 2}, "to qwen3_5, gemma3, qwen3_5_moe, gemma4, lfm2_vl, paligemma, aya_vision, gemma3n and llama4 only"),
+        ("qwen3_5", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4, paligemma, aya_vision and gemma3n only"),
         ("qwen3_5", {"full_attention_interval": 0}, "positive integer"),
         ("gemma3", {"sliding_window": -1}, "positive integer"),
         ("gemma3", {"image_size": 40}, "pooling"),
@@ -419,7 +425,7 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
         ("qwen3_5", {"image_size": 32}, r"image_size applies to gemma3, llava_next, idefics3, smolvlm\b.* only, not qwen3_5"),
         ("llava", {"image_size": 36}, "not a multiple of image_patch_size"),
         ("internvl", {"image_size": 24}, "pixel-shuffle"),
-        ("qwen3_5", {"num_experts": 4}, "apply to qwen3_5_moe, qwen3_vl_moe and glm4v_moe only"),
+        ("qwen3_5", {"num_experts": 4}, "apply to qwen3_5_moe, qwen3_vl_moe, glm4v_moe and llama4 only"),
         ("qwen3_5_moe", {"num_experts_per_tok": 5}, "exceeds num_experts 4"),
         ("qwen3_5_moe", {"image_patch_size": 8}, "image_patch_size applies to"),
         ("gemma4", {"image_size": 64}, "set image_patch_size instead"),
@@ -431,7 +437,12 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
         ("glm4v", {"image_size": 32}, "set min_pixels/max_pixels instead"),
         ("qwen3_vl_moe", {"num_experts_per_tok": 5}, "exceeds num_experts 4"),
         ("lfm2_vl", {"image_size": 32}, "set image_patch_size instead"),
-        ("lfm2_vl", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4, paligemma and aya_vision only"),
+        ("qwen2_5_vl", {"attention_chunk_size": 8}, "attention_chunk_size applies to llama4 only"),
+        ("llama4", {"image_patch_size": 3}, "16-pixel tile must be image_patch_size 3 times a multiple"),
+        ("llama4", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4, paligemma, aya_vision and gemma3n only"),
+        ("gemma3n", {"image_size": 32}, "gemma3n takes no image knob"),
+        ("gemma3n", {"attention_chunk_size": 8}, "attention_chunk_size applies to llama4 only"),
+        ("lfm2_vl", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4, paligemma, aya_vision and gemma3n only"),
         ("paligemma", {"image_size": 40}, "not a multiple of image_patch_size"),
     ],
 )
@@ -479,3 +490,36 @@ def test_aya_vision_tiles_and_layers(tiny_vlm_dir):
             assert torch.isfinite(model(**inputs).logits).all()
     assert image_token_grids(processor, [_image(56)]) is None
 
+
+def test_llama4_builds_with_its_processor_template_and_layer_kinds(tiny_vlm_dir):
+    """Llama 4 (build-only: the trainer refuses it, tests/test_families.py): the saved folder reloads as the real
+    classes; the instruct template renders; the processor expands <|image|> into one tile's 2 x 2 pixel-shuffled
+    <|patch|> tokens (the model's image token) between <|image_start|><|image|> and <|image_end|>, with bfloat16 pixels;
+    RoPE layers attend in chunks, every second layer is a global NoPE layer, and MoE alternates with dense MLPs."""
+    from trl_mdi.batch import image_fields_for_model
+
+    model, processor = _load(tiny_vlm_dir("llama4"))
+    assert type(model).__name__ == "Llama4ForConditionalGeneration" and type(processor).__name__ == "Llama4Processor"
+    assert 100_000 < model.num_parameters() < 1_000_000
+    text = model.config.text_config
+    assert text.layer_types == ["chunked_attention", "full_attention"] * 2 and text.no_rope_layers == [1, 0, 1, 0]
+    assert text.attention_chunk_size == 512 and text.moe_layers == [1, 3]
+    assert [type(layer.feed_forward).__name__ for layer in model.language_model.model.layers] == [
+        "Llama4TextMLP", "Llama4TextMoe"] * 2
+    rendered = processor.apply_chat_template(_messages(True), add_generation_prompt=True)
+    assert rendered.startswith("<|begin_of_text|><|header_start|>system<|header_end|>\n\n" + SYSTEM_PROMPT)
+    assert rendered.endswith(f"<|image|>{QUESTION}<|eot|><|header_start|>assistant<|header_end|>\n\n")
+    inputs = processor(text=[rendered], images=[[_image(56)]], return_tensors="pt")
+    tokens = processor.tokenizer.convert_ids_to_tokens(inputs["input_ids"][0].tolist())
+    start = tokens.index("<|image_start|>")
+    assert tokens[start:start + 7] == ["<|image_start|>", "<|image|>", *["<|patch|>"] * 4, "<|image_end|>"]
+    assert model.config.image_token_id == processor.tokenizer.convert_tokens_to_ids("<|patch|>")
+    assert inputs["pixel_values"].dtype == torch.bfloat16 and inputs["pixel_values"].shape == (1, 3, 16, 16)
+    # TRL's unbatched encoding: one bfloat16 tile stack per image, concatenated and cast as the model takes them.
+    fields = processor.apply_chat_template([[{"role": "user", "content": [{"type": "image", "image": _image(56)}]}]] * 2,
+                                           add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert isinstance(fields["pixel_values"], list) and len(fields["pixel_values"]) == 2
+    pixels = image_fields_for_model(fields, processor, torch.float32)["pixel_values"]
+    assert pixels.dtype == torch.float32 and pixels.shape == (2, 3, 16, 16)
+    features = model.get_image_features(pixels).last_hidden_state  # the vision tower runs on every transformers
+    assert features.shape[:2] == (2, 4) and torch.isfinite(features).all()

@@ -27,6 +27,8 @@ from trl_mdi import MDIGRPOTrainer
 # features of the second-to-last CLIP layer, so the last layer and post_layernorm never get a gradient).
 VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "model.vision_model.", "model.visual.",
                    "model.image_newline", "model.connector.")
+# Gemma 3n: its vision embedder (whose hard-token table no prompt uses), and its audio tower and embedder (no audio).
+VISION_PREFIXES += ("model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 
 
 def spread_reward(completions, **kwargs):

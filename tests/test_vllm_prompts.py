@@ -153,3 +153,16 @@ def test_the_trainer_hands_the_engine_collapsed_ids_and_keeps_its_own(processors
         assert trl.call_args.args == (sent, ["imgs"], {"f": 1}, 4)  # the rest as TRL passed it
         assert trainer.vllm_generation.llm.llm_engine.reset_encoder_cache.call_count == resets, (args, step)
     assert ids == [[1, token, token, token, 2], [3, 4]]  # TRL's own list untouched
+
+
+def test_llama4_colocate_mode_is_refused(processors):
+    """Llama 4's processor writes <|image_start|>, the <|image|> marker and <|image_end|> around each run of <|patch|>
+    (the model's image token): collapsing the run is not exact, so colocate mode is refused at construction. Run on
+    every transformers, also where Llama 4 is no TINY_ARCHS family (transformers 5.24: its forward fails, and the
+    trainer refuses it before this check)."""
+    processor, facts = processors("llama4")
+    assert facts.image_token_ids[0] == processor.tokenizer.convert_tokens_to_ids("<|patch|>")
+    problem = collapse_problem(processor, facts.image_token_ids[0])
+    assert problem is not None and "more than a run of one token" in problem
+    with pytest.raises(ValueError, match=r"'llama4'.*huggingface/trl#6294.*use_vllm=False"):
+        check_vllm_prompts(vllm_args(), processor, facts)

@@ -8,6 +8,8 @@ multimodal field passed through. This module is that layout, once:
 
 - :func:`encode_prompts` renders and encodes conversational prompts the way TRL's ``_tokenize_prompts`` does
   (same return shape), for callers that have no TRL encoding to reuse;
+- :func:`image_fields_for_model` gives the processor's image fields the layout and dtype the model's forward takes
+  (Llama 4: per-image tile stacks concatenated, bfloat16 pixels cast to the model's dtype);
 - :func:`multimodal_tensors` turns the processor's multimodal fields into tensors by TRL's generation rule;
 - :func:`policy_batch` pads and concatenates: the one place the layout is decided;
 - :func:`check_counterfactual_encodes` tries, before any batch runs, that the processor encodes a counterfactual
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .attention.model_facts import ModelFacts, processor_for_trl
+from .attention.model_facts import TILE_STACK_FIELDS, ModelFacts, processor_for_trl
 from .counterfactual import NO_IMAGE, counterfactual_prompts
 
 # Multimodal keys of a processor's output that TRL's log-prob forward takes (its keyword arguments), by kind:
@@ -234,11 +236,46 @@ def tile_counts(processing_class, images: list[list] | None, multimodal: dict[st
     return [int(group.sum()) for group in torch.split(torch.as_tensor(patches), num_images)]
 
 
+PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
+"""The image fields holding pixels, cast to the model's dtype by :func:`image_fields_for_model`."""
+
+
+def image_fields_for_model(fields: dict[str, Any], processing_class,
+                           dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The multimodal ``fields`` of ``processing_class`` as the model's forward takes them; every other field is kept.
+
+    - The fields ``TILE_STACK_FIELDS`` names for the processor's class (Llama 4's ``pixel_values``: a list with one
+      ``(tiles, C, H, W)`` stack per image when the processor is called without ``return_tensors``, as TRL 1.16 calls
+      it) are concatenated into one tensor, what the processor returns with ``return_tensors="pt"``. TRL's generation
+      rule would stack the list into a 5-D tensor (``np.array``), which the vision tower rejects.
+    - Floating pixel tensors (``PIXEL_KEYS``) are cast to ``dtype`` (the model's) when given: Llama 4's image
+      processor normalises in bfloat16 whatever the model's dtype, and its vision tower does not cast its input, so a
+      float32 model stops on "expected m1 and m2 to have the same dtype" (under stock TRL too).
+
+    >>> class Llama4Processor: ...
+    >>> fields = {"pixel_values": [torch.zeros(1, 3, 2, 2, dtype=torch.bfloat16)] * 2, "token_type_ids": [[0, 1]]}
+    >>> out = image_fields_for_model(fields, Llama4Processor(), torch.float32)
+    >>> tuple(out["pixel_values"].shape), out["pixel_values"].dtype, out["token_type_ids"]
+    ((2, 3, 2, 2), torch.float32, [[0, 1]])
+    """
+    out = dict(fields)
+    for key in TILE_STACK_FIELDS.get(type(processing_class).__name__, ()):
+        value = out.get(key)
+        if isinstance(value, (list, tuple)) and value and all(torch.is_tensor(v) for v in value):
+            out[key] = torch.cat(list(value))
+    for key in PIXEL_KEYS:
+        value = out.get(key)
+        if dtype is not None and torch.is_tensor(value) and value.is_floating_point() and value.dtype != dtype:
+            out[key] = value.to(dtype)
+    return out
+
+
 def encode_prompts(processing_class, prompts: list, images: list[list] | None = None,
                    chat_template_kwargs: dict | None = None, chat_template: str | None = None,
-                   facts: ModelFacts | None = None):
+                   facts: ModelFacts | None = None, dtype: torch.dtype | None = None):
     """``(prompt_ids, multimodal_fields)`` of conversational prompts, as TRL 1.16's ``_tokenize_prompts`` returns them
-    (as the trainer's override does: a processor's ``labels`` left out).
+    (as the trainer's override does: a processor's ``labels`` left out, the image fields laid out and cast to
+    ``dtype``, the model's, by :func:`image_fields_for_model`).
 
     ``prompts`` are chat messages; ``images`` (one list per row) are inserted into each first user turn the way
     GRPOTrainer inserts them (``prepare_multimodal_messages``). The chat template adds the generation prompt. Given
@@ -264,7 +301,7 @@ def encode_prompts(processing_class, prompts: list, images: list[list] | None = 
         ids, _, fields = merge_prompt_encodings([encode([p]) for p in prompts])
     else:
         ids, _, fields = encode(prompts)
-    return ids, fields
+    return ids, image_fields_for_model(fields, processing_class, dtype)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

@@ -36,6 +36,7 @@ from .attention import metrics as M
 from .attention.model_facts import (
     ModelFacts,
     attention_implementation,
+    check_trainable,
     check_zero3_loading,
     check_zero3_training,
     image_token_problem,
@@ -280,6 +281,7 @@ def plan_run(model: Any, processing_class, reward_funcs: Any, args, columns: dic
     if problem:
         raise ValueError(problem)
     facts = model_facts(config, processing_class)
+    check_trainable(facts.model_type)  # first: nothing else matters for a family that cannot train
     check_zero3_loading(model, facts.model_type, is_deepspeed_zero3_enabled())
     check_zero3_training(facts.model_type, is_deepspeed_zero3_enabled())
     check_vllm_prompts(args, processing_class, facts)  # before vLLM's engine starts

@@ -49,6 +49,13 @@ UNPADDED_BATCH_PROBLEMS = {
 # log-prob forward would let every completion token attend to the ones after it.
 COMPLETION_TOKEN_TYPE = {"paligemma": 1}
 
+# Processors that, called without return_tensors (as TRL 1.16's _tokenize_prompts calls them), return an image field as
+# a list of per-image tile stacks, (tiles, C, H, W) each, that the model takes concatenated along the first axis (what
+# the processor returns with return_tensors="pt"): {processor class name: field names}. Keyed by the processor, which
+# every caller has (a test batch has no config). TRL's generation rule (np.array of the list) would stack them into a
+# 5-D tensor the vision tower rejects; Llama 4's stacks are bfloat16, which numpy refuses before that.
+TILE_STACK_FIELDS = {"Llama4Processor": ("pixel_values",)}
+
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -570,3 +577,73 @@ def check_zero3_training(model_type: str, zero3: bool) -> None:
         f"{model_type!r} cannot train under DeepSpeed ZeRO-3: {problem}. Fix: train it with ZeRO-2 "
         "(accelerate_configs/deepspeed_zero2.yaml) or DDP (accelerate_configs/multi_gpu.yaml), which keep every weight "
         "whole on each process.")
+
+
+TRANSFORMERS_FORWARD_PROBLEMS = {
+    "llama4": (
+        "5.24.0",
+        "its Llama4ForConditionalGeneration.forward builds its output from `outputs.image_outputs`, which the output "
+        "of its language model (MoeCausalLMOutputWithPast) does not have, so every forward stops with AttributeError "
+        "after computing the logits: generation and TRL's log-prob forward alike, with or without an image "
+        "(transformers 5.23 runs it, and there the probe is exact; 5.17 builds the output as 5.23 does)"),
+}
+"""Families whose every forward fails from a transformers release on (no later release is known to fix them):
+{model_type: (first failing version, what fails)}. tests/test_families.py checks each entry against the installed
+transformers: the refusal fires exactly where the tiny model's forward really fails."""
+
+
+def transformers_forward_problem(model_type: str, version: str | None = None) -> str | None:
+    """Why the family cannot run a forward on transformers ``version`` (default: the installed one), else None.
+
+    >>> transformers_forward_problem("llama4", "5.23.0") is None
+    True
+    >>> transformers_forward_problem("llama4", "5.24.0").startswith("its Llama4ForConditionalGeneration.forward")
+    True
+    >>> transformers_forward_problem("qwen2_5_vl", "5.24.0") is None
+    True
+    """
+    entry = TRANSFORMERS_FORWARD_PROBLEMS.get(model_type)
+    if entry is None:
+        return None
+    from packaging.version import Version
+
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    first, problem = entry
+    return problem if Version(version) >= Version(first) else None
+
+
+TRAINING_PROBLEMS = {
+    "llama4": (
+        "its log-prob forward (the fused LM head TRL adds to the model) runs model.base_model and reads its "
+        "last_hidden_state, but Llama4ForConditionalGeneration has no backbone module (its base_model_prefix \"model\" "
+        "names no attribute, so base_model is the model itself, whose output has logits and no last_hidden_state): "
+        "the first training step stops with \"AttributeError: 'Llama4CausalLMOutputWithPast' object has no attribute "
+        "'last_hidden_state'\". TRL's own GRPOTrainer stops earlier, at its first generation: it turns the processor's "
+        "bfloat16 per-image tile stacks into a tensor through numpy (\"Got unsupported ScalarType BFloat16\")"),
+}
+"""Families TRL's GRPOTrainer cannot train whatever the run's settings, and why: {model_type: reason}."""
+
+
+def check_trainable(model_type: str) -> None:
+    """ValueError at construction for a family in ``TRAINING_PROBLEMS`` (naming, where the installed transformers
+    cannot run its forward either, that reason too: ``TRANSFORMERS_FORWARD_PROBLEMS``), with the fix, before TRL
+    builds anything: not an AttributeError at the first step.
+
+    >>> check_trainable("qwen2_5_vl")
+    """
+    problem = TRAINING_PROBLEMS.get(model_type)
+    if problem is None:
+        return
+    import transformers
+
+    forward = transformers_forward_problem(model_type)
+    also = f". On transformers {transformers.__version__} it cannot even run a forward: {forward}" if forward else ""
+    first = TRANSFORMERS_FORWARD_PROBLEMS.get(model_type, (None,))[0]
+    measure = (f"measure it without training (trl_mdi.attention.measure_modality_attention, exact on transformers "
+               f"< {first})" if first else "measure it without training (trl_mdi.attention.measure_modality_attention)")
+    raise ValueError(
+        f"{model_type!r} cannot be trained with TRL 1.16's GRPOTrainer: {problem}{also}. Fix: none within trl_mdi; "
+        f"{measure}, and train it once a TRL release's fused LM head reaches its language model.")

@@ -9,7 +9,7 @@ its token grid. The grid is known for these layouts (:func:`image_token_grids`):
   ``merge_size`` into a ``(gh / merge, gw / merge)`` grid (:func:`token_grid_hw`): any size and aspect ratio.
 - Gemma 3 without pan-and-scan: every image is resized to one square and pooled to ``image_seq_length`` tokens, a
   ``sqrt(n) x sqrt(n)`` grid (the projector average-pools the vision tower's row-major patch grid). PaliGemma alike,
-  every SigLIP patch one token.
+  every SigLIP patch one token; Gemma 3n alike, MobileNet-v5's fusion adapter output flattened row-major.
 - LLaVA 1.5 (``LlavaProcessor``): a centre-cropped square, ``crop / patch`` tokens a side (the projector maps the
   CLIP patch grid token by token); square images only, since the crop hides the rest of any other.
 - Mistral 3 (``PixtralProcessor``): each image is resized to multiples of ``patch_size * spatial_merge_size`` pixels
@@ -255,8 +255,9 @@ def render_image_maps(images: Sequence[Image.Image], masses_per_image: Sequence[
 # What a map is drawn from
 # ---------------------------------------------------------------------------------------------------
 # Processors that resize every image to one square and write ``image_seq_length`` tokens, a row-major grid: Gemma 3
-# (pooled patches; without pan-and-scan) and PaliGemma (every SigLIP patch a token).
-_SQUARE_GRID_PROCESSORS = ("Gemma3Processor", "PaliGemmaProcessor")
+# (pooled patches; without pan-and-scan), PaliGemma (every SigLIP patch a token) and Gemma 3n (MobileNet-v5's fusion
+# adapter output, (C, h, w) flattened over h * w).
+_SQUARE_GRID_PROCESSORS = ("Gemma3Processor", "PaliGemmaProcessor", "Gemma3nProcessor")
 
 
 def image_token_grids(processing_class, images: list) -> list[tuple[int, int]] | None:
