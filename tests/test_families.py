@@ -222,7 +222,7 @@ def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3",
-                                  "llava", "glm4v", "qwen3_vl_moe", "mistral3", "lfm2_vl", "paligemma"])
+                                  "llava", "glm4v", "qwen3_vl_moe", "mistral3", "lfm2_vl", "paligemma", "ovis2"])
 def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     """The attention maps of a two-image row (images of different sizes): the probe's per-image-token masses equal
     eager attention weights token by token, and the per-image split the maps use (each image's token grid) cuts
@@ -269,7 +269,8 @@ def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
         assert len(runs) == 1
         runs = torch.split(img_pos, [h * w for h, w in grids])
     assert [p.shape[1] for p in parts] == [len(r) for r in runs] == [h * w for h, w in grids]
-    if arch not in ("gemma3", "llava", "paligemma"):  # Qwen grids follow the size; Gemma 3, LLaVA, PaliGemma: a square
+    # Qwen grids follow the size; Gemma 3, LLaVA, PaliGemma and Ovis2 (one view, crop_to_patches=False): a square.
+    if arch not in ("gemma3", "llava", "paligemma", "ovis2"):
         assert parts[0].shape[1] != parts[1].shape[1]
     # What the live log draws: one entry per image, its masses from its own run, shares adding up to 1.
     (record,) = attention_map_records(res, [images, [shape_image(56, 3)]], [0], "thirds", processor)
@@ -299,7 +300,8 @@ def test_families_without_a_plain_token_grid_get_no_map(tiny_vlm_dir, arch):
 
 @pytest.mark.parametrize("arch, markers", [("glm4v", ("<|begin_of_image|>", "<|end_of_image|>")),
                                            ("mistral3", ("[IMG_BREAK]", "[IMG_END]")),
-                                           ("lfm2_vl", ("<|image_start|>", "<|image_end|>"))])
+                                           ("lfm2_vl", ("<|image_start|>", "<|image_end|>")),
+                                           ("ovis2", ("<IMG_START>", "<IMG_END>"))])
 def test_tokens_around_and_inside_an_image_run_are_text_keys(tiny_vlm_dir, arch, markers):
     """GLM-4.1V's begin / end-of-image tokens around its M-RoPE run and Pixtral's row-break / end tokens inside the run
     are facts of the model (``ModelFacts.image_marker_ids``), never image keys: the image group is exactly the
@@ -414,6 +416,36 @@ def test_paligemma_trains_as_it_generates_and_refuses_text_only_prompts(tiny_vlm
     with pytest.raises(ValueError, match=r"'paligemma' cannot take a prompt without an image .*PaliGemmaProcessor "
                                          r"refuses a batch without images"):
         trainer.train()
+
+
+def test_ovis2_with_crops_is_refused_at_construction_with_the_fix(tiny_vlm_dir, tmp_path):
+    """Ovis2 with the converted checkpoints' crop_to_patches=True: TRL 1.16 recounts a cropped image's crops with
+    image_processor(...)["num_patches"], which Ovis2's image processor does not return (seen: KeyError inside TRL's
+    _generate_and_score_completions), so the trainer refuses that setting before TRL builds anything, naming the fix;
+    with the fix (the tiny model's own setting) the same trainer builds."""
+    from unittest import mock
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    from fixtures.testing import zen_image_dataset
+    from trl_mdi import MDIGRPOTrainer
+
+    path = str(tiny_vlm_dir("ovis2"))
+    processor = AutoProcessor.from_pretrained(path)
+    assert processor.image_processor.crop_to_patches is False
+    with pytest.raises(KeyError, match="num_patches"):  # what TRL 1.16 runs on a batch with a cropped image
+        processor.image_processor.crop_to_patches = True
+        processor.image_processor(images=[shape_image(84, 1)], crop_to_patches=True, return_tensors="pt")["num_patches"]
+    args = GRPOConfig(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2, num_generations=2)
+    with mock.patch.object(GRPOTrainer, "__init__", side_effect=AssertionError("TRL was built")):
+        with pytest.raises(ValueError, match=r"'ovis2' cannot train with its image processor's crop_to_patches=True.*"
+                                             r"KeyError: 'num_patches'.*Fix: processor.image_processor.crop_to_patches"
+                                             r" = False"):
+            MDIGRPOTrainer(path, processing_class=processor, reward_funcs=[lambda **k: []], args=args,
+                           train_dataset=zen_image_dataset(2))
+    processor.image_processor.crop_to_patches = False
+    MDIGRPOTrainer(path, processing_class=processor, reward_funcs=[lambda **k: [0.0] * len(k["prompts"])], args=args,
+                   train_dataset=zen_image_dataset(2))
 
 
 def test_llava_maps_only_square_images(tiny_vlm_dir):

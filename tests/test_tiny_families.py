@@ -42,6 +42,8 @@ EXPECTED |= {
 EXPECTED |= {  # issue 45: the families users train first
     "lfm2_vl": ("Lfm2VlForConditionalGeneration", "Lfm2VlProcessor", "<image>", 4),  # 2 x 2, in <|image_start|> ... <|image_end|>
     "paligemma": ("PaliGemmaForConditionalGeneration", "PaliGemmaProcessor", "<image>", 4),  # 2 x 2 SigLIP patches
+    # 4 x 4 ViT patches folded 2 x 2, in <IMG_START> ... <IMG_GRID> <IMG_END>
+    "ovis2": ("Ovis2ForConditionalGeneration", "Ovis2Processor", "<IMG_ATOM>", 4),
 }
 # Gemma 2's soft-capped attention (PaliGemma 2's decoder) has no SDPA kernel: transformers loads it eager.
 ATTN_IMPLEMENTATION = {"paligemma": "eager"}
@@ -72,6 +74,8 @@ TEMPLATE_MARKS |= {
     "lfm2_vl": ("<|startoftext|><|im_start|>user\n<image>What", "<|im_end|>\n<|im_start|>assistant\n"),
     # No roles: the images, then the text (the processor adds <bos> after the last image and the closing newline).
     "paligemma": ("<image>What colour", "circle?"),
+    # The converted checkpoints' template: a fixed system turn first, then ChatML with "<image>\n" per image.
+    "ovis2": ("<|im_start|>user\n<image>\nWhat", "<|im_end|>\n<|im_start|>assistant\n"),
 }
 QUESTION = "What colour is the circle?"
 
@@ -362,6 +366,46 @@ def test_paligemma_prefix_is_bidirectional_and_its_suffix_causal(tiny_vlm_dir):
     assert not torch.allclose(logits(ids, 0)[n], logits(changed_last, 0)[n])
 
 
+def test_ovis2_visual_tokenizer_indicator_tokens_and_crops(tiny_vlm_dir):
+    """Ovis2's layout: each image token's embedding is a softmax over the visual vocabulary times the visual embedding
+    table; the processor writes <IMG_START>, the atoms, <IMG_GRID>, <IMG_END>, whose embeddings are the table's last
+    rows, the same for every image (text keys, ``ModelFacts.image_marker_ids``). The tiny model keeps one view per
+    image (``crop_to_patches=False``, what the trainer requires under TRL 1.16); with the converted checkpoints'
+    ``crop_to_patches=True`` a larger image becomes a thumbnail plus crops, and gets no map."""
+    from trl_mdi.diagnostics.maps import image_token_grids
+
+    model, processor = _load(tiny_vlm_dir("ovis2"))
+    tok = processor.tokenizer
+    vision = model.config.vision_config
+    assert (vision.hidden_stride, vision.vocab_size, vision.tokenize_function) == (2, 64, "softmax")
+    indicators = ["<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"]
+    assert list(model.config.visual_indicator_token_ids) == tok.convert_tokens_to_ids(indicators)
+    facts = model_facts(model.config, processor)
+    assert set(model.config.visual_indicator_token_ids) <= set(facts.image_marker_ids)
+    assert facts.image_token_ids == (tok.convert_tokens_to_ids("<IMG_ATOM>"),)
+    assert "<image>" not in tok.get_vocab() and processor.image_token_id is None  # as the real tokenizer: text only
+    text = processor.apply_chat_template(_messages(False), add_generation_prompt=True)
+    inputs = processor(text=[text], images=[[_image(56)]], return_tensors="pt")
+    tokens = tok.convert_ids_to_tokens(inputs["input_ids"][0].tolist())
+    start = tokens.index("<IMG_START>")
+    assert tokens[start: start + 7] == ["<IMG_START>", *["<IMG_ATOM>"] * 4, "<IMG_GRID>", "<IMG_END>"]
+    with torch.no_grad():  # the atoms' embeddings are probability-weighted rows of the visual table
+        features = model.model.get_image_features(pixel_values=inputs["pixel_values"])
+        table = model.model.visual_embeddings_table.weight
+        assert features.pooler_output.shape == (1, 4, model.config.hidden_size)
+        torch.testing.assert_close(features.visual_indicator_features, table[-5:])
+    assert image_token_grids(processor, [_image(56), Image.new("RGB", (112, 56))]) == [(2, 2), (2, 2)]
+    processor.image_processor.crop_to_patches = True  # the converted checkpoints' setting
+    inputs = processor(text=[text], images=[[_image(84)]], return_tensors="pt")
+    tokens = tok.convert_ids_to_tokens(inputs["input_ids"][0].tolist())
+    assert inputs["pixel_values"].shape[0] == 5 and tokens.count("<IMG_ATOM>") == 5 * 4  # thumbnail + 2 x 2 crops
+    assert tokens.count("<IMG_COL>") == 2 and tokens.count("<IMG_ROW>") == 1
+    with torch.no_grad():
+        assert torch.isfinite(model(**inputs).logits).all()
+    assert image_token_grids(processor, [_image(56)]) == [(2, 2)]  # covered by the square: one view
+    assert image_token_grids(processor, [_image(56), _image(84)]) is None
+
+
 @pytest.mark.parametrize(
     ("arch", "softmax_layers"), [("qwen3_5_moe", [1, 3]), ("gemma4", [0, 1, 2, 3]), ("qwen3_5", [1, 3])]
 )
@@ -426,6 +470,7 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
         ("lfm2_vl", {"image_size": 32}, "set image_patch_size instead"),
         ("lfm2_vl", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4 and paligemma only"),
         ("paligemma", {"image_size": 40}, "not a multiple of image_patch_size"),
+        ("ovis2", {"image_size": 48}, "times a multiple of the hidden-stride factor 2"),
     ],
 )
 def test_invalid_family_requests_raise_value_error(arch, overrides, message):

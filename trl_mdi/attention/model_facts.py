@@ -139,6 +139,12 @@ IMAGE_MARKER_TOKEN_ATTRIBUTES = ("image_start_token", "image_end_token", "image_
 """Processor attributes naming such markers as token strings, looked up in its tokenizer: LFM2-VL's ``<|image_start|>``
 / ``<|image_end|>`` around each image and ``<|img_thumbnail|>`` before a tiled image's thumbnail. Text keys, as above."""
 
+IMAGE_MARKER_LIST_ATTRIBUTES = ("visual_indicator_token_ids",)
+"""Config attributes holding a list of such marker ids: Ovis2's five indicator tokens (``<IMG_START>``,
+``<IMG_GRID>``, ``<IMG_COL>``, ``<IMG_ROW>``, ``<IMG_END>``) around and between an image's crops. The model replaces
+their embeddings with rows of its visual embedding table, but fixed rows, the same for every image: they carry nothing
+of the picture, so they are text keys, as above."""
+
 _VISION_WORDS = frozenset({"vision", "visual", "vit", "img", "image"})
 
 
@@ -207,10 +213,11 @@ def find_image_token_ids(config, processor=None) -> tuple[tuple[int, ...], str |
 
 def _marker_ids(config, processor, image_ids) -> tuple[int, ...]:
     """The ids ``IMAGE_MARKER_ATTRIBUTES`` name on the config, then on the processor (Pixtral keeps its markers
-    there), then the tokens ``IMAGE_MARKER_TOKEN_ATTRIBUTES`` name on the processor (LFM2-VL), leaving out any that is
-    an image placeholder."""
+    there), then the config's lists (``IMAGE_MARKER_LIST_ATTRIBUTES``, Ovis2), then the tokens
+    ``IMAGE_MARKER_TOKEN_ATTRIBUTES`` name on the processor (LFM2-VL), leaving out any that is an image placeholder."""
     values = [getattr(source, name, None) for source in (config, processor) if source is not None
               for name in IMAGE_MARKER_ATTRIBUTES]
+    values += [v for name in IMAGE_MARKER_LIST_ATTRIBUTES for v in (getattr(config, name, None) or ())]
     tokenizer = getattr(processor, "tokenizer", None)
     vocab = tokenizer.get_vocab() if tokenizer is not None and hasattr(tokenizer, "get_vocab") else {}
     values += [vocab.get(getattr(processor, name, None)) for name in IMAGE_MARKER_TOKEN_ATTRIBUTES]
@@ -376,7 +383,8 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def processor_for_trl(processing_class):
-    """The processor as TRL 1.16's batched prompt tokenization needs it: text returned as unpadded lists.
+    """The processor as TRL 1.16's batched prompt tokenization needs it: text returned as unpadded lists, images as
+    tensors where the processor needs them to be (``IMAGE_TENSORS_FOR_TRL``: Ovis2).
 
     ``GRPOTrainer._tokenize_prompts`` renders and tokenizes a whole batch in one ``apply_chat_template`` call without
     padding, and expects lists of ids back. ``PixtralProcessor`` (Mistral 3) sets ``return_tensors="pt"`` as its text
@@ -395,14 +403,51 @@ def processor_for_trl(processing_class):
     >>> processor_for_trl(tok) is tok
     True
     """
-    defaults = getattr(processing_class, "text_kwargs", None)
-    if not isinstance(defaults, dict) or defaults.get("return_tensors") is None:
-        return processing_class
     import copy
 
+    defaults = getattr(processing_class, "text_kwargs", None)
+    text_tensors = isinstance(defaults, dict) and defaults.get("return_tensors") is not None
+    image_tensors = type(processing_class).__name__ in IMAGE_TENSORS_FOR_TRL
+    if not (text_tensors or image_tensors):
+        return processing_class
     fixed = copy.copy(processing_class)
-    fixed.text_kwargs = {k: v for k, v in defaults.items() if k != "return_tensors"}
+    if text_tensors:
+        fixed.text_kwargs = {k: v for k, v in defaults.items() if k != "return_tensors"}
+    if image_tensors:
+        fixed.images_kwargs = {**(getattr(processing_class, "images_kwargs", None) or {}), "return_tensors": "pt"}
     return fixed
+
+
+IMAGE_TENSORS_FOR_TRL = {
+    "Ovis2Processor": "its replace_image_token calls grids[i].tolist(), which fails on the plain lists its image "
+    "processor returns when no return_tensors is asked for (TRL 1.16's _tokenize_prompts asks for none: \"'list' object "
+    "has no attribute 'tolist'\"), and the model takes an image's crops as one (crops, 3, H, W) tensor",
+}
+"""Processors whose image outputs must be tensors even where TRL 1.16 asks for lists, and why: ``processor_for_trl``
+gives them ``images_kwargs={"return_tensors": "pt"}`` (text stays lists, as TRL needs it)."""
+
+
+def processor_setting_problem(processing_class) -> str | None:
+    """Why the processor's settings cannot train under TRL 1.16, naming the fix, or None.
+
+    Ovis2 with ``crop_to_patches=True`` (what transformers' converter saves for the Ovis2 -hf checkpoints): an image
+    larger than the processor's square becomes a thumbnail plus crops, several ``pixel_values`` entries for one image;
+    TRL 1.16's ``_generate_and_score_completions`` then recounts the crops per row with
+    ``image_processor(images, crop_to_patches=True)["num_patches"]`` (InternVL's key), which Ovis2's image processor
+    does not return, so the first such batch stops with ``KeyError: 'num_patches'`` inside TRL.
+
+    >>> processor_setting_problem(object()) is None
+    True
+    """
+    image_processor = getattr(processing_class, "image_processor", None)
+    if type(processing_class).__name__ == "Ovis2Processor" and getattr(image_processor, "crop_to_patches", False):
+        return ("'ovis2' cannot train with its image processor's crop_to_patches=True under TRL 1.16: an image larger "
+                "than its square becomes a thumbnail plus crops, and TRL's _generate_and_score_completions recounts "
+                "those crops with image_processor(...)['num_patches'], which Ovis2ImageProcessor does not return "
+                "(KeyError: 'num_patches' at the first such batch). Fix: processor.image_processor.crop_to_patches = "
+                "False (each image resized to the one square; the same input for an image the square covers) and pass "
+                "processing_class=processor")
+    return None
 
 
 
