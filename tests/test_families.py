@@ -448,6 +448,49 @@ def test_ovis2_with_crops_is_refused_at_construction_with_the_fix(tiny_vlm_dir, 
                    train_dataset=zen_image_dataset(2))
 
 
+def test_minicpmv4_6_is_measured_exactly_and_refused_by_the_trainer(tiny_vlm_dir, tmp_path):
+    """MiniCPM-V 4.6 (transformers 5.24): the probe equals eager attention on its full-attention layers, given the
+    processor's inputs (target_sizes with the batch's packed pixel_values); the trainer refuses the family at
+    construction, before TRL builds anything, because TRL 1.16's forwards cannot feed it (no target_sizes; the packed
+    images sliced per row). Stock GRPOTrainer on the same model stops at its first image batch (checked when this
+    refusal was written: "unexpected keyword argument 'crop_to_patches'")."""
+    from unittest import mock
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    from fixtures.testing import zen_image_dataset
+    from fixtures.tiny import TINY_ARCHS, UNTRAINED_TINY_ARCHS
+    from trl_mdi import MDIGRPOTrainer
+    from trl_mdi.batch import encode_prompts
+
+    assert "minicpmv4_6" in UNTRAINED_TINY_ARCHS and "minicpmv4_6" not in TINY_ARCHS
+    path = tiny_vlm_dir("minicpmv4_6")
+    processor = AutoProcessor.from_pretrained(path)
+    facts = model_facts(AutoConfig.from_pretrained(path), processor)
+    assert facts.measured_layers == (1, 3)  # Qwen3.5's decoder: linear, full, linear, full
+    batch = _batch(processor, facts)
+    assert "target_sizes" not in batch  # not among the inputs TRL's log-prob forward takes
+    prompts = ["What colour is the shape in the image? Answer with a letter.", "How many shapes?", "Shape?"]
+    _, fields = encode_prompts(processor, [[{"role": "user", "content": p}] for p in prompts],
+                               [[shape_image(56, 1)], [], [shape_image(56, 2)]])
+    assert batch["pixel_values"].shape[0] == 1 and fields["target_sizes"].shape[0] == 2  # one packed sequence
+    batch["target_sizes"] = fields["target_sizes"]
+    res = measure_modality_attention(_load(path), **batch)
+    ref, _ = _eager_masses(path, batch)
+    got = torch.stack([res.image, res.prompt_text, res.completion, res.special], dim=-1)[:, res.layers]
+    err = (got.double() - ref).abs().max().item()
+    assert res.layers == [1, 3] and err < 1e-5, f"minicpmv4_6: max |probe - eager| = {err:.2e}"
+    print(f"\nminicpmv4_6: max |probe - eager| = {err:.1e} over layers {res.layers}")
+    assert res.n_image.tolist() == [4, 0, 4]
+
+    args = GRPOConfig(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2, num_generations=2)
+    with mock.patch.object(GRPOTrainer, "__init__", side_effect=AssertionError("TRL was built")):
+        for model in (str(path), _load(path)):
+            with pytest.raises(ValueError, match=r"'minicpmv4_6' cannot be trained with TRL 1.16's GRPOTrainer.*"
+                                                 r"target_sizes.*newer than transformers 5.17"):
+                MDIGRPOTrainer(model, reward_funcs=[lambda **k: []], args=args, train_dataset=zen_image_dataset(2))
+
+
 def test_llava_maps_only_square_images(tiny_vlm_dir):
     """LLaVA 1.5's image processor centre-crops a square, so a non-square image's token grid covers only its middle:
     no map rather than one drawn over the whole image."""

@@ -406,6 +406,31 @@ def test_ovis2_visual_tokenizer_indicator_tokens_and_crops(tiny_vlm_dir):
     assert image_token_grids(processor, [_image(56), _image(84)]) is None
 
 
+def test_minicpmv4_6_builds_offline_from_the_cli_and_lays_out_its_images(tmp_path):
+    """MiniCPM-V 4.6, built but not trained (``UNTRAINED_TINY_ARCHS``): ``python -m fixtures.tiny --arch minicpmv4_6``
+    writes a folder the Auto classes reload; an image within the square is <image_id>N</image_id>, <image>, four
+    <|image_pad|>, </image>; a larger one adds slices; all images of a batch are one packed pixel_values sequence
+    with one target_sizes row per view."""
+    assert tiny.main(["--arch", "minicpmv4_6", "--out", str(tmp_path / "m")]) == 0
+    model, processor = _load(tmp_path / "m")
+    assert type(model).__name__ == "MiniCPMV4_6ForConditionalGeneration"
+    assert type(processor).__name__ == "MiniCPMV4_6Processor" and 100_000 < model.num_parameters() < 1_000_000
+    assert model.config.text_config.layer_types == ["linear_attention", "full_attention"] * 2
+    tok = processor.tokenizer
+    assert model.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+    text = processor.apply_chat_template(_messages(False), add_generation_prompt=True)
+    assert "<|vision_start|><|image_pad|><|vision_end|>What" in text
+    inputs = processor(text=[text, text], images=[[_image(56)], [_image(224)]])
+    tokens = [tok.convert_ids_to_tokens(row.tolist()) for row in inputs["input_ids"]]
+    start = tokens[0].index("<image_id>")
+    assert tokens[0][start: start + 9] == ["<image_id>", "0", "</image_id>", "<image>", *["<|image_pad|>"] * 4,
+                                           "</image>"]
+    assert tokens[1].count("<slice>") == 4 and tokens[1].count("<|image_pad|>") == 5 * 4  # the view + 2 x 2 slices
+    assert inputs["pixel_values"].shape[0] == 1 and inputs["target_sizes"].shape[0] == 1 + 5
+    with torch.no_grad():
+        assert torch.isfinite(model(**inputs).logits).all()
+
+
 @pytest.mark.parametrize(
     ("arch", "softmax_layers"), [("qwen3_5_moe", [1, 3]), ("gemma4", [0, 1, 2, 3]), ("qwen3_5", [1, 3])]
 )
@@ -446,7 +471,7 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
 @pytest.mark.parametrize(
     ("arch", "overrides", "message"),
     [
-        ("qwen2_5_vl", {"full_attention_interval": 2}, "to qwen3_5, gemma3, qwen3_5_moe, gemma4, lfm2_vl and paligemma only"),
+        ("qwen2_5_vl", {"full_attention_interval": 2}, "to qwen3_5, gemma3, qwen3_5_moe, gemma4, lfm2_vl, paligemma and minicpmv4_6 only"),
         ("qwen3_5", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4 and paligemma only"),
         ("qwen3_5", {"full_attention_interval": 0}, "positive integer"),
         ("gemma3", {"sliding_window": -1}, "positive integer"),

@@ -36,6 +36,7 @@ from .attention import metrics as M
 from .attention.model_facts import (
     ModelFacts,
     attention_implementation,
+    check_trl_training,
     check_zero3_loading,
     check_zero3_training,
     image_token_problem,
@@ -281,6 +282,7 @@ def plan_run(model: Any, processing_class, reward_funcs: Any, args, columns: dic
     if problem:
         raise ValueError(problem)
     facts = model_facts(config, processing_class)
+    check_trl_training(facts.model_type)
     check_zero3_loading(model, facts.model_type, is_deepspeed_zero3_enabled())
     check_zero3_training(facts.model_type, is_deepspeed_zero3_enabled())
     setting_problem = processor_setting_problem(processing_class)

@@ -406,13 +406,17 @@ def processor_for_trl(processing_class):
     import copy
 
     defaults = getattr(processing_class, "text_kwargs", None)
-    text_tensors = isinstance(defaults, dict) and defaults.get("return_tensors") is not None
+    # MiniCPM-V 4.6 also pads by default (text_kwargs padding=True): TRL takes each prompt's ids as they come.
+    text_tensors = isinstance(defaults, dict) and (defaults.get("return_tensors") is not None
+                                                   or bool(defaults.get("padding")))
     image_tensors = type(processing_class).__name__ in IMAGE_TENSORS_FOR_TRL
     if not (text_tensors or image_tensors):
         return processing_class
     fixed = copy.copy(processing_class)
     if text_tensors:
-        fixed.text_kwargs = {k: v for k, v in defaults.items() if k != "return_tensors"}
+        pads = bool(defaults.get("padding"))
+        fixed.text_kwargs = {k: v for k, v in defaults.items()
+                             if k != "return_tensors" and not (pads and k in ("padding", "padding_side"))}
     if image_tensors:
         fixed.images_kwargs = {**(getattr(processing_class, "images_kwargs", None) or {}), "return_tensors": "pt"}
     return fixed
@@ -479,6 +483,34 @@ def typed_system_problem(processing_class) -> str | None:
             "a list of {'type': 'text', ...} blocks), so a system turn reaches the model as \"[{'type': 'text', "
             "'text': ...}]\". Fix: put the instructions in the user turn, or pass a chat_template whose system turn "
             "reads the text blocks")
+
+
+TRL_TRAINING_PROBLEMS = {
+    "minicpmv4_6": (
+        "its model needs target_sizes (each image's patch grid) with pixel_values, and TRL 1.16's log-prob forward "
+        "passes a fixed list of keyword arguments without it; it also packs every image of a batch into one "
+        "pixel_values sequence (shape (1, 3, patch, all patches)), which TRL slices per chunk of rows as if it held "
+        "one entry per image or tile. Stock GRPOTrainer stops at the first batch with images, in "
+        "_generate_and_score_completions (\"MiniCPMV4_6ImageProcessorKwargs.__init__() got an unexpected keyword "
+        "argument 'crop_to_patches'\": TRL takes the packed sequence for InternVL's tiles). MiniCPM-V 4.6 is also "
+        "newer than transformers 5.17, the newest the vLLM virtualenv runs"),
+}
+"""Families that TRL 1.16's GRPOTrainer cannot train at all, and why: refused at construction
+(``check_trl_training``). The probe measures them exactly outside the trainer
+(``trl_mdi.measure_modality_attention`` with the family's own inputs, e.g. ``target_sizes``)."""
+
+
+def check_trl_training(model_type: str) -> None:
+    """ValueError at construction for a family in ``TRL_TRAINING_PROBLEMS``, naming it, the reason and what to do.
+
+    >>> check_trl_training("qwen2_5_vl")
+    """
+    problem = TRL_TRAINING_PROBLEMS.get(model_type)
+    if problem is not None:
+        raise ValueError(
+            f"{model_type!r} cannot be trained with TRL 1.16's GRPOTrainer (nor with MDIGRPOTrainer, which runs TRL's "
+            f"forwards): {problem}. Train a family listed in docs/support_matrix.md; trl_mdi.measure_modality_attention "
+            "still measures this one exactly, given its processor's inputs (target_sizes included).")
 
 
 ZERO3_LOADING_PROBLEMS = {
