@@ -392,13 +392,17 @@ def processor_for_trl(processing_class):
     "Unable to create tensor, you should probably activate truncation and/or padding". This returns a shallow copy
     whose own ``text_kwargs`` leaves that default out (images keep theirs: TRL takes image tensors); a processor without
     such a default, or a tokenizer, is returned as it is. The user's object is not changed, and nothing of this is
-    saved with the processor (``text_kwargs`` is no saved attribute).
+    saved with the processor (``text_kwargs`` and ``images_kwargs`` are no saved attributes).
 
     >>> class Proc:
     ...     text_kwargs = {"return_tensors": "pt", "padding": False}
     >>> fixed = processor_for_trl(Proc())
     >>> fixed.text_kwargs, Proc.text_kwargs["return_tensors"]
     ({'padding': False}, 'pt')
+    >>> class Padding:
+    ...     text_kwargs = {"padding": True, "padding_side": "left", "return_tensors": "pt"}
+    >>> processor_for_trl(Padding()).text_kwargs
+    {}
     >>> tok = object()
     >>> processor_for_trl(tok) is tok
     True
@@ -407,13 +411,13 @@ def processor_for_trl(processing_class):
 
     defaults = getattr(processing_class, "text_kwargs", None)
     # MiniCPM-V 4.6 also pads by default (text_kwargs padding=True): TRL takes each prompt's ids as they come.
-    text_tensors = isinstance(defaults, dict) and (defaults.get("return_tensors") is not None
-                                                   or bool(defaults.get("padding")))
+    text_fix = isinstance(defaults, dict) and (defaults.get("return_tensors") is not None
+                                               or bool(defaults.get("padding")))
     image_tensors = type(processing_class).__name__ in IMAGE_TENSORS_FOR_TRL
-    if not (text_tensors or image_tensors):
+    if not (text_fix or image_tensors):
         return processing_class
     fixed = copy.copy(processing_class)
-    if text_tensors:
+    if text_fix:
         pads = bool(defaults.get("padding"))
         fixed.text_kwargs = {k: v for k, v in defaults.items()
                              if k != "return_tensors" and not (pads and k in ("padding", "padding_side"))}
