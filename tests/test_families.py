@@ -223,7 +223,7 @@ def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3",
                                   "llava", "glm4v", "qwen3_vl_moe", "mistral3", "lfm2_vl", "paligemma",
-                                  "glm4v_moe", "gemma3n"])
+                                  "glm4v_moe", "gemma3n", "ovis2"])
 def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     """The attention maps of a two-image row (images of different sizes): the probe's per-image-token masses equal
     eager attention weights token by token, and the per-image split the maps use (each image's token grid) cuts
@@ -270,7 +270,9 @@ def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
         assert len(runs) == 1
         runs = torch.split(img_pos, [h * w for h, w in grids])
     assert [p.shape[1] for p in parts] == [len(r) for r in runs] == [h * w for h, w in grids]
-    if arch not in ("gemma3", "llava", "paligemma", "gemma3n"):  # Qwen grids follow the size; the others: a square
+    # Qwen grids follow the size; Gemma 3, LLaVA, PaliGemma, Gemma 3n and Ovis2 (one view, crop_to_patches=False): a
+    # square.
+    if arch not in ("gemma3", "llava", "paligemma", "gemma3n", "ovis2"):
         assert parts[0].shape[1] != parts[1].shape[1]
     # What the live log draws: one entry per image, its masses from its own run, shares adding up to 1.
     (record,) = attention_map_records(res, [images, [shape_image(56, 3)]], [0], "thirds", processor)
@@ -303,7 +305,8 @@ def test_families_without_a_plain_token_grid_get_no_map(tiny_vlm_dir, arch):
                                            ("glm4v_moe", ("<|begin_of_image|>", "<|end_of_image|>")),
                                            ("mistral3", ("[IMG_BREAK]", "[IMG_END]")),
                                            ("lfm2_vl", ("<|image_start|>", "<|image_end|>")),
-                                           ("aya_vision", ("<|START_OF_IMG|>", "<|END_OF_IMG|>"))])
+                                           ("aya_vision", ("<|START_OF_IMG|>", "<|END_OF_IMG|>")),
+                                           ("ovis2", ("<IMG_START>", "<IMG_END>"))])
 def test_tokens_around_and_inside_an_image_run_are_text_keys(tiny_vlm_dir, arch, markers):
     """GLM-4.1V's begin / end-of-image tokens around its M-RoPE run and Pixtral's row-break / end tokens inside the run
     are facts of the model (``ModelFacts.image_marker_ids``), never image keys: the image group is exactly the
@@ -500,6 +503,79 @@ def test_aya_vision_trains_on_the_log_probs_it_samples_from(tiny_vlm_dir, tmp_pa
         own = torch.log_softmax(model(input_ids=ids, attention_mask=mask, **extra).logits[:, :-1].float(), -1)
     own = own.gather(-1, ids[:, 1:, None])[..., 0]
     torch.testing.assert_close(fused[:, -5:], own[:, -5:], atol=1e-5, rtol=0)
+
+
+def test_ovis2_with_crops_is_refused_at_construction_with_the_fix(tiny_vlm_dir, tmp_path):
+    """Ovis2 with the converted checkpoints' crop_to_patches=True: TRL 1.16 recounts a cropped image's crops with
+    image_processor(...)["num_patches"], which Ovis2's image processor does not return (seen: KeyError inside TRL's
+    _generate_and_score_completions), so the trainer refuses that setting before TRL builds anything, naming the fix;
+    with the fix (the tiny model's own setting) the same trainer builds."""
+    from unittest import mock
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    from fixtures.testing import zen_image_dataset
+    from trl_mdi import MDIGRPOTrainer
+
+    path = str(tiny_vlm_dir("ovis2"))
+    processor = AutoProcessor.from_pretrained(path)
+    assert processor.image_processor.crop_to_patches is False
+    with pytest.raises(KeyError, match="num_patches"):  # what TRL 1.16 runs on a batch with a cropped image
+        processor.image_processor.crop_to_patches = True
+        processor.image_processor(images=[shape_image(84, 1)], crop_to_patches=True, return_tensors="pt")["num_patches"]
+    args = GRPOConfig(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2, num_generations=2)
+    with mock.patch.object(GRPOTrainer, "__init__", side_effect=AssertionError("TRL was built")):
+        with pytest.raises(ValueError, match=r"'ovis2' cannot train with its image processor's crop_to_patches=True.*"
+                                             r"KeyError: 'num_patches'.*Fix: processor.image_processor.crop_to_patches"
+                                             r" = False"):
+            MDIGRPOTrainer(path, processing_class=processor, reward_funcs=[lambda **k: []], args=args,
+                           train_dataset=zen_image_dataset(2))
+    processor.image_processor.crop_to_patches = False
+    MDIGRPOTrainer(path, processing_class=processor, reward_funcs=[lambda **k: [0.0] * len(k["prompts"])], args=args,
+                   train_dataset=zen_image_dataset(2))
+
+
+def test_minicpmv4_6_is_measured_exactly_and_refused_by_the_trainer(tiny_vlm_dir, tmp_path):
+    """MiniCPM-V 4.6 (transformers 5.24): the probe equals eager attention on its full-attention layers, given the
+    processor's inputs (target_sizes with the batch's packed pixel_values); the trainer refuses the family at
+    construction, before TRL builds anything, because TRL 1.16's forwards cannot feed it (no target_sizes; the packed
+    images sliced per row). Stock GRPOTrainer on the same model stops at its first image batch (checked when this
+    refusal was written: "unexpected keyword argument 'crop_to_patches'")."""
+    from unittest import mock
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    from fixtures.testing import zen_image_dataset
+    from fixtures.tiny import BUILD_ONLY_ARCHS, TINY_ARCHS
+    from trl_mdi import MDIGRPOTrainer
+    from trl_mdi.batch import encode_prompts
+
+    assert "minicpmv4_6" in BUILD_ONLY_ARCHS and "minicpmv4_6" not in TINY_ARCHS
+    path = tiny_vlm_dir("minicpmv4_6")
+    processor = AutoProcessor.from_pretrained(path)
+    facts = model_facts(AutoConfig.from_pretrained(path), processor)
+    assert facts.measured_layers == (1, 3)  # Qwen3.5's decoder: linear, full, linear, full
+    batch = _batch(processor, facts)
+    assert "target_sizes" not in batch  # not among the inputs TRL's log-prob forward takes
+    prompts = ["What colour is the shape in the image? Answer with a letter.", "How many shapes?", "Shape?"]
+    _, fields = encode_prompts(processor, [[{"role": "user", "content": p}] for p in prompts],
+                               [[shape_image(56, 1)], [], [shape_image(56, 2)]])
+    assert batch["pixel_values"].shape[0] == 1 and fields["target_sizes"].shape[0] == 2  # one packed sequence
+    batch["target_sizes"] = fields["target_sizes"]
+    res = measure_modality_attention(_load(path), **batch)
+    ref, _ = _eager_masses(path, batch)
+    got = torch.stack([res.image, res.prompt_text, res.completion, res.special], dim=-1)[:, res.layers]
+    err = (got.double() - ref).abs().max().item()
+    assert res.layers == [1, 3] and err < 1e-5, f"minicpmv4_6: max |probe - eager| = {err:.2e}"
+    print(f"\nminicpmv4_6: max |probe - eager| = {err:.1e} over layers {res.layers}")
+    assert res.n_image.tolist() == [4, 0, 4]
+
+    args = GRPOConfig(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2, num_generations=2)
+    with mock.patch.object(GRPOTrainer, "__init__", side_effect=AssertionError("TRL was built")):
+        for model in (str(path), _load(path)):
+            with pytest.raises(ValueError, match=r"'minicpmv4_6' cannot be trained with TRL 1.16's GRPOTrainer.*"
+                                                 r"target_sizes.*newer than transformers 5.17"):
+                MDIGRPOTrainer(model, reward_funcs=[lambda **k: []], args=args, train_dataset=zen_image_dataset(2))
 
 
 def test_llava_maps_only_square_images(tiny_vlm_dir):

@@ -48,6 +48,8 @@ EXPECTED |= {  # issue 45: the families users train first
     "aya_vision": ("AyaVisionForConditionalGeneration", "AyaVisionProcessor", "<|IMG_PATCH|>", 20),
     # MobileNet-v5's fusion adapter set to a 2 x 2 grid, between <start_of_image> and <end_of_image>.
     "gemma3n": ("Gemma3nForConditionalGeneration", "Gemma3nProcessor", "<image_soft_token>", 4),
+    # 4 x 4 ViT patches folded 2 x 2, in <IMG_START> ... <IMG_GRID> <IMG_END>
+    "ovis2": ("Ovis2ForConditionalGeneration", "Ovis2Processor", "<IMG_ATOM>", 4),
 }
 # Gemma 3n's timm tower is the real MobileNet-v5 at full depth, and timm fixes its adapter's output at 2048 channels:
 # about 4.1M parameters (fixtures/tiny/gemma3n_family.py says why it cannot be shallower).
@@ -82,6 +84,8 @@ TEMPLATE_MARKS |= {
     # No roles: the images, then the text (the processor adds <bos> after the last image and the closing newline).
     "paligemma": ("<image>What colour", "circle?"),
     "gemma3n": ("<bos><start_of_turn>user\n<image_soft_token>What", "<end_of_turn>\n<start_of_turn>model\n"),
+    # The converted checkpoints' template: a fixed system turn first, then ChatML with "<image>\n" per image.
+    "ovis2": ("<|im_start|>user\n<image>\nWhat", "<|im_end|>\n<|im_start|>assistant\n"),
 }
 TEMPLATE_MARKS["glm4v_moe"] = TEMPLATE_MARKS["glm4v"]  # GLM-4.1V's template (chat_templates/SOURCES.md)
 TEMPLATE_MARKS["aya_vision"] = ("<BOS_TOKEN><|START_OF_TURN_TOKEN|><|USER_TOKEN|><image>What",
@@ -375,6 +379,71 @@ def test_paligemma_prefix_is_bidirectional_and_its_suffix_causal(tiny_vlm_dir):
     assert not torch.allclose(logits(ids, 0)[n], logits(changed_last, 0)[n])
 
 
+def test_ovis2_visual_tokenizer_indicator_tokens_and_crops(tiny_vlm_dir):
+    """Ovis2's layout: each image token's embedding is a softmax over the visual vocabulary times the visual embedding
+    table; the processor writes <IMG_START>, the atoms, <IMG_GRID>, <IMG_END>, whose embeddings are the table's last
+    rows, the same for every image (text keys, ``ModelFacts.image_marker_ids``). The tiny model keeps one view per
+    image (``crop_to_patches=False``, what the trainer requires under TRL 1.16); with the converted checkpoints'
+    ``crop_to_patches=True`` a larger image becomes a thumbnail plus crops, and gets no map."""
+    from trl_mdi.diagnostics.maps import image_token_grids
+
+    model, processor = _load(tiny_vlm_dir("ovis2"))
+    tok = processor.tokenizer
+    vision = model.config.vision_config
+    assert (vision.hidden_stride, vision.vocab_size, vision.tokenize_function) == (2, 64, "softmax")
+    indicators = ["<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"]
+    assert list(model.config.visual_indicator_token_ids) == tok.convert_tokens_to_ids(indicators)
+    facts = model_facts(model.config, processor)
+    assert set(model.config.visual_indicator_token_ids) <= set(facts.image_marker_ids)
+    assert facts.image_token_ids == (tok.convert_tokens_to_ids("<IMG_ATOM>"),)
+    assert "<image>" not in tok.get_vocab() and processor.image_token_id is None  # as the real tokenizer: text only
+    text = processor.apply_chat_template(_messages(False), add_generation_prompt=True)
+    inputs = processor(text=[text], images=[[_image(56)]], return_tensors="pt")
+    tokens = tok.convert_ids_to_tokens(inputs["input_ids"][0].tolist())
+    start = tokens.index("<IMG_START>")
+    assert tokens[start: start + 7] == ["<IMG_START>", *["<IMG_ATOM>"] * 4, "<IMG_GRID>", "<IMG_END>"]
+    with torch.no_grad():  # the atoms' embeddings are probability-weighted rows of the visual table
+        features = model.model.get_image_features(pixel_values=inputs["pixel_values"])
+        table = model.model.visual_embeddings_table.weight
+        assert features.pooler_output.shape == (1, 4, model.config.hidden_size)
+        torch.testing.assert_close(features.visual_indicator_features, table[-5:])
+    assert image_token_grids(processor, [_image(56), Image.new("RGB", (112, 56))]) == [(2, 2), (2, 2)]
+    processor.image_processor.crop_to_patches = True  # the converted checkpoints' setting
+    inputs = processor(text=[text], images=[[_image(84)]], return_tensors="pt")
+    tokens = tok.convert_ids_to_tokens(inputs["input_ids"][0].tolist())
+    assert inputs["pixel_values"].shape[0] == 5 and tokens.count("<IMG_ATOM>") == 5 * 4  # thumbnail + 2 x 2 crops
+    assert tokens.count("<IMG_COL>") == 2 and tokens.count("<IMG_ROW>") == 1
+    with torch.no_grad():
+        assert torch.isfinite(model(**inputs).logits).all()
+    assert image_token_grids(processor, [_image(56)]) == [(2, 2)]  # covered by the square: one view
+    assert image_token_grids(processor, [_image(56), _image(84)]) is None
+
+
+def test_minicpmv4_6_builds_offline_from_the_cli_and_lays_out_its_images(tmp_path):
+    """MiniCPM-V 4.6, built but not trained (``BUILD_ONLY_ARCHS``): ``python -m fixtures.tiny --arch minicpmv4_6``
+    writes a folder the Auto classes reload; an image within the square is <image_id>N</image_id>, <image>, four
+    <|image_pad|>, </image>; a larger one adds slices; all images of a batch are one packed pixel_values sequence
+    with one target_sizes row per view."""
+    assert tiny.main(["--arch", "minicpmv4_6", "--out", str(tmp_path / "m")]) == 0
+    model, processor = _load(tmp_path / "m")
+    assert type(model).__name__ == "MiniCPMV4_6ForConditionalGeneration"
+    assert type(processor).__name__ == "MiniCPMV4_6Processor" and 100_000 < model.num_parameters() < 1_000_000
+    assert model.config.text_config.layer_types == ["linear_attention", "full_attention"] * 2
+    tok = processor.tokenizer
+    assert model.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+    text = processor.apply_chat_template(_messages(False), add_generation_prompt=True)
+    assert "<|vision_start|><|image_pad|><|vision_end|>What" in text
+    inputs = processor(text=[text, text], images=[[_image(56)], [_image(224)]])
+    tokens = [tok.convert_ids_to_tokens(row.tolist()) for row in inputs["input_ids"]]
+    start = tokens[0].index("<image_id>")
+    assert tokens[0][start: start + 9] == ["<image_id>", "0", "</image_id>", "<image>", *["<|image_pad|>"] * 4,
+                                           "</image>"]
+    assert tokens[1].count("<slice>") == 4 and tokens[1].count("<|image_pad|>") == 5 * 4  # the view + 2 x 2 slices
+    assert inputs["pixel_values"].shape[0] == 1 and inputs["target_sizes"].shape[0] == 1 + 5
+    with torch.no_grad():
+        assert torch.isfinite(model(**inputs).logits).all()
+
+
 @pytest.mark.parametrize(
     ("arch", "softmax_layers"), [("qwen3_5_moe", [1, 3]), ("gemma4", [0, 1, 2, 3]), ("qwen3_5", [1, 3])]
 )
@@ -415,7 +484,7 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
 @pytest.mark.parametrize(
     ("arch", "overrides", "message"),
     [
-        ("qwen2_5_vl", {"full_attention_interval": 2}, "to qwen3_5, gemma3, qwen3_5_moe, gemma4, lfm2_vl, paligemma, aya_vision, gemma3n and llama4 only"),
+        ("qwen2_5_vl", {"full_attention_interval": 2}, "to qwen3_5, gemma3, qwen3_5_moe, gemma4, lfm2_vl, paligemma, aya_vision, gemma3n, llama4 and minicpmv4_6 only"),
         ("qwen3_5", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4, paligemma, aya_vision and gemma3n only"),
         ("qwen3_5", {"full_attention_interval": 0}, "positive integer"),
         ("gemma3", {"sliding_window": -1}, "positive integer"),
@@ -444,6 +513,7 @@ def test_llava_next_non_square_image_costs_what_the_processor_says(tiny_vlm_dir)
         ("gemma3n", {"attention_chunk_size": 8}, "attention_chunk_size applies to llama4 only"),
         ("lfm2_vl", {"sliding_window": 8}, "sliding_window applies to gemma3, gemma4, paligemma, aya_vision and gemma3n only"),
         ("paligemma", {"image_size": 40}, "not a multiple of image_patch_size"),
+        ("ovis2", {"image_size": 48}, "times a multiple of the hidden-stride factor 2"),
     ],
 )
 def test_invalid_family_requests_raise_value_error(arch, overrides, message):

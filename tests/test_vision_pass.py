@@ -139,3 +139,30 @@ def test_mixed_data_trains_when_a_micro_batch_holds_text_rows_only(tiny_vlm_dir,
     assert trainer.state.global_step == 2 and seen.count(False) == 4 and seen.count(True) == 4, seen
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+
+
+def test_the_dummy_pass_backward_meets_the_modules_an_image_batch_meets(tiny_vlm_dir):
+    """ZeRO-3 records the order in which backward meets each module and stops when processes disagree. Ovis2's image
+    processes call its visual embedding table twice (the image tokens' probabilities, the indicator tokens' rows) and
+    both reach the loss; the dummy pass must use both outputs too (before, it summed pooler_output only: one call
+    fewer in backward, and the every-family ZeRO-3 launch stopped with "disagreement on list length ... 225 / 224")."""
+    from fixtures.testing import shape_image
+
+    path = tiny_vlm_dir("ovis2")
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    calls = []
+    model.model.visual_embeddings_table.register_full_backward_pre_hook(lambda *_: calls.append(1))
+
+    def backward_calls(inputs, dummy: bool):
+        calls.clear()
+        with (zero_weighted_vision_pass(model, dummy_vision_inputs(processor)) if dummy
+              else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)):
+            model(**inputs).logits.float().square().mean().backward()
+        return len(calls)
+
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Shape?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    image_batch = processor(text=[text], images=[[shape_image(56, 1)]], return_tensors="pt")
+    text_only = processor.tokenizer(["a text-only row, no image at all"], return_tensors="pt")
+    assert backward_calls(image_batch, dummy=False) == backward_calls(text_only, dummy=True) == 2

@@ -12,7 +12,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from fixtures.testing import shape_image
 from fixtures.tiny import TINY_ARCHS, build_tiny_vlm
-from trl_mdi.attention.model_facts import model_facts
+from trl_mdi.attention.model_facts import model_facts, processor_for_trl
 from trl_mdi.trainer import MDIGRPOTrainer
 from trl_mdi.vllm_prompts import (
     TRL_ISSUE,
@@ -51,7 +51,8 @@ def processors():
     def get(arch):
         if arch not in built:
             model, processor = build_tiny_vlm(arch)
-            built[arch] = (processor, model_facts(model.config, processor))
+            # As the trainer hands the processor to TRL (Ovis2's needs image tensors: model_facts.IMAGE_TENSORS_FOR_TRL).
+            built[arch] = (processor_for_trl(processor), model_facts(model.config, processor))
         return built[arch]
 
     return get

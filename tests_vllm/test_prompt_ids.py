@@ -22,6 +22,9 @@ COLLAPSE_EXACT += ["glm4v_moe"]  # GLM-4.5V: GLM-4.1V's processor and template
 # newline handling looks up "\n" in the vocabulary (the tiny byte-level tokenizer has "Ċ" instead: KeyError), Gemma
 # 4's reads a vision-config attribute transformers 5.17's Gemma4VisionConfig lacks (default_output_length).
 NOT_CHECKABLE = {"gemma3", "gemma4", "paligemma"}
+# vLLM 0.31 has no Ovis2ForConditionalGeneration (its registry's "Ovis" is AIDC-AI's remote-code class): no processor to
+# run. The trainer refuses Ovis2 under colocate mode anyway (indicator tokens around the run).
+NOT_CHECKABLE |= {"ovis2"}
 
 
 def vllm_expand(model_dir, ids, image) -> list[int]:

@@ -43,6 +43,7 @@ from .attention.model_facts import (
     load_model_config,
     model_facts,
     model_skeleton,
+    processor_setting_problem,
 )
 from .attention.probe import NATIVE_IMPLEMENTATIONS, probe_support
 from .data.columns import DatasetError
@@ -284,6 +285,9 @@ def plan_run(model: Any, processing_class, reward_funcs: Any, args, columns: dic
     check_trainable(facts.model_type)  # first: nothing else matters for a family that cannot train
     check_zero3_loading(model, facts.model_type, is_deepspeed_zero3_enabled())
     check_zero3_training(facts.model_type, is_deepspeed_zero3_enabled())
+    setting_problem = processor_setting_problem(processing_class)
+    if setting_problem:
+        raise ValueError(setting_problem)
     check_vllm_prompts(args, processing_class, facts)  # before vLLM's engine starts
     prefilled = template_prefills_think(processing_class, args.chat_template_kwargs)
     if reward_funcs is not None and not isinstance(reward_funcs, (list, tuple)):

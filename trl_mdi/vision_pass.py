@@ -62,15 +62,22 @@ def dummy_vision_inputs(processor, size: int = 28) -> dict[str, torch.Tensor]:
     return {k: v for k, v in encoded.items() if k not in _TEXT_KEYS and torch.is_tensor(v)}
 
 
+# Outputs of get_image_features, besides pooler_output, that a backbone's forward feeds into the embeddings on image
+# processes: Qwen3-VL's deepstack features; Ovis2's indicator embeddings (a second call of its visual embedding table,
+# written over <IMG_START> ... on image processes: left out, ZeRO-3's backward met that table once fewer on image-less
+# processes, "Detected a disagreement on list length ... 225 / 224" in the every-family launch).
+_EXTRA_USED_FEATURES = ("deepstack_features", "visual_indicator_features")
+
+
 def _used_features(output: Any) -> Any:
-    """What a backbone's forward takes from ``get_image_features`` on image processes: ``pooler_output`` (and Qwen3-VL's
-    ``deepstack_features``), not ``last_hidden_state`` (the pre-merger states): summing those too would add a path
-    image processes lack, and ZeRO-3's backward would visit the modules in another order."""
+    """What a backbone's forward takes from ``get_image_features`` on image processes: ``pooler_output`` and the
+    ``_EXTRA_USED_FEATURES`` it has, not ``last_hidden_state`` (the pre-merger states): summing those too would add a
+    path image processes lack, and ZeRO-3's backward would visit the modules in another order."""
     pooled = getattr(output, "pooler_output", None)
     if pooled is None:
         return output
-    deepstack = getattr(output, "deepstack_features", None)
-    return [pooled, deepstack] if deepstack is not None else pooled
+    extra = [value for name in _EXTRA_USED_FEATURES if (value := getattr(output, name, None)) is not None]
+    return [pooled, *extra] if extra else pooled
 
 
 def _float_sum(value: Any) -> torch.Tensor | None:

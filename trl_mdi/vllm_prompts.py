@@ -43,6 +43,8 @@ from collections.abc import Sequence
 
 from PIL import Image
 
+from .attention.model_facts import processor_for_trl
+
 TRL_ISSUE = "huggingface/trl#6294"
 
 
@@ -73,6 +75,7 @@ def rendered_ids(processing_class, conversation: list[dict], *, chat_template=No
     itself starts from: the same chat-templated text, tokenized by the tokenizer alone (one placeholder per image).
     """
     kwargs = dict(chat_template=chat_template, add_generation_prompt=True, **(chat_template_kwargs or {}))
+    processing_class = processor_for_trl(processing_class)  # as the trainer hands it to TRL (Ovis2: image tensors)
     expanded = processing_class.apply_chat_template([conversation], tokenize=True, return_dict=True, **kwargs)
     text = processing_class.apply_chat_template([conversation], tokenize=False, **kwargs)
     text = text[0] if isinstance(text, list) else text

@@ -150,6 +150,12 @@ IMAGE_MARKER_TOKEN_ATTRIBUTES = ("image_start_token", "image_end_token", "image_
 ``<|START_OF_IMG|>`` / ``<|END_OF_IMG|>`` around each image and ``TILE_GLOBAL`` before its global view. Text keys, as
 above."""
 
+IMAGE_MARKER_LIST_ATTRIBUTES = ("visual_indicator_token_ids",)
+"""Config attributes holding a list of such marker ids: Ovis2's five indicator tokens (``<IMG_START>``,
+``<IMG_GRID>``, ``<IMG_COL>``, ``<IMG_ROW>``, ``<IMG_END>``) around and between an image's crops. The model replaces
+their embeddings with rows of its visual embedding table, but fixed rows, the same for every image: they carry nothing
+of the picture, so they are text keys, as above."""
+
 _VISION_WORDS = frozenset({"vision", "visual", "vit", "img", "image"})
 
 
@@ -218,10 +224,11 @@ def find_image_token_ids(config, processor=None) -> tuple[tuple[int, ...], str |
 
 def _marker_ids(config, processor, image_ids) -> tuple[int, ...]:
     """The ids ``IMAGE_MARKER_ATTRIBUTES`` name on the config, then on the processor (Pixtral keeps its markers
-    there), then the tokens ``IMAGE_MARKER_TOKEN_ATTRIBUTES`` name on the processor (LFM2-VL), leaving out any that is
-    an image placeholder."""
+    there), then the config's lists (``IMAGE_MARKER_LIST_ATTRIBUTES``, Ovis2), then the tokens
+    ``IMAGE_MARKER_TOKEN_ATTRIBUTES`` name on the processor (LFM2-VL), leaving out any that is an image placeholder."""
     values = [getattr(source, name, None) for source in (config, processor) if source is not None
               for name in IMAGE_MARKER_ATTRIBUTES]
+    values += [v for name in IMAGE_MARKER_LIST_ATTRIBUTES for v in (getattr(config, name, None) or ())]
     tokenizer = getattr(processor, "tokenizer", None)
     vocab = tokenizer.get_vocab() if tokenizer is not None and hasattr(tokenizer, "get_vocab") else {}
     values += [vocab.get(getattr(processor, name, None)) for name in IMAGE_MARKER_TOKEN_ATTRIBUTES]
@@ -454,7 +461,8 @@ _TEXT_DEFAULTS_TRL_CANNOT_TAKE = ("return_tensors", "padding", "padding_side")
 
 
 def processor_for_trl(processing_class):
-    """The processor as TRL 1.16's batched prompt tokenization needs it: text returned as unpadded lists.
+    """The processor as TRL 1.16's batched prompt tokenization needs it: text returned as unpadded lists, images as
+    tensors where the processor needs them to be (``IMAGE_TENSORS_FOR_TRL``: Ovis2).
 
     ``GRPOTrainer._tokenize_prompts`` renders and tokenizes a whole batch in one ``apply_chat_template`` call without
     padding, and takes each row's ``input_ids`` as its prompt (it reads no attention mask). Two class defaults of
@@ -462,33 +470,76 @@ def processor_for_trl(processing_class):
 
     - ``return_tensors="pt"`` (``PixtralProcessor``, Mistral 3): any batch whose prompts differ in length fails inside
       TRL with "Unable to create tensor, you should probably activate truncation and/or padding".
-    - ``padding=True`` (``AyaVisionProcessor``, also ``Cohere2VisionProcessor`` and ``Gemma4Processor``): the shorter
+    - ``padding=True`` (``AyaVisionProcessor``, MiniCPM-V 4.6's, also ``Cohere2VisionProcessor`` and
+      ``Gemma4Processor``): the shorter
       prompts of a batch come back led by pad tokens, which TRL then keeps as prompt tokens that generation and every
       log-prob forward attend to (Aya Vision: any two prompts whose images cost different numbers of tiles,
       ``tests/test_trl_contract.py``).
 
     This returns a shallow copy whose own ``text_kwargs`` leaves those defaults out (images keep theirs: TRL takes image
-    tensors); a processor without such a default, or a tokenizer, is returned as it is. The user's object is not
-    changed, and nothing of this is saved with the processor (``text_kwargs`` is no saved attribute).
+    tensors, and a processor in ``IMAGE_TENSORS_FOR_TRL`` gets ``images_kwargs`` asking for them); a processor without
+    such a default, or a tokenizer, is returned as it is. The user's object is not changed, and nothing of this is
+    saved with the processor (``text_kwargs`` and ``images_kwargs`` are no saved attributes).
 
     >>> class Proc:
     ...     text_kwargs = {"return_tensors": "pt", "padding": True, "padding_side": "left", "truncation": False}
     >>> fixed = processor_for_trl(Proc())
     >>> fixed.text_kwargs, Proc.text_kwargs["return_tensors"]
     ({'truncation': False}, 'pt')
+    >>> class Padding:
+    ...     text_kwargs = {"padding": True, "padding_side": "left", "return_tensors": "pt"}
+    >>> processor_for_trl(Padding()).text_kwargs
+    {}
     >>> tok = object()
     >>> processor_for_trl(tok) is tok
     True
     """
     defaults = getattr(processing_class, "text_kwargs", None)
-    if not isinstance(defaults, dict) or not any(defaults.get(key) not in (None, False)
-                                                 for key in _TEXT_DEFAULTS_TRL_CANNOT_TAKE):
+    text_fix = isinstance(defaults, dict) and any(defaults.get(key) not in (None, False)
+                                                  for key in _TEXT_DEFAULTS_TRL_CANNOT_TAKE)
+    image_tensors = type(processing_class).__name__ in IMAGE_TENSORS_FOR_TRL
+    if not (text_fix or image_tensors):
         return processing_class
     import copy
 
     fixed = copy.copy(processing_class)
-    fixed.text_kwargs = {k: v for k, v in defaults.items() if k not in _TEXT_DEFAULTS_TRL_CANNOT_TAKE}
+    if text_fix:
+        fixed.text_kwargs = {k: v for k, v in defaults.items() if k not in _TEXT_DEFAULTS_TRL_CANNOT_TAKE}
+    if image_tensors:
+        fixed.images_kwargs = {**(getattr(processing_class, "images_kwargs", None) or {}), "return_tensors": "pt"}
     return fixed
+
+
+IMAGE_TENSORS_FOR_TRL = {
+    "Ovis2Processor": "its replace_image_token calls grids[i].tolist(), which fails on the plain lists its image "
+    "processor returns when no return_tensors is asked for (TRL 1.16's _tokenize_prompts asks for none: \"'list' object "
+    "has no attribute 'tolist'\"), and the model takes an image's crops as one (crops, 3, H, W) tensor",
+}
+"""Processors whose image outputs must be tensors even where TRL 1.16 asks for lists, and why: ``processor_for_trl``
+gives them ``images_kwargs={"return_tensors": "pt"}`` (text stays lists, as TRL needs it)."""
+
+
+def processor_setting_problem(processing_class) -> str | None:
+    """Why the processor's settings cannot train under TRL 1.16, naming the fix, or None.
+
+    Ovis2 with ``crop_to_patches=True`` (what transformers' converter saves for the Ovis2 -hf checkpoints): an image
+    larger than the processor's square becomes a thumbnail plus crops, several ``pixel_values`` entries for one image;
+    TRL 1.16's ``_generate_and_score_completions`` then recounts the crops per row with
+    ``image_processor(images, crop_to_patches=True)["num_patches"]`` (InternVL's key), which Ovis2's image processor
+    does not return, so the first such batch stops with ``KeyError: 'num_patches'`` inside TRL.
+
+    >>> processor_setting_problem(object()) is None
+    True
+    """
+    image_processor = getattr(processing_class, "image_processor", None)
+    if type(processing_class).__name__ == "Ovis2Processor" and getattr(image_processor, "crop_to_patches", False):
+        return ("'ovis2' cannot train with its image processor's crop_to_patches=True under TRL 1.16: an image larger "
+                "than its square becomes a thumbnail plus crops, and TRL's _generate_and_score_completions recounts "
+                "those crops with image_processor(...)['num_patches'], which Ovis2ImageProcessor does not return "
+                "(KeyError: 'num_patches' at the first such batch). Fix: processor.image_processor.crop_to_patches = "
+                "False (each image resized to the one square; the same input for an image the square covers) and pass "
+                "processing_class=processor")
+    return None
 
 
 
@@ -623,8 +674,18 @@ TRAINING_PROBLEMS = {
         "the first training step stops with \"AttributeError: 'Llama4CausalLMOutputWithPast' object has no attribute "
         "'last_hidden_state'\". TRL's own GRPOTrainer stops earlier, at its first generation: it turns the processor's "
         "bfloat16 per-image tile stacks into a tensor through numpy (\"Got unsupported ScalarType BFloat16\")"),
+    "minicpmv4_6": (
+        "its model needs target_sizes (each image's patch grid) with pixel_values, and TRL 1.16's log-prob forward "
+        "passes a fixed list of keyword arguments without it; it also packs every image of a batch into one "
+        "pixel_values sequence (shape (1, 3, patch, all patches)), which TRL slices per chunk of rows as if it held "
+        "one entry per image or tile. Stock GRPOTrainer stops at the first batch with images, in "
+        "_generate_and_score_completions (\"MiniCPMV4_6ImageProcessorKwargs.__init__() got an unexpected keyword "
+        "argument 'crop_to_patches'\": TRL takes the packed sequence for InternVL's tiles). MiniCPM-V 4.6 is also "
+        "newer than transformers 5.17, the newest the vLLM virtualenv runs"),
 }
-"""Families TRL's GRPOTrainer cannot train whatever the run's settings, and why: {model_type: reason}."""
+"""Families TRL 1.16's GRPOTrainer cannot train whatever the run's settings, and why: {model_type: reason}; refused at
+construction (``check_trainable``). The probe measures them outside the trainer
+(``trl_mdi.measure_modality_attention`` with the family's own inputs, e.g. MiniCPM-V 4.6's ``target_sizes``)."""
 
 
 def check_trainable(model_type: str) -> None:
@@ -646,4 +707,4 @@ def check_trainable(model_type: str) -> None:
                f"< {first})" if first else "measure it without training (trl_mdi.attention.measure_modality_attention)")
     raise ValueError(
         f"{model_type!r} cannot be trained with TRL 1.16's GRPOTrainer: {problem}{also}. Fix: none within trl_mdi; "
-        f"{measure}, and train it once a TRL release's fused LM head reaches its language model.")
+        f"{measure}, and train a family listed in docs/support_matrix.md until a TRL release can train this one.")

@@ -21,6 +21,9 @@ its token grid. The grid is known for these layouts (:func:`image_token_grids`):
   patch grid (``spatial_shapes``) pixel-unshuffled ``downsample_factor`` x ``downsample_factor`` row-major: a
   ``spatial_shapes / downsample_factor`` grid between ``<|image_start|>`` and ``<|image_end|>``. A tiled image (over
   its budget: tiles and a thumbnail, each its own grid) gets no map.
+- Ovis2 (``Ovis2Processor``): an image its one square covers is resized to it, one view whose ViT patch grid is folded
+  ``hidden_stride`` x ``hidden_stride`` row-major: a ``sqrt(image_seq_length)`` square grid of ``<IMG_ATOM>`` tokens
+  between ``<IMG_START>`` and ``<IMG_GRID>``. A cropped image (a thumbnail and crops, each its own grid) gets no map.
 
 Other layouts (LLaVA-NeXT's and LLaVA-OneVision's any-resolution tiles with newline tokens, Idefics3's and SmolVLM's
 image splitting, InternVL's tiles followed by a thumbnail, each its own grid, Gemma 4's variable budgets) are not a
@@ -282,7 +285,23 @@ def image_token_grids(processing_class, images: list) -> list[tuple[int, int]] |
         return _llava_grids(processing_class, image_processor, images)
     if type(processing_class).__name__ == "Lfm2VlProcessor":
         return _lfm2_vl_grids(image_processor, images)
+    if type(processing_class).__name__ == "Ovis2Processor":
+        return _ovis2_grids(processing_class, image_processor, images)
     return None
+
+
+def _ovis2_grids(processing_class, image_processor, images: list) -> list[tuple[int, int]] | None:
+    """Ovis2: an image its square covers is one view, ``image_seq_length`` tokens in a row-major square (the ViT's
+    patch grid folded ``hidden_stride`` x ``hidden_stride``). A larger one is cropped (its ``grids`` entry is not
+    1 x 1): a thumbnail, then the crops, each its own grid: no map for a row holding such an image (None)."""
+    n = int(getattr(processing_class, "image_seq_length", 0) or 0)
+    side = math.isqrt(n)
+    if side * side != n or n == 0:
+        return None
+    grids = image_processor(images=images, return_tensors="pt")["grids"]
+    if any(int(rows) * int(cols) != 1 for rows, cols in grids):
+        return None
+    return [(side, side)] * len(images)
 
 
 def _lfm2_vl_grids(image_processor, images: list) -> list[tuple[int, int]] | None:
