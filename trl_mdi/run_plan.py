@@ -39,7 +39,6 @@ from .attention.model_facts import (
     check_family,
     check_zero3_loading,
     check_zero3_training,
-    family_refusal,
     image_token_problem,
     load_model_config,
     model_facts,
