@@ -87,3 +87,17 @@ def test_shrink_keeps_one_layer_of_each_kind():
     text = config.text_config
     assert set(text.layer_types) == set(kinds) and len(text.layer_types) == text.num_hidden_layers <= 3
     assert text.hidden_size == sweep.HIDDEN and config.vision_config.hidden_size <= sweep.HIDDEN
+
+
+def test_construction_problem_is_what_the_run_plan_decides():
+    """The sweep's refusal column comes from plan_run itself: a text-only entry of the mapping (Mistral 4's causal LM)
+    gets the plan's "metrics off" reason, a family the probe measures (Aria, whose projector has its own attention)
+    gets none, and a refused family the plan's error."""
+    from trl_mdi.run_plan import construction_problem
+
+    text_only, _ = sweep.build_tiny("mistral4")
+    assert construction_problem(text_only) == "attention metrics off: a text-only model: no image token"
+    aria, _ = sweep.build_tiny("aria")
+    assert construction_problem(aria) is None
+    aria.config.model_type = "mllama"  # the same modules under a refused family's name: refused from the config
+    assert construction_problem(aria) == family_refusal("mllama")
