@@ -375,9 +375,10 @@ def probe_attention(
 # Can the probe reach a model's attention?
 # --------------------------------------------------------------------------------------------------
 _DISPATCH_NAMES = frozenset({"ALL_ATTENTION_FUNCTIONS", "get_interface"})
-# Paths outside the text decoder: the vision / audio towers, BLIP-2's Q-Former, and the multimodal projector, whose attention (Aria's
-# cross-attention pooling of image features) runs over image features before they reach the text sequence.
-_VISION_PATH_WORDS = frozenset({"vision", "visual", "vit", "audio", "projector", "qformer"})
+# Paths outside the text decoder: the vision / audio towers, BLIP-2's Q-Former, Chameleon's VQ-VAE image tokenizer
+# (vqmodel), and the multimodal projector, whose attention (Aria's cross-attention pooling of image features) runs over
+# image features before they reach the text sequence.
+_VISION_PATH_WORDS = frozenset({"vision", "visual", "vit", "audio", "projector", "qformer", "vqmodel"})
 
 
 def _code_names(code) -> set[str]:
