@@ -36,6 +36,7 @@ from .attention import metrics as M
 from .attention.model_facts import (
     ModelFacts,
     attention_implementation,
+    check_family,
     check_trainable,
     check_zero3_loading,
     check_zero3_training,
@@ -278,11 +279,12 @@ def plan_run(model: Any, processing_class, reward_funcs: Any, args, columns: dic
     """
     config = model_config if model_config is not None else load_model_config(
         model, args.model_init_kwargs, trust_remote_code=args.trust_remote_code)
+    check_family(str(getattr(config, "model_type", "")))  # first: a refused family's other errors would mislead
     problem = image_token_problem(config, processing_class)
     if problem:
         raise ValueError(problem)
     facts = model_facts(config, processing_class)
-    check_trainable(facts.model_type)  # first: nothing else matters for a family that cannot train
+    check_trainable(facts.model_type)  # before the run's settings: nothing else matters for a family TRL cannot train
     check_zero3_loading(model, facts.model_type, is_deepspeed_zero3_enabled())
     check_zero3_training(facts.model_type, is_deepspeed_zero3_enabled())
     setting_problem = processor_setting_problem(processing_class)
@@ -349,6 +351,26 @@ def plan_run(model: Any, processing_class, reward_funcs: Any, args, columns: dic
         return dataclasses.replace(plan, modules_why=f"{type(e).__name__} building the model's class without "
                                                      f"weights: {' '.join(str(e).split())[:200]}")
     return plan.with_model(skeleton, processing_class)
+
+
+def construction_problem(model, processing_class=None) -> str | None:
+    """What ``MDIGRPOTrainer``'s construction says about ``model`` (a loaded model, with the default
+    ``MDIGRPOConfig``), or None when it measures the model: the error :func:`plan_run` raises (a family refused by
+    ``check_family``, a missing image token, ...), or why the plan turns attention metrics off (a text-only config,
+    ``probe_support``'s reason). The family sweep (``python -m fixtures.sweep``) reads it per model type, so every
+    refusal added to the plan shows in its table.
+    """
+    import tempfile
+
+    from .config import MDIGRPOConfig
+
+    with tempfile.TemporaryDirectory() as out:
+        args = MDIGRPOConfig(output_dir=out, use_cpu=True, bf16=False, report_to="none")
+        try:
+            plan = plan_run(model, processing_class, None, args, {})
+        except ValueError as e:
+            return str(e)
+    return None if plan.attention_metrics else f"attention metrics off: {plan.attention_why}"
 
 
 def load_processing_class(model: Any, args):

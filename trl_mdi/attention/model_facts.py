@@ -708,3 +708,68 @@ def check_trainable(model_type: str) -> None:
     raise ValueError(
         f"{model_type!r} cannot be trained with TRL 1.16's GRPOTrainer: {problem}{also}. Fix: none within trl_mdi; "
         f"{measure}, and train a family listed in docs/support_matrix.md until a TRL release can train this one.")
+NOT_CHAT_VLMS = {
+    "pi0": "PI0 is a vision-language-action policy: it generates robot actions by flow matching, not text completions "
+    "to score with rewards",
+    "evolla": "Evolla reads protein sequences and structures, not images: it has no image tokens to measure",
+}
+"""Entries of transformers' image-text-to-text mapping that are no chat vision-language model, and what they are
+instead: {model_type: what it is}. ``MDIGRPOTrainer`` refuses them at construction (``check_family``)."""
+
+FAMILY_REFUSALS: dict[str, tuple[frozenset[str], str]] = {
+    "cross_attention": (
+        frozenset({"mllama", "idefics", "blip"}),
+        "its text decoder reads the image through cross-attention layers (keys are image features outside the token "
+        "sequence), not through image tokens among its self-attention keys, so an image mass over self-attention "
+        "keys would be zero by construction"),
+    "encoder_decoder": (
+        frozenset({"florence2", "pix2struct", "udop", "t5gemma2", "vision-encoder-decoder", "pp_formulanet"}),
+        "it is an encoder-decoder: the image is encoded once and the decoder reaches it only through cross-attention, "
+        "so there is no causal completion over image keys to measure"),
+    "no_image_tokens": (
+        frozenset({"git", "kosmos-2", "kosmos-2.5"}),
+        "its image features enter the text sequence without image placeholder ids (GIT prepends them as embeddings; "
+        "Kosmos-2 / 2.5 mark them with image_embeds_position_mask), so the probe, which finds image keys by their "
+        "placeholder ids, cannot tell them from text"),
+    "pixel_values_required": (
+        frozenset({"blip-2", "instructblip", "instructblipvideo"}),
+        "its forward takes pixel_values as a required argument (its Q-Former's query embeddings are computed in every "
+        "call), so a prompt without an image cannot run, and TRL's batches mix prompts with and without images"),
+    "not_autoregressive": (
+        frozenset({"diffusion_gemma"}),
+        "it generates by block diffusion (bidirectional attention inside each block), not token by token, so GRPO's "
+        "per-token log-probs and the probe's causal completion queries do not apply"),
+}
+"""Families whose image attention the probe cannot measure exactly, one entry per reason: {reason key: (model types,
+why)}. ``MDIGRPOTrainer`` refuses them at construction (``check_family``); ``python -m fixtures.sweep`` lists them as
+"refused at construction" with that message."""
+
+
+def family_refusal(model_type: str) -> str | None:
+    """Why ``MDIGRPOTrainer`` refuses the family ``model_type`` at construction (``NOT_CHAT_VLMS``,
+    ``FAMILY_REFUSALS``), or None.
+
+    >>> family_refusal("qwen2_5_vl") is None
+    True
+    >>> family_refusal("pi0").startswith("'pi0' is not a chat vision-language model")
+    True
+    """
+    if model_type in NOT_CHAT_VLMS:
+        return (f"{model_type!r} is not a chat vision-language model: {NOT_CHAT_VLMS[model_type]}, so GRPO with "
+                "image-attention metrics does not apply to it")
+    for types, why in FAMILY_REFUSALS.values():
+        if model_type in types:
+            return (f"{model_type!r}: the attention probe cannot measure this family's image attention: {why}. Fix: "
+                    "train it with trl.GRPOTrainer (no image-attention metrics), or use a decoder-only VLM whose "
+                    "image tokens are self-attention keys (docs/support_matrix.md lists them)")
+    return None
+
+
+def check_family(model_type: str) -> None:
+    """ValueError at construction when ``family_refusal(model_type)`` names a reason.
+
+    >>> check_family("llava")
+    """
+    problem = family_refusal(model_type)
+    if problem:
+        raise ValueError(problem)

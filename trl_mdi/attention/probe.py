@@ -77,11 +77,17 @@ class _ProbeState:
 
     @torch.no_grad()
     def record(self, module, query: torch.Tensor, key: torch.Tensor, attention_mask, scaling,
-               softcap: float | None = None) -> None:
+               softcap: float | None = None, bias: torch.Tensor | None = None,
+               sinks: torch.Tensor | None = None) -> None:
         if not self.calls:
             raise RuntimeError("trl_mdi probe: attention ran before the model's forward pre-hook (unexpected call path)")
         call = self.calls[-1]
         layout = call.layout
+        length = layout.query_mask.shape[1]
+        if query.shape[2] != length and key.shape[2] != length:
+            # Attention over something other than the token sequence (Inkling 2's block attention residuals mix a
+            # position's earlier layer outputs): no token is a key there, so there is nothing to measure.
+            return
         layer = getattr(module, "layer_idx", None)
         if layer is None:
             layer = self._layer_counter
@@ -114,15 +120,25 @@ class _ProbeState:
             k_cut, mask = key.shape[2], attention_mask[:, :, q0:q1, : key.shape[2]]
             if mask.dtype != torch.bool:  # an eager, additive mask: 0 where attending, the dtype's minimum elsewhere
                 mask = mask == 0
-        if softcap is not None and attention_mask is None:
-            # the soft cap is applied to materialised scores (``attend``): it needs a boolean mask, not a bias object
+        scored = softcap is not None or bias is not None or sinks is not None
+        if scored and attention_mask is None:
+            # score terms are applied to materialised scores (``attend``): a boolean mask, not a bias object
             mask = R.causal_bool(q0, q1, q_len, k_cut, q.device)
-        if self.route == "lse" and softcap is None:
+        # The score terms over the measured queries and kept keys (a per-query term has the full query length).
+        if bias is not None:
+            bias = bias.detach()
+            bias = bias[..., q0:q1, :k_cut] if bias.shape[-2] == q_len else bias[..., :k_cut]
+        if sinks is not None:
+            sinks = sinks.detach()
+            if sinks.dim() > 1 and sinks.shape[-2] == q_len:
+                sinks = sinks[..., q0:q1, :]
+        if self.route == "lse" and not scored:
             raw = R.lse_masses(q, key[:, :, :k_cut], dev.block_masks(attention_mask, mask, q0, q1, q_len, k_cut),
                                scaling, len(GROUPS))
-        else:  # the indicator route; a soft-capped model always takes it (flex's log-sum-exp here has no cap)
+        else:  # the indicator route; a model with score terms always takes it (flex's log-sum-exp here has none)
             k = repeat_kv(key[:, :, :k_cut], n_heads // key.shape[1])
-            raw = R.indicator_masses(q, k, dev.values[:, :k_cut], mask, scaling, len(GROUPS), softcap)  # (B, q, G)
+            raw = R.indicator_masses(q, k, dev.values[:, :k_cut], mask, scaling, len(GROUPS), softcap, bias,
+                                     sinks)  # (B, q, G)
         qmask = dev.query_mask[:, q0:q1]
         per_query = raw.masked_fill(~qmask[..., None], 0.0)  # padded queries may be NaN (no visible key)
         layer_mass = per_query.sum(dim=1) / dev.n_queries[:, None]
@@ -136,8 +152,10 @@ class _ProbeState:
             for row, v_row in dev.map_values.items():
                 # Per-image-token mass for this one row: a (H, q, n_image) slice, O(L) like the rest.
                 row_mask = mask if attention_mask is None or mask.shape[0] == 1 else mask[row : row + 1]
+                row_bias = bias if bias is None or bias.shape[0] == 1 else bias[row : row + 1]
+                row_sinks = sinks if sinks is None or sinks.dim() == 1 or sinks.shape[0] == 1 else sinks[row : row + 1]
                 o = R.attend(q[row : row + 1], k[row : row + 1], v_row[None, None, :k_cut].expand(1, n_heads, -1, -1),
-                             row_mask, scaling, softcap)[0].float().mean(dim=0)  # (q, n_image)
+                             row_mask, scaling, softcap, row_bias, row_sinks)[0].float().mean(dim=0)  # (q, n_image)
                 qm = qmask[row]
                 call.maps[row][layer] = torch.where(qm[:, None], o, 0.0).sum(dim=0) / dev.n_queries[row]
 
@@ -271,20 +289,28 @@ def _native(state: _ProbeState | None) -> str:
     return state.native if state is not None and state.native in NATIVE_IMPLEMENTATIONS else "sdpa"
 
 
+SCORE_TERMS = ("softcap", "position_bias", "s_aux", "sinks")
+"""Keyword arguments by which a modeling file adds a term to the attention scores, which the probe reproduces
+(``routes.attend``): Gemma 2's logit ``softcap``, Inkling 2's additive ``position_bias``, and the attention sinks of
+GPT-OSS / HunYuan (``s_aux``, one logit per head) and Inkling 2 (``sinks``). A layer passing one has no SDPA kernel
+here: its own eager function computes the output."""
+
+
 def _probe_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Registered as ``trl_mdi_probe``: the layer's output from the model's own kernel (SDPA or the modeling file's
     eager function, see ``NATIVE_IMPLEMENTATIONS``), unchanged, plus, when a probe is active, the group masses."""
     state = _ACTIVE.get()
     kernel = sdpa_attention_forward
-    # A soft-capped layer (Gemma 2) has no SDPA kernel: its own eager function computes the output whatever the model
-    # was loaded with.
-    if _native(state) == "eager" or kwargs.get("softcap") is not None:
+    # A layer with a score term (Gemma 2's soft cap, sinks, a position bias) has no SDPA kernel: its own eager function
+    # computes the output whatever the model was loaded with.
+    if _native(state) == "eager" or any(kwargs.get(name) is not None for name in SCORE_TERMS):
         # Every modeling file that dispatches through AttentionInterface holds its eager function under this name
         # (its default when the implementation is "eager"); a file without one keeps SDPA's output.
         kernel = getattr(sys.modules[type(module).__module__], "eager_attention_forward", sdpa_attention_forward)
     out = kernel(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if state is not None:
-        state.record(module, query, key, attention_mask, scaling, kwargs.get("softcap"))
+        state.record(module, query, key, attention_mask, scaling, kwargs.get("softcap"), kwargs.get("position_bias"),
+                     kwargs.get("s_aux", kwargs.get("sinks")))
     return out
 
 
@@ -349,7 +375,10 @@ def probe_attention(
 # Can the probe reach a model's attention?
 # --------------------------------------------------------------------------------------------------
 _DISPATCH_NAMES = frozenset({"ALL_ATTENTION_FUNCTIONS", "get_interface"})
-_VISION_PATH_WORDS = frozenset({"vision", "visual", "vit", "audio"})
+# Paths outside the text decoder: the vision / audio towers, BLIP-2's Q-Former, Chameleon's VQ-VAE image tokenizer
+# (vqmodel), and the multimodal projector, whose attention (Aria's cross-attention pooling of image features) runs over
+# image features before they reach the text sequence.
+_VISION_PATH_WORDS = frozenset({"vision", "visual", "vit", "audio", "projector", "qformer", "vqmodel"})
 
 
 def _code_names(code) -> set[str]:

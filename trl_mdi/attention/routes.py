@@ -50,12 +50,18 @@ SOFTCAP_QUERY_BLOCK = 256
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None,
-           softcap: float | None = None) -> torch.Tensor:
+           softcap: float | None = None, bias: torch.Tensor | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(s) v`` with ``s = cap * tanh(q k^T * scale / cap)`` where ``mask`` (bool, True = attend) allows, else
     ``-inf``: attention with the logit soft cap of Gemma 2 (PaliGemma 2) applied before the mask, as its eager kernel
     does; ``s = q k^T * scale`` without a cap.
 
-    Without a cap this is SDPA (O(keys) memory per query); with one, the scores are materialised for
+    Two more score terms, as the modeling files that pass them apply them: ``bias``, an additive score bias
+    broadcastable to (B, H, Q, K) (Inkling 2's ``position_bias``), added after the cap; ``sinks``, one extra logit per
+    head (``(H,)``, GPT-OSS / HunYuan's ``s_aux``) or per query (broadcastable to (B, H, Q, 1), Inkling 2's
+    ``sinks``) joining the softmax with a zero value: it only absorbs mass, so the key masses sum to less than 1.
+
+    Without any of these this is SDPA (O(keys) memory per query); with one, the scores are materialised for
     ``SOFTCAP_QUERY_BLOCK`` query rows at a time. ``q``: (B, H, Q, D), ``k``: (B, H, K, D), ``v``: (B, H, K, G),
     ``mask``: broadcastable to (B, H, Q, K); ``scale`` None means ``D ** -0.5``. A query row that sees no key gives NaN.
 
@@ -66,16 +72,33 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     >>> capped = torch.softmax((torch.tanh(q @ k.transpose(-1, -2) * 0.5 / 0.3) * 0.3).masked_fill(~mask, -torch.inf), -1)
     >>> torch.allclose(attend(q, k, v, mask, 0.5, softcap=0.3), capped @ v, atol=1e-6)
     True
+    >>> sink = torch.tensor([0.7, -0.2])
+    >>> s = (q @ k.transpose(-1, -2) * 0.5).masked_fill(~mask, -torch.inf)
+    >>> sunk = torch.softmax(torch.cat([s, sink.view(1, 2, 1, 1).expand(1, 2, 3, 1)], -1), -1)[..., :-1]
+    >>> torch.allclose(attend(q, k, v, mask, 0.5, sinks=sink), sunk @ v, atol=1e-6)
+    True
     """
-    if softcap is None:
+    if softcap is None and bias is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if sinks is not None and sinks.dim() == 1:
+        sinks = sinks.view(1, -1, 1, 1)
     blocks = []
     for start in range(0, q.shape[2], SOFTCAP_QUERY_BLOCK):
         rows = slice(start, start + SOFTCAP_QUERY_BLOCK)
-        scores = torch.tanh(torch.matmul(q[:, :, rows], k.transpose(-1, -2)) * (scale / softcap)) * softcap
+        scores = torch.matmul(q[:, :, rows], k.transpose(-1, -2)) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if bias is not None:
+            scores = scores + (bias[:, :, rows] if bias.shape[2] > 1 else bias)
         block_mask = mask[:, :, rows] if mask.shape[2] > 1 else mask
-        weights = torch.softmax(scores.float().masked_fill(~block_mask, float("-inf")), dim=-1).to(q.dtype)
+        scores = scores.float().masked_fill(~block_mask, float("-inf"))
+        if sinks is not None:
+            sink = sinks[:, :, rows] if sinks.shape[2] > 1 else sinks
+            sink = sink.float().expand(scores.shape[0], scores.shape[1], scores.shape[2], 1)
+            weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
+        else:
+            weights = torch.softmax(scores, dim=-1).to(q.dtype)
         blocks.append(torch.matmul(weights, v))
     return torch.cat(blocks, dim=2)
 
@@ -93,13 +116,14 @@ def causal_bool(q0: int, q1: int, q_len: int, k_cut: int, device) -> torch.Tenso
 
 
 def indicator_masses(q: torch.Tensor, k: torch.Tensor, values: torch.Tensor, mask, scale: float | None,
-                     n_groups: int, softcap: float | None = None) -> torch.Tensor:
+                     n_groups: int, softcap: float | None = None, bias: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """(B, q, G) float32: the indicator route. ``q`` (B, H, q, D), ``k`` (B, H, K, D) (KV heads repeated),
     ``values`` (B, K, >= G) the indicator columns, ``mask`` a boolean (B or 1, 1, q, K) mask or an SDPA attention
-    bias object (a boolean tensor with ``softcap``: Gemma 2's logit soft cap, :func:`attend`). Padded queries (no
-    visible key) may be NaN: mask them."""
+    bias object (a boolean tensor with a score term: ``softcap``, ``bias``, ``sinks``, :func:`attend`). Padded queries
+    (no visible key) may be NaN: mask them."""
     v = values[:, None].expand(q.shape[0], q.shape[1], -1, -1)
-    out = attend(q, k, v, mask, scale, softcap)[..., :n_groups]
+    out = attend(q, k, v, mask, scale, softcap, bias, sinks)[..., :n_groups]
     return out.float().mean(dim=1)
 
 
