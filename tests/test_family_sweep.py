@@ -32,6 +32,17 @@ def test_exact_and_trains_means_a_tiny_builder():
     assert trains == set(TINY_ARCHS) & set(ROWS)
 
 
+def test_the_readme_counts_what_the_table_says():
+    """README.md's family and type counts follow the committed table (issue 45: "README's family count follows")."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    trains = sum(category == sweep.EXACT_TRAINS for category, _ in ROWS.values())
+    assert re.search(rf"\({trains} families\)", readme), f"README.md should say ({trains} families)"
+    assert f"each of the {len(ROWS)} model types" in readme, f"README.md should say each of the {len(ROWS)} model types"
+
+
 def _still_exact(model_type):
     from fixtures.tiny import TINY_ARCHS
 
