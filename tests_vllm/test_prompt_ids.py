@@ -25,6 +25,11 @@ NOT_CHECKABLE = {"gemma3", "gemma4", "paligemma"}
 # vLLM 0.31 has no Ovis2ForConditionalGeneration (its registry's "Ovis" is AIDC-AI's remote-code class): no processor to
 # run. The trainer refuses Ovis2 under colocate mode anyway (indicator tokens around the run).
 NOT_CHECKABLE |= {"ovis2"}
+# Gemma 3n: vLLM 0.31's processor looks up "\n" in the vocabulary, as for Gemma 3 above (KeyError on the tiny
+# tokenizer). Aya Vision: vLLM 0.31's processor stops with "Failed to apply prompt replacement" on the tiny model
+# (seen; its tile labels are single tokens in the tiny tokenizer, which may not hold for the real one: not checked).
+# The trainer refuses both under colocate mode anyway (markers around and inside the image run).
+NOT_CHECKABLE |= {"gemma3n", "aya_vision"}
 
 
 def vllm_expand(model_dir, ids, image) -> list[int]:
