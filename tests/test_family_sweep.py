@@ -16,8 +16,10 @@ EXACT_TYPES = sorted(t for t, (category, _) in ROWS.items() if category in (swee
 # the TINY_ARCHS families (which tests/test_families.py measures with real images): attention sinks (HunYuan V4's
 # s_aux), Inkling 2's per-query sinks, position bias and block attention residuals, a projector with its own
 # attention (Aria), multi-head latent attention (Kimi K2.5), M-RoPE with a partial rotary (GLM-4.6V), a sliding window
-# the default leaves unset (Step3p7). `make test-e2e` re-runs every exact type.
-FAST = ("hy_v4_vl", "inkling2", "aria", "kimi_k25", "glm46v", "step3p7")
+# the default leaves unset (Step3p7), DeepSeek Sparse Attention's top-k keys with per-layer config overrides (Dots3
+# Note; the modeling file leaves the top-k mask to the attention implementation). `make test-e2e` re-runs every
+# exact type.
+FAST = ("hy_v4_vl", "inkling2", "aria", "kimi_k25", "glm46v", "step3p7", "dots3_note")
 
 
 def test_the_table_has_one_row_per_type_of_the_mapping():

@@ -300,6 +300,8 @@ def _probe_attention_forward(module, query, key, value, attention_mask, dropout=
     """Registered as ``trl_mdi_probe``: the layer's output from the model's own kernel (SDPA or the modeling file's
     eager function, see ``NATIVE_IMPLEMENTATIONS``), unchanged, plus, when a probe is active, the group masses."""
     state = _ACTIVE.get()
+    if kwargs.get("indices") is not None:
+        attention_mask = _mask_unselected_keys(attention_mask, kwargs.pop("indices"), key.shape[-2])
     kernel = sdpa_attention_forward
     # A layer with a score term (Gemma 2's soft cap, sinks, a position bias) has no SDPA kernel: its own eager function
     # computes the output whatever the model was loaded with.
@@ -312,6 +314,24 @@ def _probe_attention_forward(module, query, key, value, attention_mask, dropout=
         state.record(module, query, key, attention_mask, scaling, kwargs.get("softcap"), kwargs.get("position_bias"),
                      kwargs.get("s_aux", kwargs.get("sinks")))
     return out
+
+
+def _mask_unselected_keys(attention_mask: torch.Tensor, indices: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """The mask with every key outside each query's top-k ``indices`` (B, q, k) masked out. DeepSeek Sparse Attention
+    layers (Dots3 Note's indexed layers, HunYuan V4, Mistral Large 4) mask those keys themselves only under "eager"
+    and "sdpa" and hand the indices to any other implementation (a sparse kernel's input), so under the probe's name
+    the unselected keys would stay visible: the layer's output would change and the masses would count keys the
+    layer never reads. The same mask as the modeling files build.
+
+    >>> mask = torch.ones(1, 1, 2, 3, dtype=torch.bool)
+    >>> _mask_unselected_keys(mask, torch.tensor([[[0], [2]]]), 3)[0, 0].tolist()
+    [[True, False, False], [False, False, True]]
+    """
+    unselected = torch.ones(*indices.shape[:2], n_keys, dtype=torch.bool, device=indices.device).scatter(
+        -1, indices.long(), False).unsqueeze(1)
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & ~unselected
+    return attention_mask.masked_fill(unselected, torch.finfo(attention_mask.dtype).min)
 
 
 def _probe_mask(*args, **kwargs):
