@@ -479,7 +479,7 @@ def test_glm46v_is_glm4v_moe_under_another_class(tiny_vlm_dir, tmp_path):
 def test_aya_vision_trains_on_the_log_probs_it_samples_from(tiny_vlm_dir, tmp_path):
     """AyaVisionForConditionalGeneration never applies its Cohere 2 text config's logit_scale, but TRL 1.16's fused LM
     head (every log-prob GRPO trains on) multiplies by it: the trainer builds TRL's head with the scale the model
-    uses (``model_facts.fused_head_as_the_model_computes``), so the trained log-probs are the model's own forward's
+    uses (``trl_mdi.trainer.fused_head_as_the_model_computes``), so the trained log-probs are the model's own forward's
     (0.3 nat off per token before; tests/test_reliance_trainer.py's signals failed that way). The config keeps its
     scale and TRL's function is left as it was."""
     from trl import GRPOConfig

@@ -32,6 +32,18 @@ def test_overridden_method_signatures():
         assert name in logp, name
 
 
+def test_the_fused_head_builder_we_wrap_is_where_we_wrap_it():
+    """``trl_mdi.trainer.fused_head_as_the_model_computes`` (Aya Vision's unapplied logit scale) swaps
+    ``trl.trainer.grpo_trainer.add_fused_lm_head`` while GRPOTrainer builds: if TRL moves or renames it, the swap
+    would silently do nothing."""
+    import inspect
+
+    from trl.trainer import grpo_trainer
+
+    assert callable(grpo_trainer.add_fused_lm_head)
+    assert "add_fused_lm_head(" in inspect.getsource(grpo_trainer.GRPOTrainer.__init__)
+
+
 def test_model_card_names_we_escape():
     """MDIGRPOTrainer.create_model_card escapes the names TRL puts into the model card's Markdown: TRL's signature,
     and the one name GRPOTrainer passes at every checkpoint (the output folder's)."""

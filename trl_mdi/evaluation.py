@@ -118,7 +118,7 @@ def evaluate_accuracy(model, processor, ds, *, batch_size: int = 50, max_new_tok
         for lo in range(0, len(ds), batch_size):
             batch = ds[lo : lo + batch_size]
             prompt_ids, fields = encode_prompts(processor, batch["prompt"], [[img] for img in batch["image"]],
-                                                facts=facts, dtype=model.dtype)
+                                                facts=facts, dtype=getattr(model, "dtype", None))
             prompt = policy_batch(prompt_ids, [[] for _ in prompt_ids], pad_token_id=tok.pad_token_id,
                                   multimodal=fields, device=model.device, facts=facts)
             out = model.generate(**prompt.model_inputs(), max_new_tokens=max_new_tokens, do_sample=False,

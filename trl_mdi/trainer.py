@@ -67,8 +67,8 @@ from . import signals as S
 from .answer_tokens import answer_tokens
 from .attention import ModalityAttention, probe_attention, trailing_completion_layout
 from .attention.model_facts import (
+    LOGIT_SCALE_UNUSED,
     expert_count_for_trl,
-    fused_head_as_the_model_computes,
     load_model_config,
     processor_for_trl,
     typed_system_problem,
@@ -268,6 +268,40 @@ def _first_prompt_has_system(dataset) -> bool:
     except Exception:  # noqa: BLE001 - no dataset, no prompt column, an unreadable first row
         return dataset is not None
     return isinstance(prompt, list) and any(isinstance(m, dict) and m.get("role") == "system" for m in prompt)
+
+
+@contextlib.contextmanager
+def fused_head_as_the_model_computes(model_type: str):
+    """While TRL builds its trainer, make its fused LM head score log-probs as the model's own forward computes logits.
+
+    TRL 1.16's ``GRPOTrainer.__init__`` patches the model with a fused LM head (``trl.trainer.utils.add_fused_lm_head``)
+    that computes every log-prob it trains on from ``hidden @ W`` times the text config's ``logit_scale``. A family in
+    ``LOGIT_SCALE_UNUSED`` samples (``generate``) from unscaled logits, so TRL's log-probs came from another
+    distribution than the one that generated the completions (the tiny Aya Vision, with Cohere 2's default scale
+    0.0625: up to 0.3 nat off per token). Inside this context TRL's patch reads a scale of 1 for such a model;
+    the config keeps its value (saved checkpoints and vLLM read it). Other families: nothing changes.
+    """
+    if model_type not in LOGIT_SCALE_UNUSED:
+        yield
+        return
+    from trl.trainer import grpo_trainer
+
+    original = grpo_trainer.add_fused_lm_head
+
+    def add_fused_lm_head(model, *args, **kwargs):
+        text_config = model.config.get_text_config()
+        scale = getattr(text_config, "logit_scale", None)
+        text_config.logit_scale = 1.0  # read once, when TRL builds the head
+        try:
+            return original(model, *args, **kwargs)
+        finally:
+            text_config.logit_scale = scale
+
+    grpo_trainer.add_fused_lm_head = add_fused_lm_head
+    try:
+        yield
+    finally:
+        grpo_trainer.add_fused_lm_head = original
 
 
 class MDIGRPOTrainer(GRPOTrainer):

@@ -9,7 +9,7 @@ predicted here are exactly the layers the probe then records.
 
 from __future__ import annotations
 
-import contextlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -422,40 +422,6 @@ LOGIT_SCALE_UNUSED = {
 }
 
 
-@contextlib.contextmanager
-def fused_head_as_the_model_computes(model_type: str):
-    """While TRL builds its trainer, make its fused LM head score log-probs as the model's own forward computes logits.
-
-    TRL 1.16's ``GRPOTrainer.__init__`` patches the model with a fused LM head (``trl.trainer.utils.add_fused_lm_head``)
-    that computes every log-prob it trains on from ``hidden @ W`` times the text config's ``logit_scale``. A family in
-    ``LOGIT_SCALE_UNUSED`` samples (``generate``) from unscaled logits, so TRL's log-probs came from another
-    distribution than the one that generated the completions (the tiny Aya Vision, with Cohere 2's default scale
-    0.0625: up to 0.3 nat off per token). Inside this context TRL's patch reads a scale of 1 for such a model;
-    the config keeps its value (saved checkpoints and vLLM read it). Other families: nothing changes.
-    """
-    if model_type not in LOGIT_SCALE_UNUSED:
-        yield
-        return
-    from trl.trainer import grpo_trainer
-
-    original = grpo_trainer.add_fused_lm_head
-
-    def add_fused_lm_head(model, *args, **kwargs):
-        text_config = model.config.get_text_config()
-        scale = getattr(text_config, "logit_scale", None)
-        text_config.logit_scale = 1.0  # read once, when TRL builds the head
-        try:
-            return original(model, *args, **kwargs)
-        finally:
-            text_config.logit_scale = scale
-
-    grpo_trainer.add_fused_lm_head = add_fused_lm_head
-    try:
-        yield
-    finally:
-        grpo_trainer.add_fused_lm_head = original
-
-
 # Text defaults of a processor class that TRL 1.16's batched prompt tokenization cannot take (``processor_for_trl``).
 _TEXT_DEFAULTS_TRL_CANNOT_TAKE = ("return_tensors", "padding", "padding_side")
 
@@ -643,6 +609,12 @@ TRANSFORMERS_FORWARD_PROBLEMS = {
 transformers: the refusal fires exactly where the tiny model's forward really fails."""
 
 
+def _release(version: str) -> tuple[int, ...]:
+    """A version's release numbers ("5.24.0.dev0" -> (5, 24, 0)): enough to order transformers releases without
+    importing ``packaging`` into the maths modules."""
+    return tuple(int(part) for part in re.match(r"\d+(?:\.\d+)*", version).group().split("."))
+
+
 def transformers_forward_problem(model_type: str, version: str | None = None) -> str | None:
     """Why the family cannot run a forward on transformers ``version`` (default: the installed one), else None.
 
@@ -656,14 +628,12 @@ def transformers_forward_problem(model_type: str, version: str | None = None) ->
     entry = TRANSFORMERS_FORWARD_PROBLEMS.get(model_type)
     if entry is None:
         return None
-    from packaging.version import Version
-
     if version is None:
         import transformers
 
         version = transformers.__version__
     first, problem = entry
-    return problem if Version(version) >= Version(first) else None
+    return problem if _release(version) >= _release(first) else None
 
 
 TRAINING_PROBLEMS = {
