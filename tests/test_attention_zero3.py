@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.e2e  # minutes-long (a launch of 2 processes or a whole command): make test-e2e, which CI runs
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_probe_exact_under_zero3_two_processes(tiny_vlm_dir, tmp_path):

@@ -45,6 +45,7 @@ def report(tmp_path_factory) -> tuple[dict, Path]:
     return json.loads(out.read_text()), out
 
 
+@pytest.mark.e2e  # minutes-long (a launch of 2 processes or a whole command): make test-e2e, which CI runs
 def test_every_shape_is_measured_on_the_inputs_asked_for(report):
     data, _ = report
     assert data["skipped"] == []
@@ -60,6 +61,7 @@ def test_every_shape_is_measured_on_the_inputs_asked_for(report):
         assert r["checks"]["n_queries"] == r["n_completion"]  # the probe measured every completion token
 
 
+@pytest.mark.e2e  # minutes-long (a launch of 2 processes or a whole command): make test-e2e, which CI runs
 def test_memory_and_times_are_measured_and_the_ratios_follow_from_them(report):
     data, _ = report
     for r in data["rows"]:
@@ -77,6 +79,7 @@ def test_memory_and_times_are_measured_and_the_ratios_follow_from_them(report):
             assert r["ratios"][v]["time"] == pytest.approx(r["median_s"][v] / r["median_s"]["a"])
 
 
+@pytest.mark.e2e  # minutes-long (a launch of 2 processes or a whole command): make test-e2e, which CI runs
 def test_probe_masses_sum_to_one_and_match_the_eager_reference(report):
     data, _ = report
     for r in data["rows"]:
@@ -92,6 +95,7 @@ def test_probe_masses_sum_to_one_and_match_the_eager_reference(report):
         assert by_role == {"model": TINY_TEXT["num_layers"], "probe": TINY_TEXT["num_layers"]}
 
 
+@pytest.mark.e2e  # minutes-long (a launch of 2 processes or a whole command): make test-e2e, which CI runs
 def test_machine_and_model_are_recorded(report):
     data, _ = report
     assert data["machine"]["torch"] == torch.__version__ and data["machine"]["device"] == "cpu"
@@ -102,6 +106,7 @@ def test_machine_and_model_are_recorded(report):
     assert "--out" not in data["argv"] and data["argv"][:3] == ["--tiny", "--device", "cpu"]
 
 
+@pytest.mark.e2e  # minutes-long (a launch of 2 processes or a whole command): make test-e2e, which CI runs
 def test_the_section_is_rendered_into_results(report, tmp_path):
     data, path = report
     results = tmp_path / "RESULTS.md"

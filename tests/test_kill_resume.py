@@ -49,6 +49,7 @@ def _prompts(path: Path) -> dict[int, list[str]]:
     return out
 
 
+@pytest.mark.e2e  # minutes-long (a launch of 2 processes or a whole command): make test-e2e, which CI runs
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_kill_9_then_resume(tiny_vlm_dir, prepared_aokvqa_dir, tmp_path):

@@ -715,6 +715,7 @@ def test_the_replication_report_from_runs():
                                                                 workers=2, missing=[])
 
 
+@pytest.mark.e2e  # minutes-long (a launch of 2 processes or a whole command): make test-e2e, which CI runs
 def test_a_tie_for_the_steadiest_signal_goes_to_the_first_listed_in_every_process():
     """It used to depend on a set's order, which changes with the process's hash seed."""
     import os

@@ -128,6 +128,7 @@ def test_sigterm_writes_the_stopped_line_and_with_save_on_sigterm_saves_a_checkp
     check_saved_and_resumable(model_dir, data, overrides, tmp_path, reason, processes=1)
 
 
+@pytest.mark.e2e  # minutes-long (a launch of 2 processes or a whole command): make test-e2e, which CI runs
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("to", ["launcher", "rank 1"])
@@ -153,3 +154,25 @@ def test_save_on_sigterm_under_accelerate_launch_all_ranks_agree(to, tiny_vlm_di
                         r"process and stopped \(save_on_sigterm\); resume with --resume_from_checkpoint true",
                         reason), reason
     check_saved_and_resumable(model_dir, data, overrides, tmp_path, reason, processes=2)
+
+
+def test_a_sigterm_the_interrupted_code_rewraps_still_ends_the_run_as_preempted():
+    # Seen in the suite: SIGTERM landed while matplotlib's C extension initialised; its module init turned the
+    # handler's Preempted into "ImportError: initialization failed" and the run exited 1 instead of 143.
+    from trl_mdi.preemption import Preempted, watch_sigterm
+
+    with watch_sigterm(False, lambda: 6) as watch:
+        try:
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler raises here, at the next bytecode
+            except Preempted as interrupted:
+                raise ImportError("initialization failed") from interrupted
+        except ImportError as caught:
+            ended = watch.as_raised(caught)
+    assert isinstance(ended, Preempted) and ended.code == EXIT_STATUS
+    assert "SIGTERM during step 7" in str(ended) and isinstance(ended.__cause__, ImportError)
+    other = ValueError("not from the signal")
+    with watch_sigterm(False, lambda: 0) as quiet:
+        pass
+    assert quiet.as_raised(other) is other and signal.getsignal(signal.SIGTERM) is not None

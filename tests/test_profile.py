@@ -350,6 +350,7 @@ def test_every_documented_command_line_parses():
         assert args.model_name_or_path and args.out
 
 
+@pytest.mark.e2e  # minutes-long (a launch of 2 processes or a whole command): make test-e2e, which CI runs
 @pytest.mark.slow
 def test_the_documented_commands_run(tmp_path):
     """docs/profile.md's runnable block, as tests/test_readme.py runs it: offline, writing under a temporary folder."""

@@ -121,6 +121,20 @@ def test_ci_runs_every_test():
     assert ci == ["make test", "make test-e2e", "make test-vllm"]
 
 
+def test_testing_doc_names_every_file_with_e2e_tests():
+    """docs/testing.md says what `make test` leaves to `make test-e2e`: every test file holding an e2e test is named
+    in that paragraph (a test moved there for time is one a reader of `make test`'s output no longer sees)."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    paragraph = (DOCS / "testing.md").read_text(encoding="utf-8").split("`make test-fast`")[0]
+    marked = {path.name for path in (root / "tests").glob("test_*.py")
+              if re.search(r"pytest\.mark\.e2e|marks=pytest\.mark\.e2e", path.read_text(encoding="utf-8"))}
+    assert "test_demo.py" in marked and "test_readme.py" in marked  # the search finds decorators and params
+    missing = sorted(name for name in marked if f"`{name}`" not in paragraph)
+    assert not missing, f"docs/testing.md does not say these files hold tests `make test` leaves to e2e: {missing}"
+
+
 def test_config_reference_is_generated_from_the_dataclass():
     embedded = config_doc.embedded_block((DOCS / "config.md").read_text(encoding="utf-8"))
     assert embedded == config_doc.render_table(), (
@@ -140,6 +154,7 @@ def test_first_sentence_of_every_help_is_non_empty():
 # ------------------------------------------------------------------------------------------------ 2. commands
 
 
+@pytest.mark.e2e  # minutes-long (a launch of 2 processes or a whole command): make test-e2e, which CI runs
 def test_runnable_blocks_run(tmp_path):
     # `make demo` / `make test` are never marked runnable (minutes; recursive), see the module docstring.
     blocks = [body for runnable, body in bash_blocks(all_docs_text()) if runnable]

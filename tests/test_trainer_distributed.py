@@ -94,6 +94,7 @@ def check_mixed_layout(records: list[dict]) -> None:
     assert (False, True) in micro[:4] and micro[4:] == [(True, False)] * 4, micro
 
 
+@pytest.mark.e2e  # minutes-long (a launch of 2 processes or a whole command): make test-e2e, which CI runs
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_zero3_with_images_on_one_process_only_trains_checkpoints_and_resumes(tiny_vlm_dir, prepared_aokvqa_dir,
@@ -130,6 +131,7 @@ def test_zero3_with_images_on_one_process_only_trains_checkpoints_and_resumes(ti
     assert logs and all(math.isfinite(h["loss"]) for h in logs)
 
 
+@pytest.mark.e2e  # minutes-long (a launch of 2 processes or a whole command): make test-e2e, which CI runs
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_ddp_parameters_are_the_same_with_and_without_the_dummy_vision_pass(tiny_vlm_dir, prepared_aokvqa_dir,
@@ -191,6 +193,7 @@ def zero3_families(script: str, out: Path, model_dirs: list[str], timeout: int =
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
+@pytest.mark.e2e  # minutes-long (a launch of 2 processes or a whole command): make test-e2e, which CI runs
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_every_family_under_zero3_in_one_launch(tiny_vlm_dir, tmp_path):

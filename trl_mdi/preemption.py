@@ -53,6 +53,17 @@ class SigtermWatch:
     requested: bool = False
     step: int | None = None
     installed: bool = False
+    raised: Preempted | None = None
+
+    def as_raised(self, error: BaseException) -> BaseException:
+        """The exception a run stopped by ``error`` should end with: the :class:`Preempted` this watch's handler
+        raised, when code the signal interrupted swallowed or rewrapped it (a C extension's module init, interrupted
+        mid-import, turns it into ``ImportError: initialization failed``; the process would exit 1, not 143), else
+        ``error`` itself."""
+        if self.raised is None or error is self.raised:
+            return error
+        self.raised.__cause__ = error
+        return self.raised
 
 
 @contextmanager
@@ -69,8 +80,9 @@ def watch_sigterm(save: bool, step: Callable[[], int]) -> Iterator[SigtermWatch]
         now = step() + 1  # the step in progress
         if not save or watch.requested:
             again = " (a second SIGTERM while the checkpoint was pending)" if watch.requested else ""
-            raise Preempted(f"SIGTERM during step {now}{again}: stopped at once, no checkpoint saved"
-                            + ("" if save else " (save_on_sigterm is off)") + "; resume from the last checkpoint")
+            watch.raised = Preempted(f"SIGTERM during step {now}{again}: stopped at once, no checkpoint saved"
+                                     + ("" if save else " (save_on_sigterm is off)") + "; resume from the last checkpoint")
+            raise watch.raised
         watch.requested, watch.step = True, now
 
     previous = signal.signal(signal.SIGTERM, handler)

@@ -483,11 +483,14 @@ class MDIGRPOTrainer(GRPOTrainer):
                 self.add_callback(stop)
             try:
                 out = super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
-            except BaseException as e:
+            except BaseException as caught:
+                e = sigterm.as_raised(caught)  # a SIGTERM the interrupted code rewrapped still ends the run as one
                 if self.live_logs is not None:
                     self.live_logs.stopped(self.state.global_step, e)
                     self.live_logs.close()
-                raise
+                if e is caught:
+                    raise
+                raise e from caught
             finally:
                 if stop is not None:
                     self.remove_callback(stop)
