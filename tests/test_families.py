@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-from fixtures.testing import eager_masses, grpo_batch, shape_image
+from fixtures.testing import eager_masses, family_params, grpo_batch, shape_image
 from fixtures.tiny import TINY_ARCHS
 from trl_mdi import signals as S
 from trl_mdi.attention import image_token_ids, measure_modality_attention
@@ -195,7 +195,7 @@ def test_per_query_image_mass_falls_back_to_all_layers(tiny_vlm_dir, caplog):
 TWO_IMAGE_ROWS_FAIL_UNDER_TRL = ("llava_onevision",)
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("arch", family_params(TINY_ARCHS))
 def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
     """A row with two images next to a one-image row and a text-only row: every image token of the row counts, and
     the per-layer masses equal eager attention weights (1e-5)."""
@@ -221,9 +221,9 @@ def test_two_image_row_equals_eager(tiny_vlm_dir, arch):
     assert err < 1e-5, f"{arch}: max |probe - eager| = {err:.2e}"
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3",
-                                  "llava", "glm4v", "qwen3_vl_moe", "mistral3", "lfm2_vl", "paligemma",
-                                  "glm4v_moe", "gemma3n", "ovis2"])
+@pytest.mark.parametrize("arch", family_params(["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe",
+                                                "gemma3", "llava", "glm4v", "qwen3_vl_moe", "mistral3", "lfm2_vl",
+                                                "paligemma", "glm4v_moe", "gemma3n", "ovis2"]))
 def test_per_image_maps_of_a_two_image_row_equal_eager(tiny_vlm_dir, arch):
     """The attention maps of a two-image row (images of different sizes): the probe's per-image-token masses equal
     eager attention weights token by token, and the per-image split the maps use (each image's token grid) cuts

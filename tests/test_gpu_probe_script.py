@@ -174,6 +174,7 @@ def test_matching_commit_finds_the_commit_whose_files_a_dirty_base_held(tmp_path
     assert matching_commit({"commit": base, "dirty": False, "diff": None}, root=repo) is None  # clean: nothing to match
 
 
+@pytest.mark.e2e  # minutes-long (a launch of 2 processes or a whole command): make test-e2e, which CI runs
 def test_a_peak_read_as_zero_finishes_the_run_and_renders_a_dash(tmp_path):
     # On the CPU a small call's peak can read as 0 (the kernel's per-CPU RSS counters): the ratio is then None, and
     # the run must still log, write its JSON and render, not stop at a format string.

@@ -270,6 +270,7 @@ def test_position_gains_line_up_from_the_end(tiny_tokenizer):
 # ---------------------------------------------------------------------------------------------------- smoke
 
 
+@pytest.mark.e2e  # minutes-long (a launch of 2 processes or a whole command): make test-e2e, which CI runs
 def test_short_warmup_writes_both_styles():
     """A short look-or-guess warm-up (well under the full recipe) already writes both styles when sampled, each
     answering from its reasoning; the full recipe's figures are `python -m benchmarks.look_or_guess warmup-check`'s."""

@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fixtures.testing import eager_masses, shape_image
+from fixtures.testing import eager_masses, family_params, shape_image
 from fixtures.tiny import TINY_ARCHS
 from trl_mdi.attention import ModalityAttention, image_token_ids
 from trl_mdi.data.images import decode_row_images
@@ -100,7 +100,7 @@ def test_profile_masses_equal_eager_across_batch_sizes_and_padding(tiny_vlm_dir)
     assert max(errors.values()) < 1e-5, errors
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("arch", family_params(TINY_ARCHS))
 def test_every_family_is_profiled_exactly(tiny_vlm_dir, arch):
     """Rendering, greedy generation and measurement on every family the probe supports (hybrid linear / sliding-window
     layers, LLaVA-NeXT, Gemma 4), against eager weights of the softmax layers, over a padded batch with a text-only row."""

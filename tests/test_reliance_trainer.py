@@ -20,6 +20,7 @@ from test_trainer import ForwardCounter, make_args, spread_reward
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl import GRPOTrainer
 
+from fixtures.testing import family_params
 from fixtures.tiny import TINY_ARCHS
 from trl_mdi.batch import policy_batch
 from trl_mdi.diagnostics.completions_table import column_names
@@ -374,14 +375,7 @@ def test_every_counterfactual_kind_encodes_on_every_family(tiny_vlm_dir, arch):
     assert not failed, (arch, failed)
 
 
-# `make test` keeps one family per way of placing the image (about 5 s each): M-RoPE grid (Qwen2.5-VL), hybrid
-# attention (Qwen3.5), a sliding window (Gemma 3), image splitting (Idefics3), any-resolution tiles (LLaVA-NeXT), a
-# bidirectional prefix (PaliGemma), tiles + thumbnail (InternVL); `make test-e2e` (CI) runs the other families.
-SIGNAL_FAMILIES_IN_MAKE_TEST = ("qwen2_5_vl", "qwen3_5", "gemma3", "idefics3", "llava_next", "paligemma", "internvl")
-
-
-@pytest.mark.parametrize("arch", [a if a in SIGNAL_FAMILIES_IN_MAKE_TEST else pytest.param(a, marks=pytest.mark.e2e)
-                                  for a in TINY_ARCHS])
+@pytest.mark.parametrize("arch", family_params(TINY_ARCHS))
 def test_every_family_gets_the_signals_at_its_answer_letter(tiny_vlm_dir, grpo_train_dataset, tmp_path, monkeypatch,
                                                             arch):
     """Hybrid (Qwen3.5), sliding-window (Gemma 3), any-resolution tiles (LLaVA-NeXT, LLaVA-OneVision), image splitting

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForImageTextToText
 from trl import GRPOConfig
 
-from fixtures.testing import zen_image_dataset
+from fixtures.testing import family_params, zen_image_dataset
 from fixtures.tiny import TINY_ARCHS
 from trl_mdi import MDIGRPOTrainer
 
@@ -63,7 +63,7 @@ def image_data():
     return zen_image_dataset(12)
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("arch", family_params(TINY_ARCHS))
 def test_training_vlm(arch, tiny_vlm_dir, image_data, tmp_path):
     trainer = MDIGRPOTrainer(model=str(tiny_vlm_dir(arch)), reward_funcs=spread_reward, args=grpo_args(tmp_path),
                              train_dataset=image_data)
@@ -77,7 +77,7 @@ def test_training_vlm(arch, tiny_vlm_dir, image_data, tmp_path):
         assert "2 measured: 1, 3" in header and "linear_attention layers have no attention weights" in header
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("arch", family_params(TINY_ARCHS))
 def test_training_vlm_peft(arch, tiny_vlm_dir, image_data, tmp_path):
     from peft import LoraConfig
 

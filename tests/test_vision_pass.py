@@ -6,12 +6,13 @@ from test_trainer import make_args, spread_reward
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl import GRPOConfig, GRPOTrainer
 
+from fixtures.testing import family_params
 from fixtures.tiny import TINY_ARCHS
 from trl_mdi.trainer import MDIGRPOTrainer
 from trl_mdi.vision_pass import dummy_vision_inputs, vision_pass_for_run, zero_weighted_vision_pass
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("arch", family_params(TINY_ARCHS))
 def test_every_family_runs_its_tower_and_keeps_loss_and_gradients(tiny_vlm_dir, arch):
     path = tiny_vlm_dir(arch)
     processor = AutoProcessor.from_pretrained(path)
@@ -87,7 +88,7 @@ def test_without_a_dummy_pass_zero3_keeps_the_clear_error():
     assert images_on_some_processes_only([image_row], accelerator, has_vision_pass=False, zero3=True) is False
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("arch", family_params(TINY_ARCHS))
 def test_a_slice_with_zero_images_is_the_text_only_forward(tiny_vlm_dir, arch):
     """TRL hands a chunk / micro-batch of text-only rows image tensors sliced to zero images: with the guard the
     forward equals the text-only forward bit for bit (and, with the dummy pass, runs the dummy)."""

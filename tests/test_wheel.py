@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # builds and installs the wheel: make test-e2e, which CI runs
 
 ROOT = Path(__file__).resolve().parents[1]
 # What a clean clone lacks (.gitignore), so the copy is what a release would be built from.
