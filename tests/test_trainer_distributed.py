@@ -26,6 +26,7 @@ def launch(config: str, model_dir: Path, data: Path, out: Path, overrides: dict,
     return sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["rank"])
 
 
+@pytest.mark.e2e  # minutes-long (a launch of 2 processes or a whole command): make test-e2e, which CI runs
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize(
