@@ -156,23 +156,33 @@ def test_save_on_sigterm_under_accelerate_launch_all_ranks_agree(to, tiny_vlm_di
     check_saved_and_resumable(model_dir, data, overrides, tmp_path, reason, processes=2)
 
 
-def test_a_sigterm_the_interrupted_code_rewraps_still_ends_the_run_as_preempted():
-    # Seen in the suite: SIGTERM landed while matplotlib's C extension initialised; its module init turned the
-    # handler's Preempted into "ImportError: initialization failed" and the run exited 1 instead of 143.
-    from trl_mdi.preemption import Preempted, watch_sigterm
+def test_a_sigterm_the_interrupted_code_rewraps_still_ends_the_run_as_preempted(tiny_vlm_dir, grpo_train_dataset,
+                                                                              tmp_path):
+    """Seen in the suite: SIGTERM landed while matplotlib's C extension initialised; its module init turned the
+    handler's Preempted into "ImportError: initialization failed" and the run exited 1 instead of 143. A callback
+    plays that import: ``train`` must still end with Preempted (status 143) and write it as the logs' last line."""
+    from test_trainer import make_args, spread_reward
+    from transformers import TrainerCallback
 
-    with watch_sigterm(False, lambda: 6) as watch:
-        try:
+    from trl_mdi import MDIGRPOTrainer
+    from trl_mdi.preemption import Preempted
+
+    class ImportInterrupted(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
             try:
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(5)  # the handler raises here, at the next bytecode
             except Preempted as interrupted:
                 raise ImportError("initialization failed") from interrupted
-        except ImportError as caught:
-            ended = watch.as_raised(caught)
-    assert isinstance(ended, Preempted) and ended.code == EXIT_STATUS
-    assert "SIGTERM during step 7" in str(ended) and isinstance(ended.__cause__, ImportError)
-    other = ValueError("not from the signal")
-    with watch_sigterm(False, lambda: 0) as quiet:
-        pass
-    assert quiet.as_raised(other) is other and signal.getsignal(signal.SIGTERM) is not None
+
+    args = make_args(tmp_path, max_steps=1)
+    trainer = MDIGRPOTrainer(model=str(tiny_vlm_dir("qwen2_5_vl")), reward_funcs=spread_reward, args=args,
+                             train_dataset=grpo_train_dataset, callbacks=[ImportInterrupted()])
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Preempted) as stopped:
+        trainer.train()
+    assert stopped.value.code == EXIT_STATUS and isinstance(stopped.value.__cause__, ImportError)
+    assert str(stopped.value).startswith("SIGTERM during step 1: stopped at once")
+    step, reason = last_stop(Path(args.rollout_log_path))
+    assert step == 0 and reason.startswith("Preempted: SIGTERM during step 1"), reason
+    assert signal.getsignal(signal.SIGTERM) is handler  # put back

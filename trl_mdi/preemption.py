@@ -59,11 +59,8 @@ class SigtermWatch:
         """The exception a run stopped by ``error`` should end with: the :class:`Preempted` this watch's handler
         raised, when code the signal interrupted swallowed or rewrapped it (a C extension's module init, interrupted
         mid-import, turns it into ``ImportError: initialization failed``; the process would exit 1, not 143), else
-        ``error`` itself."""
-        if self.raised is None or error is self.raised:
-            return error
-        self.raised.__cause__ = error
-        return self.raised
+        ``error`` itself (raise it ``from error``)."""
+        return error if self.raised is None else self.raised
 
 
 @contextmanager
