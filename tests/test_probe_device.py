@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from fixtures.testing import MAKE_TEST_FAMILIES, eager_masses, grpo_batch, shape_image
+from fixtures.testing import eager_masses, family_params, grpo_batch, shape_image
 from fixtures.tiny import TINY_ARCHS
 from trl_mdi.attention import measure_modality_attention, routes
 from trl_mdi.attention import probe as probe_module
@@ -192,9 +192,7 @@ def test_the_counter_sees_what_it_counts():
 FAMILIES = [(a, {}) for a in TINY_ARCHS] + [("gemma3", {"sliding_window": 8})]
 
 
-@pytest.mark.parametrize("arch, kwargs", [
-    pytest.param(a, k, id=f"{a}{'-window8' if k else ''}", marks=() if a in MAKE_TEST_FAMILIES else pytest.mark.e2e)
-    for a, k in FAMILIES])
+@pytest.mark.parametrize("arch, kwargs", family_params(FAMILIES, ids=[f"{a}{'-window8' if k else ''}" for a, k in FAMILIES]))
 def test_the_routes_agree_on_every_family(tiny_vlm_dir, arch, kwargs):
     """Masses, per-token image mass and per-image maps: the log-sum-exp route equals the indicator route (1e-5) on a
     padded batch (a boolean mask, a sliding window for Gemma) and on one unpadded row (no mask: the causal bias)."""
