@@ -19,6 +19,12 @@ export WANDB_MODE ?= offline
 
 DEMO_DIR ?= demo_run
 
+# The suites run on 2 pytest-xdist workers: most tests drive tiny models and keep one core busy (Python, not
+# matmuls), so a second worker nearly halves the wall time on 2 cores. Tests that launch 2 processes (marker
+# `distributed`) all run on one worker, one after another (tests/conftest.py groups them): two launches at once
+# would share accelerate's default port and each would get one core. `make test PYTEST_PARALLEL=` runs serially.
+PYTEST_PARALLEL ?= -n 2 --dist loadgroup
+
 .PHONY: install test test-e2e test-fast test-vllm demo lint clean
 
 install: $(STAMP)
@@ -33,13 +39,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: install
-	$(BIN)/python -m pytest -m "not e2e"
+	$(BIN)/python -m pytest -m "not e2e" $(PYTEST_PARALLEL)
 
 test-e2e: install
-	$(BIN)/python -m pytest -m e2e
+	$(BIN)/python -m pytest -m e2e $(PYTEST_PARALLEL)
 
 test-fast: install
-	$(BIN)/python -m pytest -m "not slow and not distributed and not e2e"
+	$(BIN)/python -m pytest -m "not slow and not distributed and not e2e" $(PYTEST_PARALLEL)
 
 # `make test-vllm`: the vLLM tests (tests_vllm/, outside `make test`'s testpaths) in a second virtualenv holding
 # vLLM's CPU build, so that TRL's colocate mode really generates. The main .venv is left as it is. From a fresh

@@ -55,3 +55,17 @@ def grpo_train_dataset(prepared_aokvqa_dir: Path):
 
     ds = load_dataset("parquet", data_files=str(prepared_aokvqa_dir / "train.parquet"), split="train")
     return ds.map(to_conversational)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests that launch 2 processes share one pytest-xdist worker (`--dist loadgroup`, the Makefile's default).
+
+    Two launches at once would both ask for accelerate's default port (the second falls back to a random one, racily)
+    and each would get one of the 2 cores, so their timeouts would be measured on half the machine. Serially on one
+    worker, they run beside the single-process tests on the other. Without xdist the mark does nothing.
+    """
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if item.get_closest_marker("distributed") is not None:
+            item.add_marker(pytest.mark.xdist_group("two_process_launches"))

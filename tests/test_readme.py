@@ -114,11 +114,42 @@ def test_ci_runs_every_test():
     (and the vLLM suite): splitting the suite for time never drops a test from CI."""
     root = Path(__file__).resolve().parents[1]
     make = (root / "Makefile").read_text(encoding="utf-8")
-    assert "test: install\n\t$(BIN)/python -m pytest -m \"not e2e\"\n" in make
-    assert "test-e2e: install\n\t$(BIN)/python -m pytest -m e2e\n" in make
+    assert "test: install\n\t$(BIN)/python -m pytest -m \"not e2e\" $(PYTEST_PARALLEL)\n" in make
+    assert "test-e2e: install\n\t$(BIN)/python -m pytest -m e2e $(PYTEST_PARALLEL)\n" in make
     ci = [line for line in (root / ".ci" / "run").read_text(encoding="utf-8").splitlines()
           if line.startswith("make ")]
     assert ci == ["make test", "make test-e2e", "make test-vllm"]
+
+
+def test_two_process_launches_share_one_xdist_worker(request):
+    """The suites run on 2 xdist workers (`--dist loadgroup`); tests conftest.py marks `distributed` (they launch 2
+    processes) all land in one group, so no two launches run at once; other tests stay ungrouped."""
+    import pytest
+
+    hook = next(p.pytest_collection_modifyitems for p in request.config.pluginmanager.get_plugins()
+                if str(getattr(p, "__file__", "")).endswith(str(Path("tests") / "conftest.py")))
+
+    class Item:
+        def __init__(self, *marks):
+            self.own_markers = list(marks)
+
+        def get_closest_marker(self, name):
+            return next((m for m in self.own_markers if m.name == name), None)
+
+        def add_marker(self, mark):
+            self.own_markers.append(mark.mark)
+
+    class Config:
+        def __init__(self, xdist):
+            self.pluginmanager = type("PM", (), {"hasplugin": staticmethod(lambda name: xdist and name == "xdist")})()
+
+    launch, single, slow = Item(pytest.mark.distributed.mark), Item(), Item(pytest.mark.slow.mark)
+    hook(Config(xdist=True), [launch, single, slow])
+    assert [m.args for m in launch.own_markers if m.name == "xdist_group"] == [("two_process_launches",)]
+    assert single.get_closest_marker("xdist_group") is None and slow.get_closest_marker("xdist_group") is None
+    plain = Item(pytest.mark.distributed.mark)
+    hook(Config(xdist=False), [plain])  # pytest without xdist (e.g. `make test PYTEST_PARALLEL=`): no mark added
+    assert plain.get_closest_marker("xdist_group") is None
 
 
 def test_testing_doc_names_every_file_with_e2e_tests():
