@@ -57,15 +57,19 @@ def grpo_train_dataset(prepared_aokvqa_dir: Path):
     return ds.map(to_conversational)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests that launch 2 processes share one pytest-xdist worker (`--dist loadgroup`, the Makefile's default).
 
-    Two launches at once would both ask for accelerate's default port (the second falls back to a random one, racily)
-    and each would get one of the 2 cores, so their timeouts would be measured on half the machine. Serially on one
-    worker, they run beside the single-process tests on the other. Without xdist the mark does nothing.
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that launches 2 processes (marker `distributed`) must also be marked `e2e`.
+
+    `make test` runs on 2 pytest-xdist workers; `make test-e2e` runs its `distributed` tests afterwards, alone and
+    one after another (a 2-process launch beside another test runs about twice as slow, and two launches at once
+    would share accelerate's default port). A `distributed` test outside `e2e` would run in `make test` beside the
+    other worker, so collection refuses it.
     """
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if item.get_closest_marker("distributed") is not None:
-            item.add_marker(pytest.mark.xdist_group("two_process_launches"))
+    unmarked = [item.nodeid for item in items
+                if item.get_closest_marker("distributed") is not None and item.get_closest_marker("e2e") is None]
+    if unmarked:
+        raise pytest.UsageError(
+            f"{len(unmarked)} test(s) marked distributed but not e2e: {', '.join(unmarked[:5])}. A test that launches "
+            "2 processes must run alone, after the parallel tests: add @pytest.mark.e2e (make test-e2e runs it)."
+        )

@@ -115,41 +115,34 @@ def test_ci_runs_every_test():
     root = Path(__file__).resolve().parents[1]
     make = (root / "Makefile").read_text(encoding="utf-8")
     assert "test: install\n\t$(BIN)/python -m pytest -m \"not e2e\" $(PYTEST_PARALLEL)\n" in make
-    assert "test-e2e: install\n\t$(BIN)/python -m pytest -m e2e $(PYTEST_PARALLEL)\n" in make
+    # make test-e2e: its parallel half and its serial half (the 2-process launches), together exactly `e2e`.
+    e2e = make.split("test-e2e: install\n")[1].split("\n\n")[0]
+    assert re.findall(r'pytest -m "([^"]+)"', e2e) == ["e2e and not distributed", "e2e and distributed"]
+    assert e2e.count("|| status=1") == 2 and e2e.rstrip().endswith("exit $$status")
     ci = [line for line in (root / ".ci" / "run").read_text(encoding="utf-8").splitlines()
           if line.startswith("make ")]
     assert ci == ["make test", "make test-e2e", "make test-vllm"]
 
 
-def test_two_process_launches_share_one_xdist_worker(request):
-    """The suites run on 2 xdist workers (`--dist loadgroup`); tests conftest.py marks `distributed` (they launch 2
-    processes) all land in one group, so no two launches run at once; other tests stay ungrouped."""
-    import pytest
-
+def test_a_two_process_launch_outside_e2e_is_refused_at_collection(request):
+    """`make test` runs on 2 xdist workers, so a test that launches 2 processes (marker `distributed`) must be `e2e`
+    too, where `make test-e2e` runs it alone: conftest.py refuses the combination at collection, naming the test."""
     hook = next(p.pytest_collection_modifyitems for p in request.config.pluginmanager.get_plugins()
                 if str(getattr(p, "__file__", "")).endswith(str(Path("tests") / "conftest.py")))
 
     class Item:
-        def __init__(self, *marks):
-            self.own_markers = list(marks)
+        def __init__(self, nodeid, *marks):
+            self.nodeid, self.marks = nodeid, [m.mark for m in marks]
 
         def get_closest_marker(self, name):
-            return next((m for m in self.own_markers if m.name == name), None)
+            return next((m for m in self.marks if m.name == name), None)
 
-        def add_marker(self, mark):
-            self.own_markers.append(mark.mark)
-
-    class Config:
-        def __init__(self, xdist):
-            self.pluginmanager = type("PM", (), {"hasplugin": staticmethod(lambda name: xdist and name == "xdist")})()
-
-    launch, single, slow = Item(pytest.mark.distributed.mark), Item(), Item(pytest.mark.slow.mark)
-    hook(Config(xdist=True), [launch, single, slow])
-    assert [m.args for m in launch.own_markers if m.name == "xdist_group"] == [("two_process_launches",)]
-    assert single.get_closest_marker("xdist_group") is None and slow.get_closest_marker("xdist_group") is None
-    plain = Item(pytest.mark.distributed.mark)
-    hook(Config(xdist=False), [plain])  # pytest without xdist (e.g. `make test PYTEST_PARALLEL=`): no mark added
-    assert plain.get_closest_marker("xdist_group") is None
+    fine = [Item("a.py::launch", pytest.mark.distributed, pytest.mark.e2e), Item("a.py::one"),
+            Item("a.py::slow", pytest.mark.slow)]
+    hook(request.config, fine)
+    with pytest.raises(pytest.UsageError, match=r"1 test\(s\) marked distributed but not e2e: b.py::launch\. .*"
+                                                r"add @pytest.mark.e2e"):
+        hook(request.config, [*fine, Item("b.py::launch", pytest.mark.distributed, pytest.mark.slow)])
 
 
 def test_testing_doc_names_every_file_with_e2e_tests():
