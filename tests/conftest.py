@@ -57,7 +57,6 @@ def grpo_train_dataset(prepared_aokvqa_dir: Path):
     return ds.map(to_conversational)
 
 
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test that launches 2 processes (marker `distributed`) must also be marked `e2e`.
 
