@@ -263,6 +263,27 @@ def style_accuracy(runs: list[dict], arm: str, style: str) -> dict[str, list[flo
     return {"share": share, "accuracy": acc}
 
 
+def busy_time(runs: list[dict]) -> tuple[float, int]:
+    """The seconds in which at least one run was going (the union of the runs' [start, end] intervals) and the
+    number of sittings: stretches of that union separated by a gap of an hour or more. The span from the first start
+    to the last end would count the nights between sittings.
+
+    >>> busy_time([{"started_at": 0, "ended_at": 10}, {"started_at": 5, "ended_at": 20},
+    ...            {"started_at": 7220, "ended_at": 7230}])
+    (30, 2)
+    """
+    total, sittings, end = 0, 0, None
+    for lo, hi in sorted((r["started_at"], r["ended_at"]) for r in runs):
+        if end is None or lo > end:
+            sittings += end is None or lo - end >= 3600
+            total += hi - lo
+            end = hi
+        elif hi > end:
+            total += hi - end
+            end = hi
+    return total, sittings
+
+
 def plan_commit(results: Path) -> str | None:
     """The commit that added :data:`PLAN_END` to ``results`` (the plan commit), or None outside git or before it."""
     import subprocess
@@ -296,7 +317,7 @@ def report(runs: list[dict], results: Path, *, workers: int = 2, sims: int = 200
     plan = plan_commit(results)
     code = code_labels(runs)
     shas = Counter(r.get("warmup_sha256", "unknown")[:16] for r in runs)
-    minutes = ((max(r["ended_at"] for r in runs) - min(r["started_at"] for r in runs)) / 60 if runs else None)
+    busy, sittings = busy_time(runs)
     same = plan is not None and "," not in code and code.startswith(plan) and "dirty" not in code
     L = ["", "### Results", "",
          "Reproduce: `python -m benchmarks.tprl_look_or_guess experiment --work_dir DIR --warmup_sha256 "
@@ -309,7 +330,7 @@ def report(runs: list[dict], results: Path, *, workers: int = 2, sims: int = 200
          + (" (the runs ran from that clean commit: the plan was committed before any of them)" if same else
             " (not the runs' code: see the code versions)") + f"; {sum(counts.values())} runs ("
          + ", ".join(f"{x} {n}" for x, n in counts.items()) + f"), seeds {', '.join(map(str, seeds)) or '—'}"
-         + (f"; {minutes:.1f} min from the first start to the last end on {workers} workers" if minutes else "")
+         + (f"; {busy / 3600:.1f} h of the machine on {workers} workers, in {sittings} sitting(s)" if busy else "")
          + (f"; missing: {', '.join(missing)}" if missing else "; nothing was cut from the plan") + ".",
          "Warm-up weights sha256 (first 16 hex digits): " + ", ".join(f"`{k}` ({n} runs)" for k, n in shas.items())
          + f". Environment: {describe_environment([r.get('environment') or {} for r in runs])}.",
@@ -322,9 +343,11 @@ def report(runs: list[dict], results: Path, *, workers: int = 2, sims: int = 200
          f"`{s['perturbation']}`, attention segment `{s['attention_segment']}`; GRPO: loss `{s['loss_type']}`, "
          f"epsilon {s['epsilon']:g} / {s['epsilon_high']:g}, beta {s['beta']:g}, scale_rewards `{s['scale_rewards']}`, "
          f"{s['num_iterations']} iteration, mask_truncated_completions {s['mask_truncated_completions']}."]
-    walls = {x: [r["wall_seconds"] for r in runs if r["arm"] == x] for x in ARMS}
-    L.append("Wall time per run (mean over seeds): " + ", ".join(
-        f"{x} {statistics.fmean(v) / 60:.1f} min" for x, v in walls.items() if v) + ".")
+    cpus = {x: [r["cpu_seconds"] for r in runs if r["arm"] == x and r.get("cpu_seconds")] for x in ARMS}
+    if any(cpus.values()):
+        # CPU time, not wall time: a run's wall time also counts what else shared the machine and any pause
+        L.append("CPU time per run (mean over seeds): " + ", ".join(
+            f"{x} {statistics.fmean(v) / 60:.1f} min" for x, v in cpus.items() if v) + ".")
     L += ["", "Per arm (held-out test split at the last step; mean ± sd over seeds):", "",
           "| arm | runs | conflict accuracy | conflict accuracy at the midpoint | non-conflict accuracy | clean format "
           "| neither-style share | guess rate (conflict rows) | look rate |", "|---|---:|---|---|---|---|---|---|---|"]

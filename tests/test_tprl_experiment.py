@@ -63,7 +63,7 @@ def test_a_run_is_keyed_by_its_environment_and_warmup():
 def test_the_design_modules_doctests():
     from benchmarks import environment, tprl_runs
 
-    for module in (D, environment, tprl_runs):
+    for module in (D, environment, tprl_runs, R):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
 
@@ -152,8 +152,8 @@ def _records():
             runs.append({"arm": arm, "seed": 200 + i, "final": final, "mid": {"outcomes": {**final, "conflict": c - 0.1}},
                          "eval": {"sampled": sampled},
                          "steps": [{"rewards/long_look_rate/mean": 0.4 + 0.05 * k + shift[arm]} for k in range(4)],
-                         "settings": s, "warmup_sha256": "ab" * 32, "wall_seconds": 300.0, "started_at": 0.0,
-                         "ended_at": 600.0, "code": {"commit": "abcdef1234567890", "dirty": False},
+                         "settings": s, "warmup_sha256": "ab" * 32, "wall_seconds": 300.0, "cpu_seconds": 300.0,
+                         "started_at": 0.0, "ended_at": 600.0, "code": {"commit": "abcdef1234567890", "dirty": False},
                          "environment": {"float_path": "pinned", "torch_cpu_capability": "AVX2",
                                          "cpu": {"model": "AMD EPYC"}, "variables": {"MKL_CBWR": "COMPATIBLE"},
                                          "torch_threads": 1, "python": "3.11.7",
@@ -174,6 +174,8 @@ def test_the_report_from_hand_made_records(tmp_path):
     assert "| A | 0.40 | 0.45 | 0.50 | 0.55 |" in body  # the learning curve, one window per step here
     assert "| 215 |" in body  # per seed
     assert "Power (simulated" in body
+    # every hand-made run spans [0, 600] s and used 300 CPU seconds
+    assert "0.2 h of the machine on 2 workers, in 1 sitting(s)" in body and "A 5.0 min" in body
     # what the neither-style chains answer (descriptive): share 10/40, accuracy per arm
     assert "| A | 0.500 ± 0.000 | 0.900 ± 0.000 | 0.250 ± 0.000 | 0.100 ± 0.000 | 0.250 ± 0.000 | 0.800 ± 0.000 |" \
         in body
