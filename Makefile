@@ -23,7 +23,8 @@ DEMO_DIR ?= demo_run
 # matmuls), so a second worker nearly halves their wall time on 2 cores. The tests that launch 2 processes (marker
 # `distributed`, all of them also `e2e`: tests/conftest.py refuses one that is not) run afterwards, alone and one
 # after another: a 2-process launch shares its 2 cores badly (the demo took 1070 s beside the other worker, 586 s
-# alone, timed with /usr/bin/time), and two at once would share accelerate's default port. `make test PYTEST_PARALLEL=` runs serially.
+# alone, timed with /usr/bin/time), and two at once would share accelerate's default port.
+# `make test PYTEST_PARALLEL=` runs serially.
 PYTEST_PARALLEL ?= -n 2
 
 .PHONY: install test test-e2e test-fast test-vllm demo lint clean

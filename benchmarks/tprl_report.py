@@ -268,9 +268,11 @@ def busy_time(runs: list[dict]) -> tuple[float, int]:
     number of sittings: stretches of that union separated by a gap of an hour or more. The span from the first start
     to the last end would count the nights between sittings.
 
+    A gap of two minutes stays in the sitting but is not busy time; one of two hours starts another sitting:
+
     >>> busy_time([{"started_at": 0, "ended_at": 10}, {"started_at": 5, "ended_at": 20},
-    ...            {"started_at": 7220, "ended_at": 7230}])
-    (30, 2)
+    ...            {"started_at": 140, "ended_at": 150}, {"started_at": 7350, "ended_at": 7360}])
+    (40, 2)
     """
     total, sittings, end = 0, 0, None
     for lo, hi in sorted((r["started_at"], r["ended_at"]) for r in runs):

@@ -3,8 +3,9 @@
 Runs ``examples/demo.sh`` exactly as ``make demo`` does (warm-up, data, prep, 200 GRPO steps with 2 processes
 under ZeRO-3 on CPU, held-out score, profile): 686 s on the 2-core machine of RESULTS.md's Demo record, less than
 half that on a faster one. The figures the README quotes for the demo come from this script (recorded by
-benchmarks/demo.py in benchmarks/RESULTS.md); this test holds it to what the README promises with margins (accuracy after GRPO well above the warm-up's, the reward trend rising), not to the
-exact figures, which depend on the thread count.
+benchmarks/demo.py in benchmarks/RESULTS.md); this test holds it to what the README promises with margins (accuracy
+after GRPO well above the warm-up's, the reward trend rising), not to the exact figures, which depend on the thread
+count.
 """
 
 from __future__ import annotations
