@@ -460,10 +460,13 @@ def test_vllm_modes_this_machine_cannot_run(mode, installed, cuda, expected):
     assert vllm_problem(False, mode, installed, cuda) is None
 
 
-def test_describe_outputs_lists_what_the_run_wrote(tmp_path):
+def test_describe_outputs_lists_what_the_run_wrote(tmp_path, monkeypatch):
     import time
     from types import SimpleNamespace
 
+    # The default log folder is shared by the session's tests, and a parallel worker may write attention maps
+    # there during this test (seen in CI: "1 PNG files" became two folders); this run's default folder is empty.
+    monkeypatch.setenv("TRL_MDI_LOG_DIR", str(tmp_path / "default_logs"))
     start = time.time() - 1
     out, logs = tmp_path / "out", tmp_path / "logs"
     for path in (out / "checkpoint-10" / "trainer_state.json", out / "checkpoint-2" / "trainer_state.json",
