@@ -122,6 +122,11 @@ def test_ci_runs_every_test():
     ci = [line for line in (root / ".ci" / "run").read_text(encoding="utf-8").splitlines()
           if line.startswith("make ")]
     assert ci == ["make test", "make test-e2e", "make test-vllm"]
+    # The vLLM environment builds in the background from the start: the target is the one `make test-vllm` needs.
+    stamp = re.search(r"^VLLM_STAMP := \$\(VLLM_VENV\)(/\S+)$", make, re.M).group(1)
+    venv = re.search(r"^VLLM_VENV  := (\S+)$", make, re.M).group(1)
+    assert f"setsid make {venv}{stamp} > " in (root / ".ci" / "run").read_text(encoding="utf-8")
+    assert "test-vllm: $(VLLM_STAMP)\n" in make
 
 
 def test_a_two_process_launch_outside_e2e_is_refused_at_collection(request):
