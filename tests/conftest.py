@@ -14,6 +14,20 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def own_log_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test gets an empty default log folder (``TRL_MDI_LOG_DIR``) of its own, inherited by what it launches.
+
+    A trainer built without log paths names its logs by the second it started, so two tests' trainers (one on each
+    xdist worker, or two in a row on one) may pick the same file and read each other's lines; a test that lists the
+    folder (``describe_outputs``) would count another test's files. Seen in CI: a worker's attention maps landed in
+    the folder while the other worker's test counted PNG files. Module- and session-scoped fixtures are set up
+    before this one and keep the session-wide folder set above."""
+    folder = tmp_path_factory.mktemp("training_logs")
+    monkeypatch.setenv("TRL_MDI_LOG_DIR", str(folder))
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Factory: `tiny_vlm_dir(arch, **kwargs)` -> folder holding a saved tiny VLM (model + processor).

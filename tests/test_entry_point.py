@@ -460,13 +460,10 @@ def test_vllm_modes_this_machine_cannot_run(mode, installed, cuda, expected):
     assert vllm_problem(False, mode, installed, cuda) is None
 
 
-def test_describe_outputs_lists_what_the_run_wrote(tmp_path, monkeypatch):
+def test_describe_outputs_lists_what_the_run_wrote(tmp_path):
     import time
     from types import SimpleNamespace
 
-    # The default log folder is shared by the session's tests, and a parallel worker may write attention maps
-    # there during this test (seen in CI: "1 PNG files" became two folders); this run's default folder is empty.
-    monkeypatch.setenv("TRL_MDI_LOG_DIR", str(tmp_path / "default_logs"))
     start = time.time() - 1
     out, logs = tmp_path / "out", tmp_path / "logs"
     for path in (out / "checkpoint-10" / "trainer_state.json", out / "checkpoint-2" / "trainer_state.json",
@@ -479,6 +476,14 @@ def test_describe_outputs_lists_what_the_run_wrote(tmp_path, monkeypatch):
     assert f"metrics (log_history):   {out / 'checkpoint-10' / 'trainer_state.json'}" in text
     assert str(logs / "r.md") in text and str(logs / "a.md") in text and "README.md" not in text
     assert f"1 PNG files in {logs / 'a_maps'}" in text
+
+
+def test_each_test_has_an_empty_default_log_folder_of_its_own(tmp_path_factory):
+    """tests/conftest.py's autouse ``own_log_dir``: the default log folder is this test's own and empty, not the
+    session-wide one (a temporary folder outside pytest's) that every test would otherwise share."""
+    folder = Path(os.environ["TRL_MDI_LOG_DIR"])
+    assert folder.is_relative_to(tmp_path_factory.getbasetemp()) and folder.name.startswith("training_logs")
+    assert folder.is_dir() and not any(folder.iterdir())
 
 
 def test_describe_outputs_finds_logs_in_the_default_folder(tmp_path, monkeypatch):

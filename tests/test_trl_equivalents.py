@@ -184,11 +184,9 @@ def text_data():
                               "label_idx": [i % 4 for i in range(len(prompts))]})
 
 
-def test_text_only_causal_lm_with_a_reward_model_id(text_models, text_data, tmp_path, caplog, monkeypatch):
+def test_text_only_causal_lm_with_a_reward_model_id(text_models, text_data, tmp_path, caplog):
     """TRL's test_training: a causal LM, a plain GRPOConfig and a sequence-classification model id as the reward."""
     policy, reward_model = text_models
-    # Its own log folder: default log names carry the start second, which another test's run may share.
-    monkeypatch.setenv("TRL_MDI_LOG_DIR", str(tmp_path / "logs"))
     with caplog.at_level(logging.WARNING, logger="trl_mdi.run_plan"):
         trainer = MDIGRPOTrainer(model=str(policy), reward_funcs=str(reward_model),
                                  args=grpo_args(tmp_path), train_dataset=text_data)
